@@ -1,0 +1,29 @@
+# Two commands from a clean clone: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test test-all train bench-comm clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[dev,hf]' 'torch==2.13.0'  # the CPU build: an unpinned torch pulls GBs of CUDA
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The CI suite: everything except tests marked slow (and gpu tests, which skip on CPU).
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" -q
+
+# Everything, slow tests included.
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+bench-comm: $(STAMP)
+	$(PY) -m benchmarks.comm_volume --json benchmarks/results/comm_volume.json
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: environment header, timing, table and JSON output."""
+
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+
+
+def environment() -> dict:
+  """Device, versions and the exact command, recorded with every result."""
+  import flax
+  import jaxlib
+  device = jax.devices()[0]
+  return {
+      "device": getattr(device, "device_kind", str(device)),
+      "platform": device.platform,
+      "device_count": jax.device_count(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "flax": flax.__version__,
+      "python": platform.python_version(),
+      "command": " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1]] + sys.argv),
+  }
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
+  """Median and spread of wall time of ``fn(*args)``, blocking on its outputs each call."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+          "iters": iters}
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+  """Prints ``rows`` as a fixed-width text table with the given column order."""
+  def fmt(value):
+    if isinstance(value, float):
+      return f"{value:.4g}"
+    return str(value)
+  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+  for row in cells:
+    print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str, rows: list[dict], **extra) -> None:
+  """Writes ``{"environment": ..., "rows": rows, **extra}`` to ``path``."""
+  with open(path, "w") as f:
+    json.dump({"environment": environment(), "rows": rows, **extra}, f, indent=2)
+  print(f"wrote {path}")

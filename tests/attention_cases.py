@@ -1,0 +1,65 @@
+"""Shared helpers for attention tests: random inputs and comparison with the dense oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ulysses_jax import make_mesh
+from ulysses_jax.attention.reference import dense_attention
+
+F32_TOL = 1e-5   # relative L2 error, float32 inputs
+BF16_TOL = 2e-2  # relative L2 error, bfloat16 inputs
+
+
+def mesh_of(data, seq):
+  return make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
+
+
+def random_inputs(seed, batch, seq_len, q_heads, kv_heads, head_dim, *, dtype=jnp.float32,
+                  num_segments=0):
+  """Random q, k, v, a random output cotangent and (optionally) packed segment ids.
+
+  Segment ids are sorted random document ids, so documents have random lengths and cross
+  shard boundaries wherever they happen to fall.
+  """
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(keys[0], (batch, seq_len, q_heads, head_dim), dtype)
+  k = jax.random.normal(keys[1], (batch, seq_len, kv_heads, head_dim), dtype)
+  v = jax.random.normal(keys[2], (batch, seq_len, kv_heads, head_dim), dtype)
+  d_out = jax.random.normal(keys[3], q.shape, dtype)
+  segment_ids = None
+  if num_segments:
+    segment_ids = jnp.sort(jax.random.randint(keys[4], (batch, seq_len), 0, num_segments), axis=1)
+  return q, k, v, d_out, segment_ids
+
+
+def relative_error(actual, expected):
+  """||actual - expected|| / ||expected||, with ||expected|| floored at 1.
+
+  The floor matters only when the reference is (nearly) zero, e.g. dq of a query that sees a
+  single key; there the error is measured in absolute terms.
+  """
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1.0))
+
+
+def output_and_grads(attention_fn, q, k, v, d_out):
+  """Forward output and (dq, dk, dv) for the cotangent ``d_out``, in one compiled program."""
+  def run(q, k, v, d_out):
+    out, vjp = jax.vjp(attention_fn, q, k, v)
+    return (out, *vjp(d_out))
+  return jax.jit(run)(q, k, v, d_out)
+
+
+def assert_matches_reference(attention_fn, q, k, v, d_out, *, causal, segment_ids, tol):
+  """Compares forward and dq/dk/dv of ``attention_fn(q, k, v)`` with ``dense_attention``."""
+  reference = lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                              kv_segment_ids=segment_ids)
+  upcast = lambda x: x.astype(jnp.float32)
+  expected = output_and_grads(reference, upcast(q), upcast(k), upcast(v), upcast(d_out))
+  actual = output_and_grads(attention_fn, q, k, v, d_out)
+  for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{name} has non-finite values"
+    err = relative_error(a, e)
+    assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"

@@ -1,0 +1,24 @@
+"""Test setup: 8 virtual CPU devices, set before JAX is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """GPU tests skip (never pass) unless a GPU backend is present."""
+  try:
+    has_gpu = bool(jax.devices("gpu"))
+  except RuntimeError:
+    has_gpu = False
+  skip = pytest.mark.skip(reason="needs a CUDA GPU: on a GPU machine run with JAX_PLATFORMS=cuda,cpu")
+  for item in items:
+    if "gpu" in item.keywords and not has_gpu:
+      item.add_marker(skip)

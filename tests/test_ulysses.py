@@ -1,0 +1,179 @@
+"""Ulysses attention against the dense single-device oracle, on 8 CPU devices."""
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
+                             random_inputs)
+from ulysses_jax import hlo, ulysses_attention
+from ulysses_jax.attention import ulysses
+from ulysses_jax.attention.baselines import allgather_kv_attention
+from ulysses_jax.mesh import DATA, SEQ
+
+# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments
+CASES = [
+    ((1, 8), (1, 64, 8, 8, 16), True, 0),      # MHA, Hq == P
+    ((1, 8), (1, 48, 16, 8, 8), False, 3),     # GQA, Hkv % P == 0, packed
+    ((1, 8), (1, 40, 8, 2, 8), True, 4),       # GQA, P % Hkv == 0: KV replicated
+    ((1, 8), (2, 24, 6, 3, 8), True, 0),       # neither divides, Hq % P != 0: padded
+    ((2, 4), (2, 64, 8, 1, 8), True, 3),       # MQA
+    ((2, 4), (2, 37, 6, 2, 8), True, 5),       # S % P != 0, Hq % P != 0, packed
+    ((2, 4), (2, 36, 12, 6, 8), False, 4),     # Hkv % P != 0 but Hq % P == 0: repeat by 2
+    ((4, 2), (4, 30, 3, 3, 8), False, 0),      # MHA, odd heads, not causal
+    ((4, 2), (4, 21, 4, 2, 16), True, 2),      # S odd
+    ((8, 1), (8, 16, 4, 2, 8), True, 2),       # pure data parallel
+    ((1, 2), (1, 33, 5, 1, 8), False, 3),      # two devices only, MQA, odd everything
+]
+
+
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", CASES)
+def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments):
+  mesh = mesh_of(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                         segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", CASES[2:7:2])
+def test_matches_dense_reference_bfloat16(mesh_shape, shape, causal, num_segments):
+  mesh = mesh_of(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(1, *shape, dtype=jnp.bfloat16,
+                                              num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                         segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", [CASES[1], CASES[5]])
+def test_allgather_baseline_matches_dense_reference(mesh_shape, shape, causal, num_segments):
+  mesh = mesh_of(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(2, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: allgather_kv_attention(q, k, v, mesh=mesh, causal=causal,
+                                              segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+# Shrinking recompiles for every candidate; a failure prints its full example instead.
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
+                     phases=(hypothesis.Phase.explicit, hypothesis.Phase.generate))
+@hypothesis.given(
+    mesh_shape=st.sampled_from([(1, 8), (2, 4), (4, 2), (1, 2)]),
+    batch_per_shard=st.integers(1, 2), seq_len=st.integers(1, 40),
+    kv_heads=st.integers(1, 5), groups=st.integers(1, 3),
+    causal=st.booleans(), num_segments=st.integers(0, 4))
+def test_random_configurations(mesh_shape, batch_per_shard, seq_len, kv_heads, groups, causal,
+                               num_segments):
+  mesh = mesh_of(*mesh_shape)
+  shape = (mesh_shape[0] * batch_per_shard, seq_len, kv_heads * groups, kv_heads, 8)
+  q, k, v, d_out, segment_ids = random_inputs(seq_len, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                         segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+def _rank_coded(shape):
+  """Every element encodes its own (batch, seq, head, dim) index, so misplacement shows."""
+  return jnp.asarray(np.arange(np.prod(shape), dtype=np.float32).reshape(shape))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_all_to_all_pair_is_exact_round_trip(mesh_shape):
+  mesh = mesh_of(*mesh_shape)
+  x = _rank_coded((2, 16, 8, 3))
+  seq_sharded, head_sharded = P(DATA, SEQ, None, None), P(DATA, None, SEQ, None)
+  to_heads = jax.shard_map(ulysses.seq_to_heads, mesh=mesh, in_specs=seq_sharded,
+                           out_specs=head_sharded)
+  to_seq = jax.shard_map(ulysses.heads_to_seq, mesh=mesh, in_specs=head_sharded,
+                         out_specs=seq_sharded)
+  heads = jax.jit(to_heads)(x)
+  # Globally the array is unchanged: each device now holds all S tokens of H/P heads.
+  np.testing.assert_array_equal(heads, x)
+  local = heads.addressable_shards[0].data
+  assert local.shape == (2 // mesh_shape[0], 16, 8 // mesh_shape[1], 3)
+  np.testing.assert_array_equal(jax.jit(to_seq)(heads), x)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,shards", [
+    (32, 8, 8), (32, 8, 16), (6, 3, 8), (6, 6, 4), (12, 6, 4), (1, 1, 8), (28, 4, 8)])
+def test_head_plan_divides_and_keeps_groups(q_heads, kv_heads, shards):
+  plan = ulysses.plan_heads(q_heads, kv_heads, shards)
+  assert plan.exchanged_q_heads % shards == 0 and plan.exchanged_kv_heads % shards == 0
+  assert plan.padded_groups % plan.kv_repeat == 0
+  assert plan.exchanged_q_heads >= q_heads
+
+
+def test_head_plan_prefers_replication_over_padding():
+  assert ulysses.plan_heads(32, 8, 8) == ulysses.HeadPlan(8, 4, 8, 4, 1)   # as is
+  assert ulysses.plan_heads(32, 8, 16) == ulysses.HeadPlan(8, 4, 8, 4, 2)  # KV x2, no padding
+  assert ulysses.plan_heads(12, 6, 4) == ulysses.HeadPlan(6, 2, 6, 2, 2)   # KV x2, no padding
+  assert ulysses.plan_heads(6, 6, 4).exchanged_q_heads == 8                # MHA: 2 zero heads
+
+
+def test_sharded_inputs_give_sharded_output_and_no_recompile():
+  mesh = mesh_of(2, 4)
+  q, k, v, _, segment_ids = random_inputs(3, 2, 32, 8, 4, 8, num_segments=3)
+  sharding = NamedSharding(mesh, P(DATA, SEQ, None, None))
+  q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+  out = ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids)
+  assert out.sharding.is_equivalent_to(sharding, 4)
+  compiled = ulysses._ulysses_attention._cache_size()
+  out2 = ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids)
+  assert ulysses._ulysses_attention._cache_size() == compiled
+  np.testing.assert_array_equal(out, out2)
+  under_jit = jax.jit(lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh,
+                                                        segment_ids=segment_ids))(q, k, v)
+  np.testing.assert_allclose(under_jit, out, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
+  mesh = mesh_of(1, 8)
+  q, k, v, _, segment_ids = random_inputs(4, 1, 64, 8, 8, 16, num_segments=2)
+  fn = jax.jit(lambda q, k, v, s: ulysses_attention(q, k, v, mesh=mesh, segment_ids=s))
+  found = hlo.collectives(fn.lower(q, k, v, segment_ids).compile().as_text())
+  local_qkv_bytes = 1 * 64 * 8 * 16 * 4 // 8
+  all_to_all = [nbytes for op, _, nbytes in found if op == "all-to-all"]
+  assert sum(all_to_all) == 4 * local_qkv_bytes, found  # q, k, v in; out back
+  # The only gather allowed is of the [B, S] int32 segment ids, never of [B, S, H, D] tensors.
+  assert [shape.split("{")[0] for op, shape, _ in found if op == "all-gather"] == ["s32[1,64]"], found
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(q_shape=(2, 16, 4)), r"q must have rank 4"),
+    (dict(k_shape=(2, 16, 3, 8)), r"query heads \(4\) must be a multiple of key/value heads \(3\)"),
+    (dict(k_shape=(2, 16, 2, 4)), r"must match q's \(2, 16, _, 8\)"),
+    (dict(v_shape=(2, 16, 1, 8)), r"k and v must have the same shape"),
+    (dict(dtype_k=jnp.bfloat16), r"q, k, v must share one dtype"),
+    (dict(q_dtype=jnp.int32), r"q must be a floating dtype"),
+    (dict(segment_shape=(2, 15)), r"segment_ids must have shape \[batch, seq\] = \(2, 16\)"),
+    (dict(segment_dtype=jnp.float32), r"segment_ids must be integers"),
+    (dict(q_shape=(3, 16, 4, 8), k_shape=(3, 16, 2, 8)), r"batch \(3\) must be divisible by "
+     r"the mesh's data axis \(2\)"),
+    (dict(backend="flash"), r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn'\)"),
+    (dict(backend="cudnn"), r"backend='cudnn' needs a CUDA GPU"),
+    (dict(scale=-1.0), r"scale must be a positive number"),
+    (dict(mesh="bad"), r"mesh must be a jax.sharding.Mesh"),
+    (dict(mesh="no_seq"), r"lack \['seq'\]"),
+])
+def test_bad_input_errors(kwargs, message):
+  q_shape = kwargs.get("q_shape", (2, 16, 4, 8))
+  k_shape = kwargs.get("k_shape", (2, 16, 2, 8))
+  q = jnp.zeros(q_shape, kwargs.get("q_dtype", jnp.float32))
+  k = jnp.zeros(k_shape, kwargs.get("dtype_k", jnp.float32))
+  v = jnp.zeros(kwargs.get("v_shape", k_shape), jnp.float32)
+  segment_ids = jnp.zeros(kwargs.get("segment_shape", q_shape[:2]),
+                          kwargs.get("segment_dtype", jnp.int32))
+  mesh = {"bad": "bad", "no_seq": jax.make_mesh((8,), ("data",))}.get(kwargs.get("mesh"),
+                                                                       mesh_of(2, 4))
+  with pytest.raises(ValueError, match=message):
+    ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                      backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"))

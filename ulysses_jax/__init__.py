@@ -1,0 +1,11 @@
+"""ulysses_jax: Ulysses sequence parallelism for JAX.
+
+Public names (stable; see DESIGN.md):
+  make_mesh          a ("data", "seq") device mesh
+  ulysses_attention  exact attention over a sequence sharded on the "seq" axis
+"""
+
+from ulysses_jax.attention.ulysses import ulysses_attention
+from ulysses_jax.mesh import make_mesh
+
+__all__ = ["make_mesh", "ulysses_attention"]

@@ -23,8 +23,15 @@ def environment() -> dict:
       "jaxlib": jaxlib.__version__,
       "flax": flax.__version__,
       "python": platform.python_version(),
-      "command": " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1]] + sys.argv),
+      "command": command_line(),
   }
+
+
+def command_line() -> str:
+  """How this process was started, as ``python -m module args`` when run as a module."""
+  main_spec = getattr(sys.modules["__main__"], "__spec__", None)
+  program = ["-m", main_spec.name] if main_spec else [sys.argv[0]]
+  return " ".join(shlex.quote(a) for a in ["python", *program, *sys.argv[1:]])
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:

@@ -3,7 +3,8 @@
 Used by tests (which collectives a program contains) and by ``benchmarks/comm_volume.py``
 (how many bytes each device moves). Backends may split one collective into a tuple of
 pieces (the CPU compiler turns a P-way all-to-all into P operands); the bytes of all pieces
-are summed.
+are summed. Collectives over single-device groups move nothing and are left out. Note that
+the CPU compiler also widens bfloat16 collectives to float32; GPU compilers do not.
 """
 
 import re
@@ -15,6 +16,8 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, 
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
+_LISTED_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]<=")
 
 
 def array_bytes(shape_text: str) -> int:
@@ -28,12 +31,21 @@ def array_bytes(shape_text: str) -> int:
   return total
 
 
+def _group_size(line: str) -> int | None:
+  """Devices per replica group of a collective instruction, None if the line doesn't say."""
+  listed = _LISTED_GROUPS.search(line)
+  if listed:
+    return max(len(group.split(",")) for group in re.findall(r"\{([0-9,]*)\}", listed[1]))
+  iota = _IOTA_GROUPS.search(line)
+  return int(iota[1]) if iota else None
+
+
 def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   """``(op, result shape text, result bytes)`` for each collective instruction, per device."""
   found = []
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
-    if match:
+    if match and _group_size(line) != 1:
       found.append((match["op"], match["shape"], array_bytes(match["shape"])))
   return found
 

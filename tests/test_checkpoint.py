@@ -1,0 +1,172 @@
+"""Tests for ulysses_jax.checkpoint: save policy, resharding restore, fallback, stop signals."""
+
+import logging
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from ulysses_jax import checkpoint
+from ulysses_jax.mesh import DATA, SEQ, make_mesh
+
+SPECS = {"embed": P((DATA, SEQ), None), "dense": P(None, (DATA, SEQ)), "norm": P()}
+
+
+def _params(mesh):
+  values = {"embed": jnp.arange(16 * 8.).reshape(16, 8),
+            "dense": -jnp.arange(8 * 24.).reshape(8, 24), "norm": jnp.linspace(0, 1, 8)}
+  return {k: jax.device_put(v, NamedSharding(mesh, SPECS[k])) for k, v in values.items()}
+
+
+def _state(mesh, step=0):
+  params = _params(mesh)
+  opt_state = optax.adam(1e-3).init(params)
+  return {"params": params, "opt_state": opt_state, "step": jnp.array(step, jnp.int32),
+          "rng": jax.random.key(step)}
+
+
+def _abstract(state, sharding_for):
+  """The abstract target: shapes and dtypes of ``state``, shardings from ``sharding_for``."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(path, x)),
+      state)
+
+
+def _mesh_shardings(mesh):
+  """Parameters (and their Adam moments) sharded as SPECS on ``mesh``; the rest replicated."""
+  def sharding_for(path, x):
+    name = next((k.key for k in path if getattr(k, "key", None) in SPECS), None)
+    spec = SPECS[name] if name and x.ndim else P()
+    return NamedSharding(mesh, spec)
+  return sharding_for
+
+
+def _assert_same(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if jnp.issubdtype(w.dtype, jax.dtypes.prng_key):
+      g, w = jax.random.key_data(g), jax.random.key_data(w)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_save_policy_keep_and_resume(tmp_path):
+  mesh = make_mesh(data=2, seq=4)
+  config = checkpoint.CheckpointConfig(save_every=2, keep=2)
+  with checkpoint.Checkpointer(tmp_path / "ckpt", config) as ckpt:
+    assert ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh))) is None
+    saved = [s for s in range(1, 8) if ckpt.save(s, _state(mesh, s), {"next_row": 10 * s})]
+    assert saved == [2, 4, 6]
+    assert ckpt.save(7, _state(mesh, 7), {"next_row": 70}, force=True)  # the final save
+    assert not ckpt.save(7, _state(mesh, 7), {"next_row": 70}, force=True)  # already saved
+    ckpt.wait()
+    assert ckpt.all_steps() == [6, 7]
+  # A new process on the same directory resumes from the newest.
+  with checkpoint.Checkpointer(tmp_path / "ckpt", config) as ckpt:
+    restored = ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh)))
+  assert restored.step == 7 and restored.data_state == {"next_row": 70}
+  _assert_same(restored.state, _state(mesh, 7))
+  assert isinstance(restored.state["opt_state"][0], optax.ScaleByAdamState)
+
+
+def test_async_save_owns_its_copy(tmp_path):
+  mesh = make_mesh(data=2, seq=4)
+  state = _state(mesh, 3)
+  expected = jax.tree.map(np.asarray, jax.tree.map(
+      lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+      state))
+  with checkpoint.Checkpointer(tmp_path, checkpoint.CheckpointConfig(async_save=True)) as ckpt:
+    assert ckpt.save(3, state, {}, force=True)
+    jax.tree.map(lambda x: x.delete(), state["params"])  # as if donated to the next step
+    ckpt.wait()
+    restored = ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh)))
+  _assert_same(restored.state["params"], expected["params"])
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1), "single"])
+def test_restore_reshards(tmp_path, shape):
+  saved_on = make_mesh(data=2, seq=4)
+  state = _state(saved_on, 5)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(5, state, {"next_row": 1}, force=True)
+  if shape == "single":
+    device = jax.devices()[0]
+    sharding_for = lambda path, x: SingleDeviceSharding(device)
+  else:
+    sharding_for = _mesh_shardings(make_mesh(*shape))
+  target = _abstract(state, sharding_for)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(target)
+  _assert_same(restored.state, state)
+  for got, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(target)):
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+
+
+def _damage(step_dir):
+  """Overwrites every array data file of a checkpoint with garbage (a torn write)."""
+  files = [os.path.join(d, f) for d, _, fs in os.walk(step_dir / "state") for f in fs
+           if os.sep + "d" + os.sep in os.path.join(d, f)]
+  assert files
+  for f in files:
+    with open(f, "wb") as out:
+      out.write(b"not a checkpoint")
+
+
+def test_damaged_newest_falls_back(tmp_path, caplog):
+  mesh = make_mesh(data=2, seq=4)
+  target = _abstract(_state(mesh), _mesh_shardings(mesh))
+  config = checkpoint.CheckpointConfig(save_every=1, keep=3)
+  with checkpoint.Checkpointer(tmp_path, config) as ckpt:
+    for s in (1, 2):
+      ckpt.save(s, _state(mesh, s), {"next_row": s})
+  _damage(tmp_path / "2")
+  # A half-written step 3 (killed before orbax's final rename) is not a checkpoint at all.
+  os.makedirs(tmp_path / "3.orbax-checkpoint-tmp-1234" / "state")
+  with caplog.at_level(logging.WARNING), checkpoint.Checkpointer(tmp_path, config) as ckpt:
+    assert ckpt.all_steps() == [1, 2]
+    restored = ckpt.restore(target)
+    assert restored.step == 1 and restored.data_state == {"next_row": 1}
+    _assert_same(restored.state, _state(mesh, 1))
+    assert f"checkpoint {tmp_path / '2'} failed to restore" in caplog.text
+    assert ckpt.all_steps() == [1]  # the damaged one is set aside, so step 2 saves again
+    assert [p for p in os.listdir(tmp_path) if p.startswith("2.damaged-")]
+    assert ckpt.save(2, _state(mesh, 2), {"next_row": 2})
+    ckpt.wait()
+    assert ckpt.restore(target).step == 2
+  assert not os.path.exists(tmp_path / "3.orbax-checkpoint-tmp-1234")  # cleaned up
+
+
+def test_nothing_restores_is_an_error(tmp_path):
+  mesh = make_mesh(data=2, seq=4)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, _state(mesh, 1), {}, force=True)
+  one_device = SingleDeviceSharding(jax.devices()[0])
+  wrong = _abstract({"params": {"other": jnp.zeros(3)}}, lambda path, x: one_device)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(RuntimeError, match=r"no checkpoint in .* restores into the given state"):
+      ckpt.restore(wrong)
+    assert ckpt.all_steps() == [1]  # nothing moved: the target was what was wrong
+
+
+def test_bad_config_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="save_every and keep must be >= 1"):
+    checkpoint.Checkpointer(tmp_path, checkpoint.CheckpointConfig(keep=0))
+
+
+def test_stop_request_on_signals():
+  seen = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+  try:
+    with checkpoint.StopRequest() as stop:
+      assert not stop.should_stop()
+      os.kill(os.getpid(), signal.SIGTERM)
+      assert stop.should_stop() and stop.signum == signal.SIGTERM
+      assert not seen  # the first signal only sets the flag
+      os.kill(os.getpid(), signal.SIGTERM)  # a second one goes to the previous handler
+      assert seen == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,195 @@
+"""Where training text comes from: tokenizers, source files and the train/eval split.
+
+A corpus is a list of documents, each a slice of a 1-D token array (token files stay
+memory-mapped). ``data.py`` packs corpora into rows.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+from collections.abc import Sequence
+
+import numpy as np
+
+TOKEN_DTYPES = ("uint16", "uint32")
+SPLIT_SEED = 20250101  # fixes the train/eval split independently of the training seed
+SCAN_CHUNK = 1 << 24
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+  """UTF-8 bytes as ids 0..255; lossless for any file."""
+  vocab_size = 256
+
+  def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+    return [np.frombuffer(d, np.uint8) for d in docs]
+
+  def decode(self, ids) -> str:
+    return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+  """A local Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
+
+  def __init__(self, path: str):
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"tokenizer file not found: {path!r} (give 'byte' or the path "
+                              "of a Hugging Face tokenizer.json)")
+    try:
+      import tokenizers  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError("a tokenizer.json needs the `tokenizers` package: "
+                        "pip install tokenizers") from e
+    self._tok = tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size()
+
+  def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+    texts = [d.decode("utf-8", errors="replace") for d in docs]
+    return [np.asarray(e.ids, np.uint32)
+            for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids])
+
+
+def make_tokenizer(name: str = "byte") -> ByteTokenizer | HFTokenizer:
+  return ByteTokenizer() if name == "byte" else HFTokenizer(name)
+
+
+# ----------------------------------------------------------------------------- sources
+
+@dataclasses.dataclass
+class Corpus:
+  """Documents as (array, start, length) over a list of 1-D token arrays (maybe memmaps)."""
+  arrays: list[np.ndarray]
+  doc_array: np.ndarray  # int64 [n]
+  doc_start: np.ndarray  # int64 [n]
+  doc_len: np.ndarray  # int64 [n]
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.doc_len.sum())
+
+  def take(self, idx) -> "Corpus":
+    return Corpus(self.arrays, self.doc_array[idx], self.doc_start[idx], self.doc_len[idx])
+
+
+def concat(parts: Sequence[Corpus]) -> Corpus:
+  return Corpus(parts[0].arrays, *(np.concatenate([getattr(p, f) for p in parts])
+                                    for f in ("doc_array", "doc_start", "doc_len")))
+
+
+def resolve_paths(paths: str | Sequence[str]) -> list[str]:
+  """Expands globs; every entry must name at least one existing file."""
+  files = []
+  for pattern in [paths] if isinstance(paths, str) else paths:
+    if glob.has_magic(pattern):
+      found = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
+      if not found:
+        raise FileNotFoundError(f"data pattern {pattern!r} matched no files")
+      files += found
+    elif os.path.isdir(pattern):
+      raise IsADirectoryError(f"data path {pattern!r} is a directory; give files or a glob "
+                              f"such as {os.path.join(pattern, '**', '*.txt')!r}")
+    elif not os.path.isfile(pattern):
+      raise FileNotFoundError(f"data file not found: {pattern!r}")
+    else:
+      files.append(pattern)
+  if not files:
+    raise ValueError("source='files' needs DataConfig.paths (files or globs)")
+  return list(dict.fromkeys(files))
+
+
+def stdlib_files() -> list[str]:
+  root = sysconfig.get_paths()["stdlib"]
+  return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                if "site-packages" not in os.path.relpath(f, root).split(os.sep))
+
+
+def read_docs(path: str) -> list[bytes]:
+  """One document per plain-text file, one per line of a ``.jsonl`` (its ``text`` field)."""
+  if not path.endswith(".jsonl"):
+    with open(path, "rb") as f:
+      return [f.read()]
+  docs = []
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if line.strip():
+        try:
+          text = json.loads(line).get("text")
+        except (json.JSONDecodeError, AttributeError) as e:
+          raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
+        if not isinstance(text, str):
+          raise ValueError(f"{path}:{lineno}: JSONL record has no string 'text' field")
+        docs.append(text.encode("utf-8"))
+  return docs
+
+
+def text_corpus(files: Sequence[str], tokenizer) -> Corpus:
+  docs = [t for f in files for t in tokenizer.encode_batch(read_docs(f)) if t.size]
+  lengths = np.array([len(t) for t in docs], np.int64)
+  tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
+  starts = np.cumsum(lengths) - lengths
+  return Corpus([tokens], np.zeros(len(docs), np.int64), starts, lengths)
+
+
+def load_token_file(path: str, dtype: str) -> np.ndarray:
+  if path.endswith(".npy"):
+    arr = np.load(path, mmap_mode="r")
+    if arr.ndim != 1 or arr.dtype.name not in TOKEN_DTYPES:
+      raise ValueError(f"token file {path}: need a 1-D array of {'/'.join(TOKEN_DTYPES)}, got "
+                       f"{arr.ndim}-D {arr.dtype.name}")
+    return arr
+  if dtype not in TOKEN_DTYPES:
+    raise ValueError(f"token_dtype must be one of {TOKEN_DTYPES}, got {dtype!r}")
+  size, item = os.path.getsize(path), np.dtype(dtype).itemsize
+  if size % item:
+    raise ValueError(f"token file {path}: {size} bytes is not a whole number of {dtype} tokens")
+  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
+                  vocab_size: int | None) -> tuple[Corpus, int]:
+  """Memory-maps token files (one chunked scan: max id, document ends); returns max id + 1."""
+  arrays, parts, top = [], [], -1
+  for i, path in enumerate(files):
+    arr = load_token_file(path, dtype)
+    ends = []
+    for lo in range(0, len(arr), SCAN_CHUNK):
+      chunk = np.asarray(arr[lo:lo + SCAN_CHUNK])
+      top = max(top, int(chunk.max()))
+      if vocab_size is not None and top >= vocab_size:
+        raise ValueError(f"token file {path} holds id {top}, beyond the model's vocab_size="
+                         f"{vocab_size}")
+      if eos_id is not None:
+        ends.append(lo + 1 + np.flatnonzero(chunk == eos_id))
+    bounds = np.unique(np.concatenate([[0, len(arr)], *ends]).astype(np.int64))
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    arrays.append(arr)
+    parts.append(Corpus(arrays, np.full(len(starts), i, np.int64), starts, lengths))
+  return concat(parts), top + 1
+
+
+def split_corpus(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus | None]:
+  """Shuffles documents with a fixed seed and holds out the last ``eval_fraction`` tokens.
+
+  The document straddling the cut is split in two, so both sides are non-empty for any
+  fraction in (0, 1) and a corpus of a single document.
+  """
+  corpus = corpus.take(np.random.default_rng(SPLIT_SEED).permutation(len(corpus.doc_len)))
+  if not eval_fraction:
+    return corpus, None
+  ends = np.cumsum(corpus.doc_len)
+  cut = int(round(ends[-1] * (1 - eval_fraction)))
+  k = int(np.searchsorted(ends, cut))  # the first document ending at or after the cut
+  head = cut - (ends[k] - corpus.doc_len[k])
+  train, eval_ = corpus.take(slice(0, k + 1)), corpus.take(slice(k, None))
+  train.doc_len = train.doc_len.copy()
+  train.doc_len[-1] = head
+  eval_.doc_start, eval_.doc_len = eval_.doc_start.copy(), eval_.doc_len.copy()
+  eval_.doc_start[0] += head
+  eval_.doc_len[0] -= head
+  return tuple(c.take(c.doc_len > 0) for c in (train, eval_))

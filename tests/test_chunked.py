@@ -1,0 +1,73 @@
+"""The chunked XLA attention (the "xla" backend) against the dense oracle, on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, random_inputs,
+                             relative_error)
+from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.attention.reference import dense_attention
+
+
+@pytest.mark.parametrize("shape,causal,num_segments,blocks", [
+    ((2, 64, 4, 4, 16), True, 0, (16, 16)),    # several blocks, causal skipping
+    ((1, 50, 8, 2, 8), True, 3, (16, 8)),      # ragged tail in both q and kv blocks
+    ((2, 37, 6, 1, 8), False, 4, (8, 32)),     # MQA, not causal
+    ((1, 24, 4, 4, 64), True, 0, (512, 512)),  # one block
+])
+def test_matches_dense_reference(shape, causal, num_segments, blocks):
+  q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                         kv_segment_ids=segment_ids, block_q=blocks[0],
+                                         block_kv=blocks[1])
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+def test_bfloat16_matches_dense_reference():
+  q, k, v, d_out, segment_ids = random_inputs(1, 2, 48, 4, 2, 16, dtype=jnp.bfloat16,
+                                              num_segments=3)
+  fn = lambda q, k, v: chunked_attention(q, k, v, q_segment_ids=segment_ids,
+                                         kv_segment_ids=segment_ids, block_q=16, block_kv=16)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=BF16_TOL)
+
+
+def test_offset_queries_and_lse_gradient():
+  """A query shard at an offset (as in all-gather and ring attention), lse differentiated too."""
+  q, k, v, _, _ = random_inputs(2, 1, 40, 4, 2, 8)
+  q = q[:, 24:]  # the last 16 queries of a 40-token sequence
+  positions = jnp.arange(24, 40)
+
+  def loss(attention, q, k, v):
+    out, lse = attention(q, k, v, causal=True, q_positions=positions, return_lse=True)
+    return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.sin(lse))
+
+  chunked = lambda *a, **kw: chunked_attention(*a, **kw, block_q=8, block_kv=8)
+  expected = jax.value_and_grad(loss, argnums=(1, 2, 3))(dense_attention, q, k, v)
+  actual = jax.value_and_grad(loss, argnums=(1, 2, 3))(chunked, q, k, v)
+  assert relative_error(actual[0], expected[0]) < F32_TOL
+  for a, e in zip(actual[1], expected[1]):
+    assert relative_error(a, e) < F32_TOL
+
+
+def test_query_without_visible_key_gives_zero_and_finite_gradients():
+  q, k, v, d_out, _ = random_inputs(3, 1, 16, 2, 2, 8)
+  q_segment_ids = jnp.zeros((1, 16), jnp.int32).at[0, 5].set(7)  # segment 7 has no keys
+  kv_segment_ids = jnp.zeros((1, 16), jnp.int32)
+  fn = lambda q, k, v: chunked_attention(q, k, v, q_segment_ids=q_segment_ids,
+                                         kv_segment_ids=kv_segment_ids, block_q=4, block_kv=4,
+                                         return_lse=True)
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  assert np.all(out[0, 5] == 0) and np.all(np.isneginf(lse[0, :, 5]))
+  grads = vjp((d_out, jnp.zeros_like(lse)))
+  assert all(np.all(np.isfinite(g)) for g in grads)
+  assert np.all(grads[0][0, 5] == 0)
+
+
+def test_segment_ids_must_come_in_pairs():
+  q, k, v, _, segment_ids = random_inputs(4, 1, 8, 2, 2, 8, num_segments=2)
+  with pytest.raises(ValueError, match="pass both q_segment_ids and kv_segment_ids"):
+    chunked_attention(q, k, v, q_segment_ids=segment_ids)

@@ -1,0 +1,210 @@
+"""Pallas flash attention against the dense oracle: forward, lse and dq/dk/dv.
+
+On CPU every kernel runs in Pallas interpret mode, which fills output buffers with NaN before
+the kernel runs (checked below), so any element a kernel fails to write shows up as NaN.
+Shapes are tiny and blocks small so that a sequence spans several query and key blocks, and
+most lengths are not a multiple of the block size.
+
+Tolerances: relative L2 error (``attention_cases``) below 1e-5 for float32 and 2e-2 for
+bfloat16 / float16 inputs; lse below 1e-5 absolute-or-relative for float32.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
+                             random_inputs, relative_error)
+from ulysses_jax import ulysses_attention
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels.flash_attention import flash_attention, make_plan
+
+
+# Interpret-mode kernels become large XLA programs whose CPU compile dominates the test time;
+# skipping LLVM's optimisation passes compiles them ~3x faster and changes no result.
+_COMPILER_OPTIONS = ({"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu"
+                     else {})
+
+
+def _outputs_and_grads(attention, q, k, v, d_out, d_lse):
+  """(out, lse, dq, dk, dv) of ``attention(q, k, v) -> (out, lse)`` for (d_out, d_lse)."""
+  def run(q, k, v, d_out, d_lse):
+    (out, lse), vjp = jax.vjp(attention, q, k, v)
+    return (out, lse, *vjp((d_out, d_lse)))
+  args = (q, k, v, d_out, d_lse)
+  return jax.jit(run).lower(*args).compile(compiler_options=_COMPILER_OPTIONS)(*args)
+
+
+def _check_against_reference(q, k, v, d_out, *, causal, segment_ids=None, kv_segment_ids=None,
+                             tol=F32_TOL, **kernel_args):
+  """Compares out, lse and the gradients (with a random lse cotangent) with dense_attention."""
+  kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+  d_lse = jax.random.normal(jax.random.PRNGKey(7), (q.shape[0], q.shape[2], q.shape[1]))
+  ours = _outputs_and_grads(
+      lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                      kv_segment_ids=kv_segment_ids, return_lse=True,
+                                      **kernel_args), q, k, v, d_out, d_lse)
+  upcast = lambda x: x.astype(jnp.float32)
+  expected = _outputs_and_grads(
+      lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                      kv_segment_ids=kv_ids, return_lse=True),
+      upcast(q), upcast(k), upcast(v), upcast(d_out), d_lse)
+  for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), ours, expected):
+    assert actual.shape == wanted.shape, f"{name}: shape {actual.shape} != {wanted.shape}"
+    assert actual.dtype == (jnp.float32 if name == "lse" else q.dtype), f"{name}: {actual.dtype}"
+    if name != "lse":
+      assert np.all(np.isfinite(np.asarray(actual, np.float32))), f"{name} has non-finite values"
+      err = relative_error(actual, wanted)
+      assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+  lse, wanted_lse = np.asarray(ours[1]), np.asarray(expected[1])
+  assert not np.any(np.isnan(lse)), "lse has NaN"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(wanted_lse))
+  visible = np.isfinite(wanted_lse)
+  np.testing.assert_allclose(lse[visible], wanted_lse[visible], rtol=tol, atol=tol)
+  return ours
+
+
+def test_interpret_mode_poisons_unwritten_outputs():
+  """The premise of every check here: an element no kernel writes comes back NaN."""
+  def writes_first_half(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = x_ref[...]
+  x = jnp.ones((32, 16), jnp.float32)
+  out = pl.pallas_call(writes_first_half, grid=(2,),
+                       in_specs=[pl.BlockSpec((16, 16), lambda i: (i, 0))],
+                       out_specs=pl.BlockSpec((16, 16), lambda i: (i, 0)),
+                       out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+  assert np.all(np.asarray(out[:16]) == 1.0)
+  assert np.all(np.isnan(np.asarray(out[16:])))
+
+
+# (q_heads, kv_heads): GQA ratios 1, 2, 4, 8 and MQA.
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (8, 2), (16, 2), (4, 1)],
+                         ids=["mha", "gqa2", "gqa4", "gqa8", "mqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_matches_reference_gqa(heads, causal):
+  # S = 72: the last key block of 16 is half padding, and one more block is padding only.
+  q, k, v, d_out, _ = random_inputs(0, 2, 72, *heads, 64)
+  _check_against_reference(q, k, v, d_out, causal=causal, block_q=32, block_kv=16)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_matches_reference_head_dim_128(causal):
+  # S a multiple of both blocks, and block_q < block_kv.
+  q, k, v, d_out, _ = random_inputs(1, 1, 64, 4, 2, 128)
+  _check_against_reference(q, k, v, d_out, causal=causal, block_q=16, block_kv=32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_matches_reference_packed_segments(causal):
+  q, k, v, d_out, segment_ids = random_inputs(2, 2, 90, 4, 2, 64, num_segments=5)
+  _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           block_q=32, block_kv=32)
+
+
+def test_rows_with_no_visible_key_give_zero():
+  q, k, v, d_out, _ = random_inputs(3, 1, 48, 2, 1, 64)
+  # Queries of segment 1 match no key (the keys use ids 0 and 2); segment 2 follows.
+  q_ids = jnp.array([[0] * 10 + [1] * 20 + [2] * 18], jnp.int32)
+  kv_ids = jnp.array([[0] * 10 + [3] * 20 + [2] * 18], jnp.int32)
+  out, lse, *_ = _check_against_reference(q, k, v, d_out, causal=True, segment_ids=q_ids,
+                                          kv_segment_ids=kv_ids, block_q=16, block_kv=16)
+  empty = slice(10, 30)
+  assert np.all(np.asarray(out[:, empty]) == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, :, empty])))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_matches_reference_low_precision(dtype):
+  q, k, v, d_out, segment_ids = random_inputs(4, 1, 80, 4, 2, 64, dtype=dtype, num_segments=3)
+  _check_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=BF16_TOL, block_q=32, block_kv=16)
+
+
+def test_default_block_sizes():
+  # Default blocks (interpret mode: the "other" table, 128 x 64 forward) capped to 256 rows.
+  q, k, v, d_out, _ = random_inputs(5, 1, 200, 2, 1, 64)
+  plan = make_plan(200, 64, causal=True, scale=0.125, interpret=True)
+  assert (plan.forward.block_q, plan.forward.block_kv, plan.padded_len) == (128, 64, 256)
+  _check_against_reference(q, k, v, d_out, causal=True)
+
+
+def test_fully_masked_blocks_are_skipped():
+  """Causal blocks that no query sees are never read: NaN there cannot leak into results."""
+  q, k, v, d_out, _ = random_inputs(6, 1, 64, 2, 1, 64)
+  d_lse = jnp.zeros((1, 2, 64))
+  flash = lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=16, block_kv=16,
+                                          return_lse=True)
+  dense = lambda q, k, v: dense_attention(q, k, v, causal=True, return_lse=True)
+  expected = _outputs_and_grads(dense, q, k, v, d_out, d_lse)
+  # Keys after the first block: query block 0 (forward, dq) must not touch them.
+  poisoned_kv = lambda x: x.at[:, 16:].set(jnp.nan)
+  out, lse, dq, _, _ = _outputs_and_grads(flash, q, poisoned_kv(k), poisoned_kv(v), d_out, d_lse)
+  for actual, wanted in ((out[:, :16], expected[0][:, :16]),
+                         (lse[:, :, :16], expected[1][:, :, :16]),
+                         (dq[:, :16], expected[2][:, :16])):
+    np.testing.assert_allclose(actual, wanted, rtol=1e-5, atol=1e-5)
+  # Queries before the last key block: its dk/dv program must not touch them.
+  _, _, _, dk, dv = _outputs_and_grads(flash, q.at[:, :48].set(jnp.nan), k, v, d_out, d_lse)
+  for actual, wanted in ((dk[:, 48:], expected[3][:, 48:]), (dv[:, 48:], expected[4][:, 48:])):
+    np.testing.assert_allclose(actual, wanted, rtol=1e-5, atol=1e-5)
+
+
+def test_through_ulysses_attention_on_8_devices():
+  mesh = mesh_of(2, 4)
+  q, k, v, d_out, segment_ids = random_inputs(7, 2, 64, 8, 4, 32, num_segments=3)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=True,
+                                         segment_ids=segment_ids, backend="pallas")
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids, tol=F32_TOL)
+
+
+def test_block_plan_per_head_dim_and_generation():
+  hopper = make_plan(16384, 128, causal=True, scale=1.0, generation="sm90")
+  assert (hopper.forward.block_q, hopper.forward.block_kv) == (128, 128)
+  assert hopper.forward.num_warps == 8
+  assert hopper.padded_len == 16384 and not hopper.ragged
+  other = make_plan(16384, 256, causal=True, scale=1.0, generation="other")
+  assert (other.forward.block_q, other.forward.block_kv) == (64, 32)
+  overridden = make_plan(1000, 64, causal=False, scale=1.0, block_q=256, block_kv=32,
+                         generation="sm90")
+  assert {t.block_q for t in (overridden.forward, overridden.dq, overridden.dkv)} == {256}
+  assert {t.block_kv for t in (overridden.forward, overridden.dq, overridden.dkv)} == {32}
+  assert overridden.padded_len == 1024 and overridden.ragged
+  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90")
+  assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (32, 32, 32)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=jnp.zeros((4, 2, 64))), r"q must be \[B, S, H, D\] \(rank 4\)"),
+    (dict(q=jnp.zeros((1, 8, 3, 64))), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
+    (dict(q=jnp.zeros((1, 8, 2, 48)), k=jnp.zeros((1, 8, 2, 48)), v=jnp.zeros((1, 8, 2, 48))),
+     r"head dim 48 is not supported"),
+    (dict(k=jnp.zeros((1, 9, 2, 64))), r"expected k and v of shape"),
+    (dict(v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16)), r"must share a dtype"),
+    (dict(q=jnp.zeros((1, 8, 2, 64), jnp.int32)), r"q.dtype must be one of"),
+    (dict(segment_ids=jnp.zeros((1, 7), jnp.int32)), r"segment_ids must be integers of shape"),
+    (dict(segment_ids=jnp.zeros((1, 8), jnp.float32)), r"segment_ids must be integers of shape"),
+    (dict(kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), r"kv_segment_ids needs segment_ids"),
+    (dict(block_q=48), r"block_q must be a power of two >= 16, got 48"),
+    (dict(block_kv=8), r"block_kv must be a power of two >= 16, got 8"),
+])
+def test_invalid_inputs_raise_clear_errors(change, message):
+  args = dict(q=jnp.zeros((1, 8, 2, 64)), k=jnp.zeros((1, 8, 2, 64)), v=jnp.zeros((1, 8, 2, 64)))
+  args.update(change)
+  with pytest.raises(ValueError, match=message):
+    flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_compiled_gpu_kernels_match_reference(head_dim, causal):
+  """The Triton-lowered kernels (not interpret mode), default blocks, ragged length, GQA."""
+  q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  for ids in (None, segment_ids):
+    _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
+                             interpret=False)

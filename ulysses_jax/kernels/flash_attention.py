@@ -1,0 +1,172 @@
+"""Flash attention in Pallas: the ``"pallas"`` backend of ``ulysses_attention``.
+
+``flash_attention`` computes exact attention with an online softmax, never materialising the
+``[S, S]`` scores, and returns the log-sum-exp for the backward and for merging partial
+results (ring / hybrid). A ``custom_vjp`` runs two backward kernels: dq (one program per query
+block) and dk/dv (one program per key block of a KV head, summing over the query heads that
+share it, so GQA/MQA never repeats K/V in memory and needs no atomics).
+
+On GPU the kernels go through the Pallas Triton lowering (one code path for Ampere and Hopper;
+Triton picks the tensor-core instructions of the generation); block sizes, warps and pipeline
+stages come from a table per head dim and GPU generation (``make_plan``). Elsewhere the same
+kernels run in Pallas interpret mode (slow; for tests).
+
+Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
+sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
+no key returns 0 and lse -inf, never NaN. Any sequence length works: inputs are padded to a
+multiple of the block size and padded keys are masked.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ulysses_jax.kernels import flash_kernels
+from ulysses_jax.kernels.flash_kernels import LOG2E, Plan, Tile
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_MIN_BLOCK = 16  # smallest tile a Triton dot accepts
+
+# (block_q, block_kv, num_warps, num_stages) of the forward, dq and dk/dv kernels per head dim.
+# Shared memory per program stays under ~160 KiB (Hopper: 228 KiB, A100: 164 KiB). These are
+# starting points: `python -m benchmarks.attention_kernels --sweep` measures alternatives.
+_TILES = {
+    "sm90": {
+        64: ((128, 128, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3)),
+        128: ((128, 128, 8, 2), (128, 64, 8, 2), (64, 128, 8, 2)),
+        256: ((64, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 2)),
+    },
+    "other": {
+        64: ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+        128: ((128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 2)),
+        256: ((64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 2)),
+    },
+}
+
+
+def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
+                    kv_segment_ids=None, scale=None, block_q=None, block_kv=None,
+                    interpret=None, return_lse=False):
+  """Exact attention with Pallas kernels; differentiable, including through the lse.
+
+  Args:
+    q_BSHD: queries ``[B, S, Hq, D]``, bfloat16 / float16 / float32.
+    k_BSKD, v_BSKD: keys and values ``[B, S, Hkv, D]``, same dtype; ``Hq % Hkv == 0`` and query
+      head ``h`` uses KV head ``h // (Hq // Hkv)``.
+    causal: query i sees key j only if i >= j.
+    segment_ids: int ``[B, S]`` or None; a query sees only keys with the same id.
+    kv_segment_ids: int ``[B, S]`` ids of the keys when they differ from the queries' (then
+      some queries may see no key); defaults to ``segment_ids``.
+    scale: score scale, default ``D ** -0.5``.
+    block_q, block_kv: override the query / key block sizes of all three kernels (powers of
+      two >= 16); default from the table for this head dim and GPU generation.
+    interpret: run in Pallas interpret mode; default: unless the default backend is a GPU.
+    return_lse: also return the log-sum-exp of the scaled scores.
+
+  Returns:
+    ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
+  """
+  _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
+  b, s, _, d = q_BSHD.shape
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  plan = make_plan(s, d, causal=causal, scale=d ** -0.5 if scale is None else float(scale),
+                   block_q=block_q, block_kv=block_kv, interpret=bool(interpret))
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, plan.padded_len - s)] + [(0, 0)] * (x.ndim - 2))
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    q_seg = pad(segment_ids.astype(jnp.int32))
+    kv_seg = q_seg if kv_segment_ids is None else pad(kv_segment_ids.astype(jnp.int32))
+  out, lse = _flash(plan, pad(q_BSHD), pad(k_BSKD), pad(v_BSKD), q_seg, kv_seg)
+  out, lse = out[:, :s], lse[:, :, :s]
+  return (out, lse) if return_lse else out
+
+
+def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
+              interpret=False, generation=None):
+  """Block sizes and launch parameters of the three kernels for one problem shape.
+
+  ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default it is read from
+  the first device's compute capability (``"other"`` in interpret mode).
+  """
+  if generation is None:
+    generation = "other" if interpret else _gpu_generation()
+  table = _TILES[generation][max(64, head_dim)]
+  # Blocks never exceed the (power-of-two rounded) sequence, so short sequences pad little.
+  cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
+  tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
+           for bq, bk, warps, stages in table]
+  largest = max(max(t.block_q, t.block_kv) for t in tiles)
+  padded_len = -(-seq_len // largest) * largest
+  return Plan(causal=bool(causal), scale=float(scale), seq_len=seq_len, padded_len=padded_len,
+              interpret=interpret, forward=tiles[0], dq=tiles[1], dkv=tiles[2])
+
+
+def _gpu_generation():
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  if capability is not None and float(capability) >= 9.0:
+    return "sm90"
+  return "other"
+
+
+def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      raise ValueError(f"flash_attention: {name} must be [B, S, H, D] (rank 4), got shape "
+                       f"{x.shape}; add the missing batch/head axes with x[None] / x[:, :, None].")
+    if x.dtype not in _DTYPES:
+      raise ValueError(f"flash_attention: {name}.dtype must be one of bfloat16, float16, "
+                       f"float32, got {x.dtype}; cast with {name}.astype(jnp.bfloat16).")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, "
+                     f"{v.dtype}; cast k and v to {q.dtype}.")
+  if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+    raise ValueError(f"flash_attention: expected k and v of shape [B, S, Hkv, D] = "
+                     f"[{q.shape[0]}, {q.shape[1]}, Hkv, {q.shape[3]}] matching q {q.shape}, "
+                     f"got k {k.shape}, v {v.shape}.")
+  hq, hkv, d = q.shape[2], k.shape[2], q.shape[3]
+  if hq % hkv:
+    raise ValueError(f"flash_attention: query heads ({hq}) must be a multiple of KV heads "
+                     f"({hkv}); use a number of KV heads that divides {hq}.")
+  if d not in SUPPORTED_HEAD_DIMS:
+    raise ValueError(f"flash_attention: head dim {d} is not supported, expected one of "
+                     f"{SUPPORTED_HEAD_DIMS}; zero-pad q, k, v to the next supported size, "
+                     f"pass scale={d}**-0.5 and drop the extra output columns.")
+  if kv_segment_ids is not None and segment_ids is None:
+    raise ValueError("flash_attention: kv_segment_ids needs segment_ids (the queries' ids).")
+  for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
+    if ids is not None and (ids.shape != q.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer)):
+      raise ValueError(f"flash_attention: {name} must be integers of shape [B, S] = "
+                       f"{q.shape[:2]}, got {ids.dtype}{list(ids.shape)}.")
+  for name, block in (("block_q", block_q), ("block_kv", block_kv)):
+    if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
+      raise ValueError(f"flash_attention: {name} must be a power of two >= {_MIN_BLOCK}, got "
+                       f"{block}; try 64 or 128, or None for the tuned default.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(plan, q, k, v, q_seg, kv_seg):
+  return flash_kernels.forward(plan, q, k, v, q_seg, kv_seg)
+
+
+def _flash_forward(plan, q, k, v, q_seg, kv_seg):
+  out, lse = flash_kernels.forward(plan, q, k, v, q_seg, kv_seg)
+  return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_backward(plan, residuals, cotangents):
+  q, k, v, q_seg, kv_seg, out, lse = residuals
+  d_out, d_lse = cotangents
+  # dS_ij = P_ij (dP_ij - delta_i) with delta_i = rowsum(dO * O)_i - dlse_i: the lse cotangent
+  # reaches the scores as + P_ij dlse_i.
+  delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = delta - d_lse
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+  dq = flash_kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg)
+  dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_forward, _flash_backward)

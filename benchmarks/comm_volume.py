@@ -1,23 +1,34 @@
 """Per-device communication of one attention forward, read from the compiled HLO.
 
 Question: does Ulysses keep per-device traffic constant when sequence length S and device
-count P grow together, while the all-gather (context-parallel) baseline grows with S?
+count P grow together, while the all-gather (context-parallel) baseline grows with S? And
+where do ring attention and the Ulysses x ring hybrid sit?
 
 For each scheme and (S, P) the forward pass is compiled (no arrays are allocated) and the
 bytes of every collective in the per-device program are summed (``ulysses_jax.hlo``).
 Expected values (DESIGN.md), with G = Hq / Hkv and b bytes per element:
 
-  ulysses     all-to-all  (2 + 2/G) * B*S*Hq*D*b / P     (4 * B*S*Hq*D*b / P for MHA)
-  all-gather  all-gather  2 * B*S*Hkv*D*b  (+ the [B, S] int32 segment ids when packed)
+  ulysses     all-to-all          (2 + 2/G) * B*S*Hq*D*b / P     (4 * B*S*Hq*D*b / P for MHA)
+  all-gather  all-gather          2 * B*S*Hkv*D*b  (+ the [B, S] int32 segment ids when packed)
+  ring        collective-permute  2 * (P-1)/P * B*S*Hkv*D*b   (K and V, P-1 steps)
+  hybrid      both                all-to-all over seq = 2 as ulysses with P, plus the ring over
+              ring = P/2 on H/2 heads: 2 * (R-1)/R * B*S*(Hkv/2)*D*b
 
-With P = 1 no collective is needed and both are 0. The default dtype is float32 because the
-CPU compiler widens bfloat16 collectives to float32 (GPU compilers keep bfloat16).
+Ring and hybrid run causal in the zigzag layout prepared on the data side
+(``layout="zigzag"``); the natural layout adds an exchange of q, k, v and the output. Their
+collective-permutes sit in a loop, so bytes are weighted by the loop's trip count
+(``executed_collective_bytes``). With P = 1 no collective is needed and all are 0. The
+default dtype is float32 because the CPU compiler widens bfloat16 collectives to float32 (GPU
+compilers keep bfloat16). The plot needs matplotlib.
 
-  python -m benchmarks.comm_volume [--json benchmarks/results/comm_volume.json]
+  python -m benchmarks.comm_volume [--json benchmarks/results/comm_volume.json] \\
+      [--plot benchmarks/plots/comm_volume.png]
 """
 
 import argparse
+import collections
 import os
+import re
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -28,36 +39,112 @@ import jax.numpy as jnp
 
 from benchmarks.common import print_table, write_json
 from ulysses_jax import hlo, make_mesh, ulysses_attention
-from ulysses_jax.attention.baselines import allgather_kv_attention
+from ulysses_jax.attention.baselines import allgather_kv_attention, ring_attention
+from ulysses_jax.attention.ulysses import plan_heads
 
-SCHEMES = {"ulysses": (ulysses_attention, "all-to-all"),
-           "allgather": (allgather_kv_attention, "all-gather")}
+HYBRID_SEQ = 2  # the hybrid's all-to-all degree; its ring takes the other P / 2 devices
+# scheme: (attention, extra kwargs, mesh (seq, ring) for P devices, collectives it uses)
+SCHEMES = {
+    "ulysses": (ulysses_attention, {}, lambda p: (p, 1), ("all-to-all",)),
+    "allgather": (allgather_kv_attention, {}, lambda p: (p, 1), ("all-gather",)),
+    "ring": (ring_attention, {"layout": "zigzag"}, lambda p: (p, 1), ("collective-permute",)),
+    "hybrid": (ulysses_attention, {"layout": "zigzag"}, lambda p: (HYBRID_SEQ, p // HYBRID_SEQ),
+               ("all-to-all", "collective-permute")),
+}
 
 
 def expected_bytes(scheme, *, batch, seq_len, q_heads, kv_heads, head_dim, shards, itemsize):
   if shards == 1:
     return 0
-  if scheme == "ulysses":
-    return (2 * q_heads + 2 * kv_heads) * batch * seq_len * head_dim * itemsize // shards
-  return 2 * batch * seq_len * kv_heads * head_dim * itemsize
+  tokens = batch * seq_len * head_dim * itemsize  # bytes of one head over the sequence
+  if scheme == "allgather":
+    return 2 * kv_heads * tokens
+  if scheme == "ring":
+    return 2 * (shards - 1) * kv_heads * tokens // shards
+  seq, ring = SCHEMES[scheme][2](shards)
+  heads = plan_heads(q_heads, kv_heads, seq)
+  all_to_all = (2 * heads.exchanged_q_heads + 2 * heads.exchanged_kv_heads) * tokens // shards
+  return all_to_all + 2 * (ring - 1) * heads.exchanged_kv_heads * tokens // (ring * seq)
+
+
+def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
+  """``hlo.collective_bytes``, counting collectives in while loops once per iteration.
+
+  Each computation is weighted by the known trip counts of the loops around it (XLA
+  annotates them as ``known_trip_count``); ``hlo.collective_bytes`` lists every instruction
+  once, which undercounts the ring's loop.
+  """
+  bodies, calls, name = collections.defaultdict(list), collections.defaultdict(list), None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
+    if header:
+      name = "ENTRY" if line.startswith("ENTRY") else header[1]
+      continue
+    bodies[name].append(line)
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+    for kind, callees in re.findall(r"\b(body|condition|calls|to_apply|branch_computations|"
+                                    r"true_computation|false_computation)=(\{[^}]*\}|%[\w.\-]+)",
+                                    line):
+      for callee in re.findall(r"%([\w.\-]+)", callees):
+        calls[name].append((callee, int(trips[1]) if trips and kind == "body" else 1))
+  totals = dict.fromkeys(hlo.COLLECTIVES, 0)
+
+  def visit(computation, weight):
+    for op, _, nbytes in hlo.collectives("\n".join(bodies[computation])):
+      totals[op] += weight * nbytes
+    for callee, trips in calls[computation]:
+      visit(callee, weight * trips)
+  visit("ENTRY", 1)
+  return totals
 
 
 def measure(scheme, *, batch, seq_len, q_heads, kv_heads, head_dim, shards, dtype):
-  attention, collective = SCHEMES[scheme]
-  mesh = make_mesh(data=1, seq=shards, devices=jax.devices()[:shards])
+  attention, kwargs, mesh_shape, used = SCHEMES[scheme]
+  seq, ring = mesh_shape(shards)
+  mesh = make_mesh(data=1, seq=seq, ring=ring, devices=jax.devices()[:shards])
   q = jax.ShapeDtypeStruct((batch, seq_len, q_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((batch, seq_len, kv_heads, head_dim), dtype)
-  forward = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, causal=True))
-  totals = hlo.collective_bytes(forward.lower(q, kv, kv).compile().as_text())
+  forward = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, causal=True, **kwargs))
+  totals = executed_collective_bytes(forward.lower(q, kv, kv).compile().as_text())
   expected = expected_bytes(scheme, batch=batch, seq_len=seq_len, q_heads=q_heads,
                             kv_heads=kv_heads, head_dim=head_dim, shards=shards,
                             itemsize=jnp.dtype(dtype).itemsize)
-  measured = totals[collective]
-  return {"scheme": scheme, "S": seq_len, "P": shards, "Hq": q_heads, "Hkv": kv_heads,
-          "collective": collective, "MiB_per_device": measured / 2**20,
-          "expected_MiB": expected / 2**20,
+  measured = sum(totals[c] for c in used)
+  return {"scheme": scheme, "S": seq_len, "P": shards, "seq": seq, "ring": ring,
+          "Hq": q_heads, "Hkv": kv_heads, "collective": "+".join(c for c in used if totals[c]),
+          "MiB_per_device": measured / 2**20, "expected_MiB": expected / 2**20,
           "ratio": measured / expected if expected else (1.0 if measured == 0 else float("inf")),
           "other_collective_bytes": sum(totals.values()) - measured}
+
+
+def plot(rows, path, *, tokens_per_device, fixed_seq_len):
+  """Per-device MiB against P: one panel per (head config, sweep); dashed = formula."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  heads = sorted({(r["Hq"], r["Hkv"]) for r in rows}, reverse=True)
+  sweeps = {f"S/P = {tokens_per_device} fixed": lambda r: r["S"] == tokens_per_device * r["P"],
+            f"S = {fixed_seq_len} fixed": lambda r: r["S"] == fixed_seq_len}
+  fig, axes = plt.subplots(len(heads), 2, figsize=(11, 4.2 * len(heads)), squeeze=False)
+  for (hq, hkv), row_axes in zip(heads, axes):
+    for (sweep, in_sweep), ax in zip(sweeps.items(), row_axes):
+      for i, scheme in enumerate(SCHEMES):
+        pts = sorted((r["P"], r["MiB_per_device"], r["expected_MiB"]) for r in rows
+                     if (r["Hq"], r["Hkv"], r["scheme"]) == (hq, hkv, scheme) and in_sweep(r)
+                     and r["P"] > 1)
+        if pts:
+          p, measured, expected = zip(*pts)
+          ax.plot(p, measured, "o-", color=f"C{i}", label=scheme)
+          ax.plot(p, expected, "--", color=f"C{i}", alpha=0.5)
+      ax.set(xticks=[2, 4, 8], xlabel="devices P",
+             ylabel="MiB per device (forward)", title=f"Hq={hq}, Hkv={hkv}, {sweep}")
+      ax.legend()
+  fig.suptitle("Attention forward collective bytes per device (markers: compiled HLO; "
+               "dashed: formula)")
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=110)
+  print(f"wrote {path}")
 
 
 def main():
@@ -67,21 +154,26 @@ def main():
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--json", default="benchmarks/results/comm_volume.json")
+  parser.add_argument("--plot", default="benchmarks/plots/comm_volume.png")
   args = parser.parse_args()
   rows = []
   for q_heads, kv_heads in ((32, 32), (32, 8)):
     for shards in (1, 2, 4, 8):
       for seq_len in sorted({args.tokens_per_device * shards, args.fixed_seq_len}):
         for scheme in SCHEMES:
+          if scheme == "hybrid" and shards < 2 * HYBRID_SEQ:
+            continue  # seq=2, ring=1 is plain Ulysses
           row = measure(scheme, batch=1, seq_len=seq_len, q_heads=q_heads, kv_heads=kv_heads,
                         head_dim=args.head_dim, shards=shards, dtype=jnp.dtype(args.dtype))
           row["sweep"] = "S/P fixed" if seq_len == args.tokens_per_device * shards else "S fixed"
           rows.append(row)
   print(f"Forward collective bytes per device, B=1, D={args.head_dim}, {args.dtype}, causal")
-  print_table(rows, ["sweep", "scheme", "Hq", "Hkv", "S", "P", "collective", "MiB_per_device",
-                     "expected_MiB", "ratio", "other_collective_bytes"])
+  print_table(rows, ["sweep", "scheme", "Hq", "Hkv", "S", "P", "seq", "ring", "collective",
+                     "MiB_per_device", "expected_MiB", "ratio", "other_collective_bytes"])
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   write_json(args.json, rows)
+  plot(rows, args.plot, tokens_per_device=args.tokens_per_device,
+       fixed_seq_len=args.fixed_seq_len)
 
 
 if __name__ == "__main__":

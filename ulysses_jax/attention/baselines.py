@@ -4,6 +4,9 @@
 sharded along the sequence; keys and values are all-gathered over ``seq`` so every device
 attends its S/P queries to all S keys. Per-device traffic is about 2·B·S·Hkv·D elements:
 it grows with S whatever P is, unlike Ulysses' O(S/P).
+
+``ring_attention`` (defined in ``ring.py``, re-exported here): K/V rotate around the ring
+with ``ppermute``; about 2·B·S·Hkv·D elements per device too, overlapped with compute.
 """
 
 import functools
@@ -14,6 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.attention.ring import ring_attention  # noqa: F401  (re-exported)
 from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
 from ulysses_jax.mesh import DATA, SEQ
 

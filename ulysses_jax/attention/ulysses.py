@@ -11,6 +11,13 @@ the minimum number of times, and only if no replication works are query (and key
 heads padded with zero heads, whose outputs are dropped. Padding costs compute and traffic
 in proportion to the padded head count. Sequences that P does not divide are padded at the
 end; the padding is masked out.
+
+Hybrid (USP, arXiv 2405.07719): on a mesh with a ``ring`` axis of size R > 1 the sequence is
+sharded over (``ring``, ``seq``). The all-to-alls run over ``seq`` only, so each device then
+holds H/P heads of its ring position's S/R tokens, and ``ring.attend_shard`` completes the
+attention by rotating K/V over ``ring``. Heads need only divide (after ``plan_heads``) by P,
+not P·R, and only the K/V ring crosses the slower ``ring`` links. With R = 1 this is plain
+Ulysses; with P = 1 plain ring attention.
 """
 
 import dataclasses
@@ -22,7 +29,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax.attention import backends
-from ulysses_jax.mesh import DATA, SEQ
+from ulysses_jax.mesh import DATA, RING, SEQ, ring_size, sequence_axes
 
 # Segment id given to sequence padding; real segment ids are >= 0, so padding never mixes
 # with real tokens (pad queries see only pad keys, so they stay finite).
@@ -165,48 +172,71 @@ def pad_sequence(seq_shards, q, k, v, segment_ids, *, causal):
 
 
 def ulysses_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="auto",
-                      scale=None):
+                      scale=None, layout="natural"):
   """Exact attention over a sequence sharded on the mesh's ``seq`` axis.
 
   Args:
     q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with Hq % Hkv == 0. Sharded ``(data, seq)``
       or not; any S, Hq and Hkv (see ``plan_heads`` for the cost of awkward head counts).
-    mesh: a mesh with axes ``("data", "seq")`` (``ulysses_jax.make_mesh``).
+    mesh: a mesh with axes ``("data", "seq")``, or ``("data", "ring", "seq")`` for the hybrid
+      (``ulysses_jax.make_mesh``).
     causal: causal mask over global positions.
     segment_ids: int ``[B, S]`` (>= 0), or None; tokens attend only within their segment.
       Segments may cross shard boundaries.
-    backend: local attention, one of ``backends.BACKENDS``.
+    backend: local attention, one of ``backends.BACKENDS``; the hybrid takes ``"auto"`` or
+      ``"xla"`` only (``ring.check_backend``).
     scale: score scale, default ``1/sqrt(D)``.
+    layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``ring.to_zigzag``
+      with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
+      ``ring`` axis both orders coincide.
 
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` when P divides S.
+    ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` (``(data, (ring, seq))``) when the
+    shard count divides S.
   """
+  # ring.py builds on this module (validation, padding), hence the late import.
+  from ulysses_jax.attention import ring
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
+  ring.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
+  if ring_size(mesh) > 1:
+    ring.check_backend(backend)
+    backend = "xla"
   backend = backends.resolve_backend(backend, dtype=q.dtype,
                                      segment_ids_given=segment_ids is not None)
   return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
-                            scale=None if scale is None else float(scale))
+                            scale=None if scale is None else float(scale), layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale"))
-def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale):
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout"))
+def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout):
+  from ulysses_jax.attention import ring
   b, s, hq, d = q.shape
-  seq_shards = mesh.shape[SEQ]
+  seq_shards, ring_shards = mesh.shape[SEQ], ring_size(mesh)
   plan = plan_heads(hq, k.shape[2], seq_shards)
   q, k, v = _spread_heads(plan, q, k, v)
-  q, k, v, segment_ids = pad_sequence(seq_shards, q, k, v, segment_ids, causal=causal)
+  if ring_shards == 1:
+    q, k, v, segment_ids = pad_sequence(seq_shards, q, k, v, segment_ids, causal=causal)
+  elif layout == "natural":
+    # padded_length(s, .) >= s is the next multiple of itself: pads to exactly that length.
+    q, k, v, segment_ids = pad_sequence(ring.padded_length(s, ring_shards, seq_shards), q, k,
+                                        v, segment_ids, causal=causal)
 
   def attend_local(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs):
     q, k, v = (seq_to_heads(x) for x in (q_BsHD, k_BsKD, v_BsKD))
     # Segment ids are [B, S/P] ints, D*H times smaller than q: gathering them is cheap.
     full_segment_ids = (None if segment_ids_Bs is None else
                         lax.all_gather(segment_ids_Bs, SEQ, axis=1, tiled=True))
-    out = backends.local_attention(backend, q, k, v, causal=causal,
-                                   segment_ids=full_segment_ids, scale=scale)
+    if ring_shards == 1:
+      out = backends.local_attention(backend, q, k, v, causal=causal,
+                                     segment_ids=full_segment_ids, scale=scale)
+    else:  # This ring position's S/R tokens: K/V rotate over the ring axis.
+      out = ring.attend_shard(q, k, v, full_segment_ids, axis_name=RING,
+                              ring_size=ring_shards, causal=causal, scale=scale, layout=layout)
     return heads_to_seq(out)
 
-  act = P(DATA, SEQ, None, None)
-  seg_spec = None if segment_ids is None else P(DATA, SEQ)
+  seq_axes = SEQ if ring_shards == 1 else sequence_axes(mesh)
+  act = P(DATA, seq_axes, None, None)
+  seg_spec = None if segment_ids is None else P(DATA, seq_axes)
   # check_vma=False: the local backends carry loop state built from unvarying constants.
   out = jax.shard_map(attend_local, mesh=mesh, in_specs=(act, act, act, seg_spec),
                       out_specs=act, check_vma=False)(q, k, v, segment_ids)

@@ -1,0 +1,192 @@
+"""Ring attention and the Ulysses x ring hybrid against the dense oracle, on 8 CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import BF16_TOL, F32_TOL, assert_matches_reference, random_inputs
+from ulysses_jax import hlo, make_mesh, ulysses_attention
+from ulysses_jax.attention import ring
+from ulysses_jax.attention.baselines import ring_attention
+from ulysses_jax.mesh import DATA, RING, SEQ, ring_size, sequence_axes
+
+
+def _mesh(data, seq, ring_shards):
+  return make_mesh(data=data, seq=seq, ring=ring_shards,
+                   devices=jax.devices()[:data * seq * ring_shards])
+
+
+# (data, seq, ring), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments.
+# ring=1 is plain Ulysses, seq=1 plain ring (through ulysses_attention).
+FAST = [
+    ((1, 1, 8), (1, 64, 4, 2, 8), True, 3),    # plain ring, GQA, packed
+    ((1, 2, 4), (1, 37, 4, 1, 8), True, 4),    # MQA (Hkv < seq*ring), S % 16 != 0, packed
+    ((1, 4, 2), (2, 40, 8, 2, 8), False, 3),   # not causal, Hkv < seq*ring, packed
+    ((1, 8, 1), (1, 24, 8, 8, 8), True, 2),    # plain Ulysses
+]
+SLOW = [
+    ((1, 1, 8), (1, 30, 2, 1, 8), False, 0),   # S % 8 != 0, not causal
+    ((1, 2, 4), (1, 48, 6, 3, 8), False, 2),   # Hq % seq != 0 after GQA: padded heads
+    ((1, 4, 2), (1, 44, 4, 4, 16), True, 3),   # MHA, S % 16 != 0
+    ((2, 2, 2), (2, 33, 4, 2, 8), True, 0),    # data x seq x ring, S odd
+    ((1, 8, 1), (1, 20, 4, 2, 8), False, 3),
+]
+
+
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments",
+                         FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
+def test_hybrid_matches_dense_reference(mesh_shape, shape, causal, num_segments):
+  mesh = _mesh(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                         segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", [
+    ((1, 8, 1), (1, 44, 4, 1, 8), True, 3),                                 # ring over seq
+    pytest.param((2, 4, 1), (2, 27, 2, 2, 8), False, 2, marks=pytest.mark.slow),
+    pytest.param((1, 2, 4), (1, 40, 4, 2, 8), True, 0, marks=pytest.mark.slow),  # ring x seq
+])
+def test_ring_attention_matches_dense_reference(mesh_shape, shape, causal, num_segments):
+  mesh = _mesh(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(1, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal,
+                                      segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+@pytest.mark.parametrize("attention,mesh_shape", [
+    (ring_attention, (1, 4, 1)),
+    pytest.param(ulysses_attention, (1, 2, 2), marks=pytest.mark.slow),
+])
+def test_zigzag_layout_on_the_data_side(attention, mesh_shape):
+  """Inputs permuted once with to_zigzag, output permuted back: the same attention."""
+  mesh = _mesh(*mesh_shape)
+  ring_shards = ring_size(mesh) if attention is ulysses_attention else mesh.shape[SEQ]
+  q, k, v, d_out, segment_ids = random_inputs(2, 2, 32, 4, 2, 8, num_segments=3)
+  zig = lambda x: ring.to_zigzag(x, ring_shards)
+
+  def fn(q, k, v):
+    out = attention(zig(q), zig(k), zig(v), mesh=mesh, segment_ids=zig(segment_ids),
+                    layout="zigzag")
+    return ring.from_zigzag(out, ring_shards)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
+@pytest.mark.slow
+def test_bfloat16():
+  mesh = _mesh(1, 2, 4)
+  q, k, v, d_out, segment_ids = random_inputs(3, 1, 64, 4, 2, 8, dtype=jnp.bfloat16,
+                                              num_segments=3)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=BF16_TOL)
+
+
+def test_zigzag_is_an_invertible_permutation():
+  x = jnp.arange(2 * 24).reshape(2, 24)
+  zig = ring.to_zigzag(x, 3)
+  assert ring.zigzag_order(3).tolist() == [0, 5, 1, 4, 2, 3]
+  np.testing.assert_array_equal(zig[0], np.concatenate(
+      [np.arange(c * 4, c * 4 + 4) for c in (0, 5, 1, 4, 2, 3)]))
+  np.testing.assert_array_equal(ring.from_zigzag(zig, 3), x)
+  with pytest.raises(ValueError, match=r"divisible by 2\*ring_size = 6, got 20"):
+    ring.to_zigzag(x[:, :20], 3)
+
+
+@pytest.mark.parametrize("ring_shards", [2, 4, 8])
+def test_zigzag_balances_the_causal_ring(ring_shards):
+  """At every step after the first, every device computes exactly half of its block's tiles."""
+  chunk = 4
+  for device in range(ring_shards):
+    q_pos = np.asarray(ring._chunk_positions(device, ring_shards, chunk, zigzag=True))
+    for step in range(1, ring_shards):
+      source = (device - step) % ring_shards
+      kv_pos = np.asarray(ring._chunk_positions(source, ring_shards, chunk, zigzag=True))
+      visible = [[(q_pos[i * chunk:(i + 1) * chunk, None] >= kv_pos[None, j * chunk:(j + 1) * chunk])
+                  for j in range(2)] for i in range(2)]
+      full = sum(tile.all() for row in visible for tile in row)
+      empty = sum(not tile.any() for row in visible for tile in row)
+      assert (full, empty) == (2, 2), (device, step)
+  covered = np.sort(np.concatenate([np.asarray(ring._chunk_positions(d, ring_shards, chunk, True))
+                                    for d in range(ring_shards)]))
+  np.testing.assert_array_equal(covered, np.arange(2 * ring_shards * chunk))
+
+
+def test_in_program_exchange_matches_to_zigzag():
+  mesh = _mesh(1, 8, 1)
+  x = jnp.arange(3 * 64, dtype=jnp.float32).reshape(3, 64)
+  spec = jax.sharding.PartitionSpec(None, SEQ)
+  exchange = lambda inverse: jax.jit(jax.shard_map(
+      lambda x: ring._exchange(x, SEQ, 8, inverse=inverse), mesh=mesh, in_specs=spec,
+      out_specs=spec))
+  zig = exchange(False)(x)
+  np.testing.assert_array_equal(zig, ring.to_zigzag(x, 8))
+  np.testing.assert_array_equal(exchange(True)(zig), x)
+
+
+def test_forward_moves_kv_around_the_ring_only():
+  mesh = _mesh(1, 8, 1)
+  q, k, v, _, _ = random_inputs(4, 1, 64, 4, 2, 16)
+  fn = jax.jit(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=False))
+  text = fn.lower(q, k, v).compile().as_text()
+  # One K and one V block [1, 64/8, 2, 16] per step, in a loop of R-1 = 7 steps (the last
+  # step needs no rotation). hlo.collectives lists the loop body once.
+  assert [(op, shape.split("{")[0]) for op, shape, _ in hlo.collectives(text)] == [
+      ("collective-permute", "f32[1,8,2,16]")] * 2
+  assert '"known_trip_count":{"n":"7"}' in text
+
+
+def test_backward_saves_local_blocks_only():
+  """Residuals: q, k, v, out, lse of this device, not one K/V block per ring step."""
+  mesh = _mesh(1, 1, 8)
+  q, k, v, _, segment_ids = random_inputs(5, 1, 64, 4, 2, 16, num_segments=2)
+  _, backward = jax.vjp(
+      lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids), q, k, v)
+  saved = [x for x in jax.tree.leaves(backward) if x.ndim > 1]  # leaves out scalar flags
+  lse_bytes = 4 * 64 * 4
+  assert sum(x.nbytes for x in saved) == (
+      2 * q.nbytes + k.nbytes + v.nbytes + lse_bytes + segment_ids.nbytes), [
+          (x.shape, x.dtype) for x in saved]
+
+
+def test_mesh_axes():
+  assert make_mesh(data=2, seq=4).axis_names == (DATA, SEQ)
+  mesh = make_mesh(seq=2, ring=2)
+  assert mesh.axis_names == (DATA, RING, SEQ)
+  assert dict(mesh.shape) == {DATA: 2, RING: 2, SEQ: 2}
+  assert sequence_axes(mesh) == (RING, SEQ) and ring_size(mesh) == 2
+  assert sequence_axes(make_mesh(seq=8)) == (SEQ,) and ring_size(make_mesh(seq=8)) == 1
+  with pytest.raises(ValueError, match=r"seq=2 x ring=3 does not divide the 8 available"):
+    make_mesh(seq=2, ring=3)
+  with pytest.raises(ValueError, match=r"mesh data=1 x seq=2 x ring=2 needs 4 devices"):
+    make_mesh(data=1, seq=2, ring=2)
+  with pytest.raises(ValueError, match=r"ring must be >= 1, got 0"):
+    make_mesh(ring=0)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda q, m: ring_attention(q, q, q, mesh=m, backend="pallas"),
+     r"ring attention supports backend 'auto' or 'xla', got 'pallas'"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="cudnn"),
+     r"ring attention supports backend 'auto' or 'xla', got 'cudnn'"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, layout="diagonal"),
+     r"layout must be one of \('natural', 'zigzag'\)"),
+    (lambda q, m: ulysses_attention(q[:, :12], q[:, :12], q[:, :12], mesh=m, layout="zigzag"),
+     r"S divisible by 2\*ring \(8\) .* got S=12; pad the sequence to 16 tokens"),
+])
+def test_bad_input_errors(call, message):
+  with pytest.raises(ValueError, match=message):
+    call(jnp.zeros((2, 16, 4, 8)), _mesh(2, 1, 4))
+
+
+def test_padded_length():
+  assert ring.padded_length(37, 4, 2) == 40          # 8 chunks of 5, halves of 10 split by 2
+  assert ring.padded_length(37, 2, 4) == 40          # 4 chunks of 10, halves of 20 split by 4
+  assert ring.padded_length(4000, 2) == 4096         # chunks above 512 tokens are whole blocks
+  assert ring.padded_length(64, 8) == 64

@@ -1,0 +1,321 @@
+"""Ring attention (arXiv 2310.01889) with a load-balanced causal layout, and its zigzag layout.
+
+R devices each hold S/R tokens of q, k, v. K/V blocks travel around the ring with
+``ppermute`` (device i sends to i+1) while every device attends its queries to the block it
+currently holds and merges the partial result into a float32 accumulator with log-sum-exp
+statistics. After R steps each query has seen every key. The backward rotates K/V again, and
+the dK/dV accumulated for a block travel with it, one last hop bringing them home; only the
+local q, k, v, the output and the lse are saved, never one K/V block per step. Per-device
+traffic is 2·(R−1)/R·B·S·Hkv·D elements forward (K and V), about O(S) whatever R is.
+
+**Zigzag layout.** With a causal mask and the sequence in natural order, device R−1's queries
+see every key while device 0's see only its own: the ring would take as long as a non-causal
+one. Instead the sequence is cut into 2R equal chunks and device r holds chunks r and
+2R−1−r (``zigzag_order``): at every step but the first each device computes exactly half a
+block (the other half is masked and skipped), so no device idles. The causal mask is defined
+by each token's global position, computed from the layout, so the attention itself is
+layout-agnostic. The permutation lives here only:
+
+* ``layout="natural"`` (default): inputs and outputs in natural order; inside the sharded
+  program two ``ppermute``s of half a shard each move q, k, v and the segment ids into the
+  zigzag layout, and the output back: each of the four tensors crosses the ring once more.
+* ``layout="zigzag"``: the caller already holds the sequence in zigzag order, produced once on
+  the data side with ``to_zigzag`` (tokens, labels, positions and segment ids alike: every
+  operation outside attention is token-local, and RoPE takes the permuted global positions);
+  ``from_zigzag`` inverts it. No exchange traffic.
+
+Without a causal mask the ring is balanced as is and the layout does not matter. The local
+attention is ``chunked.chunked_attention`` (the ``"xla"`` backend), the one that takes
+positions and returns a differentiable lse.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.attention import chunked
+from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
+from ulysses_jax.mesh import DATA, sequence_axes
+
+LAYOUTS = ("natural", "zigzag")
+_MAX_BLOCK = 512
+
+
+# --- Layout -------------------------------------------------------------------------------
+
+def zigzag_order(ring_size: int) -> np.ndarray:
+  """Chunk ids in zigzag memory order: ``[0, 2R-1, 1, 2R-2, ...]``; device r holds entries 2r, 2r+1."""
+  return np.stack([np.arange(ring_size), 2 * ring_size - 1 - np.arange(ring_size)], 1).ravel()
+
+
+def to_zigzag(x, ring_size: int, axis: int = 1):
+  """Natural -> zigzag order along ``axis``, whose length must be a multiple of 2·ring_size.
+
+  ``ring_size`` is the number of ring positions: ``mesh.shape["ring"]`` for the hybrid
+  ``ulysses_attention``, the product of the sequence axes for ``ring_attention``.
+  """
+  return _permute_chunks(x, zigzag_order(ring_size), axis)
+
+
+def from_zigzag(x, ring_size: int, axis: int = 1):
+  """Inverse of ``to_zigzag``."""
+  return _permute_chunks(x, np.argsort(zigzag_order(ring_size)), axis)
+
+
+def _permute_chunks(x, order, axis):
+  n = x.shape[axis]
+  if n % len(order):
+    raise ValueError(f"zigzag layout needs a length divisible by 2*ring_size = {len(order)}, "
+                     f"got {n} along axis {axis}; pad the sequence first.")
+  chunks = jnp.split(x, len(order), axis=axis)
+  return jnp.concatenate([chunks[i] for i in order], axis=axis)
+
+
+def padded_length(seq_len: int, ring_size: int, inner: int = 1) -> int:
+  """Smallest length >= ``seq_len`` the ring can split: 2·ring_size equal chunks of c tokens.
+
+  Each device's two chunks must split over ``inner`` Ulysses shards (2c % inner == 0), and
+  chunks above ``_MAX_BLOCK`` tokens are whole blocks, so the local attention tiles them
+  exactly (no tile straddles two chunks).
+  """
+  step = inner // math.gcd(2, inner)
+  c = -(-seq_len // (2 * ring_size))
+  c = -(-c // step) * step
+  if c > _MAX_BLOCK:
+    c = -(-c // math.lcm(step, _MAX_BLOCK)) * math.lcm(step, _MAX_BLOCK)
+  return 2 * ring_size * c
+
+
+def check_layout(layout, seq_len, ring_size, inner=1):
+  """Raises unless ``layout`` is known and, for ``"zigzag"``, ``seq_len`` needs no padding.
+
+  With ``ring_size`` 1 the zigzag order is the natural one, so any length is accepted.
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+  if layout == "zigzag" and ring_size > 1 and (seq_len % (2 * ring_size)
+                                               or (seq_len // ring_size) % inner):
+    raise ValueError(
+        f"layout='zigzag' needs S divisible by 2*ring ({2 * ring_size}) with each ring "
+        f"position's S/ring tokens divisible by seq ({inner}), got S={seq_len}; pad the "
+        f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
+
+
+def check_backend(backend):
+  """Ring attention needs positions and an lse from its local attention: the XLA backend."""
+  if backend not in ("auto", "xla"):
+    raise ValueError(f"ring attention supports backend 'auto' or 'xla', got {backend!r}: it "
+                     "merges partial results by log-sum-exp and masks by global positions, "
+                     "which only the XLA local attention provides.")
+
+
+def _chunk_positions(index, ring_size, chunk, zigzag):
+  """Global positions ``[2·chunk]`` of the tokens device ``index`` (traced) holds."""
+  if zigzag:
+    ids = jnp.asarray(zigzag_order(ring_size), jnp.int32)[2 * index + jnp.arange(2)]
+  else:
+    ids = 2 * index + jnp.arange(2, dtype=jnp.int32)
+  return (ids[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).ravel()
+
+
+def _exchange(x_BS, axis_name, ring_size, *, inverse):
+  """Natural local halves (chunks 2r, 2r+1) <-> zigzag (chunks r, 2R-1-r), inside shard_map.
+
+  Chunk c sits in natural half c % 2 and moves to zigzag device ``order.index(c) // 2``; one
+  ``ppermute`` per half. Even zigzag devices keep chunk parity = half index, odd ones swap.
+  """
+  device_of = np.argsort(zigzag_order(ring_size)) // 2
+  perms = [[(d, int(device_of[2 * d + h])) for d in range(ring_size)] for h in (0, 1)]
+  odd = lax.axis_index(axis_name) % 2 == 1
+  swap = lambda a, b: (jnp.where(odd, b, a), jnp.where(odd, a, b))
+  halves = jnp.split(x_BS, 2, axis=1)
+  if inverse:
+    halves = swap(*halves)
+    perms = [[(j, i) for i, j in perm] for perm in perms]
+  moved = [lax.ppermute(half, axis_name, perm) for half, perm in zip(halves, perms)]
+  return jnp.concatenate(moved if inverse else swap(*moved), axis=1)
+
+
+# --- The ring -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """Static settings of one ring (hashable: the custom_vjp's nondiff argument)."""
+  axis_name: str | tuple[str, ...]
+  size: int
+  causal: bool
+  scale: float | None
+  block: int
+
+  def rotate(self, tree):
+    """Every array of ``tree`` moves from device i to device i+1 of the ring."""
+    perm = [(i, (i + 1) % self.size) for i in range(self.size)]
+    return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
+
+  def positions(self, index, local_len):
+    # Causal rings always run in zigzag layout; without a mask positions are unused.
+    return _chunk_positions(index, self.size, local_len // 2, zigzag=self.causal)
+
+  def source(self, step):
+    """The device whose K/V block this device holds at ``step``."""
+    return (lax.axis_index(self.axis_name) - step) % self.size
+
+
+def attend_shard(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, *, axis_name, ring_size, causal,
+                 scale, layout):
+  """Ring attention inside ``shard_map``: local ``[B, S/R, H, D]`` in, same shape out.
+
+  The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
+  ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None.
+  """
+  chunk = q_BsHD.shape[1] // 2
+  block = max(b for b in range(1, min(chunk, _MAX_BLOCK) + 1) if chunk % b == 0)
+  ring = _Ring(axis_name, ring_size, causal, scale, block)
+  exchange = causal and layout == "natural" and ring_size > 1
+  if exchange:
+    q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
+        None if x is None else _exchange(x, axis_name, ring_size, inverse=False)
+        for x in (q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs))
+  out = _ring_attention_shard(ring, q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs)
+  return _exchange(out, axis_name, ring_size, inverse=True) if exchange else out
+
+
+def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
+  """Local attention of this device's queries to the K/V block held at ``step``."""
+  local_len = q.shape[1]
+  return chunked.chunked_attention(
+      q, k, v, causal=ring.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+      q_positions=ring.positions(lax.axis_index(ring.axis_name), local_len),
+      kv_positions=ring.positions(ring.source(step), k.shape[1]), scale=ring.scale,
+      block_q=ring.block, block_kv=ring.block, return_lse=True)
+
+
+def _merge(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS):
+  """Combines two partial softmax results by their log-sum-exps (float32)."""
+  lse = jnp.logaddexp(lse_BHS, part_lse_BHS)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that have seen no key yet
+  weight = lambda x: jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]
+  return out_BSHD * weight(lse_BHS) + part_BSHD.astype(jnp.float32) * weight(part_lse_BHS), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention_shard(ring, q, k, v, segment_ids):
+  return _forward(ring, q, k, v, segment_ids)[0]
+
+
+def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
+  b, s, h, d = q_BSHD.shape
+
+  def step(t, carry):
+    k, v, kv_seg, out, lse = carry
+    incoming = ring.rotate((k, v, kv_seg))  # in flight while this step computes
+    out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, t))
+    return (*incoming, out, lse)
+
+  init = (k_BSKD, v_BSKD, segment_ids, jnp.zeros((b, s, h, d), jnp.float32),
+          jnp.full((b, h, s), -jnp.inf, jnp.float32))
+  k, v, kv_seg, out, lse = lax.fori_loop(0, ring.size - 1, step, init)
+  last = ring.size - 1
+  out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
+  return out.astype(q_BSHD.dtype), lse
+
+
+def _forward_rule(ring, q, k, v, segment_ids):
+  out, lse = _forward(ring, q, k, v, segment_ids)
+  return out, (q, k, v, segment_ids, out, lse)
+
+
+def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
+  """(dq, dk, dv) of one step's tile given the GLOBAL out and lse.
+
+  With the final lse, exp(scores - lse) are the true attention probabilities, so the
+  flash-attention backward of each block, summed over blocks, is the exact gradient.
+  """
+  b, s = q.shape[:2]
+  if q_seg is None:
+    q_seg = kv_seg = jnp.zeros((b, s), jnp.int32)
+  config = chunked._Config(causal=ring.causal, scale=(q.shape[-1] ** -0.5 if ring.scale is None
+                                                      else ring.scale),
+                           block_q=ring.block, block_kv=ring.block)
+  residuals = (q, k, v, q_seg, kv_seg, ring.positions(lax.axis_index(ring.axis_name), s),
+               ring.positions(ring.source(step), k.shape[1]), out, lse)
+  return chunked._backward_rule(config, residuals, (d_out, jnp.zeros_like(lse)))[:3]
+
+
+def _backward_rule(ring, residuals, d_out):
+  q, k, v, segment_ids, out, lse = residuals
+  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+
+  def accumulate(t, k, v, kv_seg, dq, dk, dv):
+    dq_t, dk_t, dv_t = _step_grads(ring, q, k, v, segment_ids, kv_seg, out, lse, d_out, t)
+    return dq + dq_t, dk + dk_t, dv + dv_t
+
+  def step(t, carry):
+    k, v, kv_seg, dq, dk, dv = carry
+    incoming = ring.rotate((k, v, kv_seg))
+    dq, dk, dv = accumulate(t, k, v, kv_seg, dq, dk, dv)
+    # dK/dV of a block travel with it.
+    return (*incoming, dq, *ring.rotate((dk, dv)))
+
+  k_last, v_last, seg_last, dq, dk, dv = lax.fori_loop(
+      0, ring.size - 1, step, (k, v, segment_ids, f32(q), f32(k), f32(v)))
+  dq, dk, dv = accumulate(ring.size - 1, k_last, v_last, seg_last, dq, dk, dv)
+  dk, dv = ring.rotate((dk, dv))  # the last hop home
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring_attention_shard.defvjp(_forward_rule, _backward_rule)
+
+
+# --- Public entry point --------------------------------------------------------------------
+
+def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="auto",
+                   scale=None, layout="natural"):
+  """Exact attention by ring over all the mesh's sequence axes; ``ulysses_attention``'s contract.
+
+  Args:
+    q: ``[B, S, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with Hq % Hkv == 0 (no head constraint: heads
+      are never split). Sharded ``(data, sequence_axes(mesh))`` or not.
+    mesh: from ``ulysses_jax.make_mesh``; the ring runs over ``("seq",)`` or ``("ring", "seq")``
+      (R devices in all).
+    causal: causal mask over global positions; balanced with the zigzag layout.
+    segment_ids: int ``[B, S]`` (>= 0) or None; packed segments may cross shards.
+    backend: ``"auto"`` or ``"xla"`` (see ``check_backend``).
+    scale: score scale, default ``1/sqrt(D)``.
+    layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the
+      inputs and output are in ``to_zigzag(., R)`` order and S must be a multiple of 2R.
+
+  Returns:
+    ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
+    ``padded_length(S, R)`` (natural layout) and the padding masked.
+  """
+  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
+  check_backend(backend)
+  axes = sequence_axes(mesh)
+  check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
+  return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
+                         scale=None if scale is None else float(scale), layout=layout)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout"))
+def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout):
+  s = q.shape[1]
+  axes = sequence_axes(mesh)
+  ring_size = math.prod(mesh.shape[a] for a in axes)
+  if layout == "natural":
+    # padded_length(s, .) >= s is the next multiple of itself: pads to exactly that length.
+    q, k, v, segment_ids = pad_sequence(padded_length(s, ring_size), q, k, v, segment_ids,
+                                        causal=causal)
+  attend = functools.partial(attend_shard, axis_name=axes, ring_size=ring_size, causal=causal,
+                             scale=scale, layout=layout)
+  act = P(DATA, axes, None, None)
+  seg_spec = None if segment_ids is None else P(DATA, axes)
+  out = jax.shard_map(attend, mesh=mesh, in_specs=(act, act, act, seg_spec), out_specs=act,
+                      check_vma=False)(q, k, v, segment_ids)
+  return out[:, :s]

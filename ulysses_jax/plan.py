@@ -1,0 +1,269 @@
+"""Layout planner: which (data, seq, ring, remat, offload) to train a model at a sequence length.
+
+    python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
+        [--intra-node=8] [--batch=1] [--dtype=bfloat16]
+
+For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
+innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``) and every activation
+policy, it predicts per-device memory (``predict_memory``) and the time of one training step
+(``predict_step``), drops the layouts that do not fit, and recommends the fastest.
+
+Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
+the compute / parameter dtype; parameters, gradients and Adam moments FSDP-sharded over all
+N devices):
+
+  state      (p + 2p)·params/N           parameters and Adam moments (the step's arguments)
+  grads      2p·params/N                 gradients and one optimizer temporary
+  gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
+                                         matrix (embedding or head) and its gradient
+  saved      L·T·c·(E [+ (2Hq + 2Hkv)·D with save_names])   per-layer residuals kept for the
+                                         backward (``offload`` keeps the named ones on the host)
+  working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
+             + 2·B'·H'·b²·4              two float32 score tiles of the XLA attention (b <= 512)
+             + ring buffers              K/V in flight, float32 accumulators (ring > 1)
+
+F' = min(T, tokens per MLP tile) / T · F. The working-set coefficients (11, 7.5) count the
+``[T, E]`` and ``[T, F]`` buffers live in one layer's backward, as measured from XLA's buffer
+assignment (``tests/test_plan.py`` checks the total against ``compiled.memory_analysis()``).
+``remat="none"`` keeps every layer's working set instead (a rougher estimate).
+
+Communication (per device per step; formulas of DESIGN.md, times at the given bandwidths):
+all-to-all over ``seq`` (2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass, ring K/V 2·(R-1)·Hkv'·D·T·c
+per forward (+ float32 dK/dV home in the backward), FSDP all-gather c·params and
+reduce-scatter p·params. ``seq`` within a node uses ``intra_bw``; anything wider ``inter_bw``.
+Compute: 6·params·T + 6·L·S·Hq·D·T FLOPs (causal), plus one forward when rematerialising.
+"""
+
+import argparse
+import dataclasses
+
+from ulysses_jax.attention.ulysses import plan_heads
+
+REMATS = ("full", "save_names", "offload", "none")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_GB = 1e9
+_XLA_BLOCK = 512
+# One layer's backward: live [T, E] and [T, F] buffers (see the module docstring).
+_WORK_E, _WORK_F = 11.0, 7.5
+# remat="none": per-layer activations kept for the backward, in [T, E] / [T, F] buffers.
+_NONE_E, _NONE_F = 10.0, 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The shape of a Llama-family decoder (``models.llama.LlamaConfig`` fields)."""
+  vocab_size: int
+  hidden_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  tie_embeddings: bool = False
+  mlp_chunk: int = 0
+  loss_chunk: int = 1024
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+  @property
+  def layer_params(self):
+    e, d = self.hidden_dim, self.head_dim
+    return (e * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * e
+            + 3 * e * self.mlp_dim + 2 * e)
+
+  @property
+  def params(self):
+    vocab = self.vocab_size * self.hidden_dim * (1 if self.tie_embeddings else 2)
+    return self.num_layers * self.layer_params + vocab + self.hidden_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """Per-device memory and speeds. Defaults: H100 SXM nodes of 8 with 400 Gb/s per GPU."""
+  memory_gb: float = 80.0
+  usable: float = 0.9          # fraction left after the runtime, allocator, fragmentation
+  intra_node: int = 8
+  intra_bw: float = 300e9      # bytes/s per device, all-to-all inside a node (NVLink)
+  inter_bw: float = 45e9       # bytes/s per device across nodes
+  hbm_bw: float = 3.0e12       # bytes/s
+  flops: float = 400e12        # achieved dense bf16 FLOP/s (about 40% of the H100 peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh (``make_mesh(data, seq, ring)``) and ``LlamaConfig.remat_policy``.
+
+  ``remat="offload"`` is ``save_names`` with the named activations (q, k, v, attention
+  output) kept on the host instead of the device.
+  """
+  data: int
+  seq: int
+  ring: int
+  remat: str = "full"
+
+  @property
+  def offload(self):
+    return self.remat == "offload"
+
+
+def _tokens(layout, batch, seq_len):
+  """Per-device (sequences, tokens per sequence, tokens) before attention."""
+  seqs = batch // layout.data
+  per_seq = -(-seq_len // (layout.seq * layout.ring))
+  return seqs, per_seq, seqs * per_seq
+
+
+def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
+                   dtype: str = "bfloat16", param_dtype: str = "float32") -> dict:
+  """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
+  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  n = layout.data * layout.seq * layout.ring
+  e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
+  seqs, per_seq, t = _tokens(layout, batch, seq_len)
+  heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
+  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
+  mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
+  f_eff = f * mlp_tokens / t
+  saved_per_token = e
+  if layout.remat == "save_names":
+    saved_per_token += (2 * model.num_heads + 2 * model.num_kv_heads) * d
+  elif layout.remat == "none":
+    saved_per_token = _NONE_E * e + _NONE_F * f_eff + (2 * hq + 2 * hkv) * d
+  attn_len = seq_len // layout.ring  # keys per step on each device
+  block = min(_XLA_BLOCK, attn_len)
+  tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
+  ring = 0
+  if layout.ring > 1:  # K, V current and incoming; f32 out, dq, dk, dv accumulators
+    ring = t * d * (4 * hkv * c + 2 * hq * 4 + 4 * hkv * 4)
+  terms = {
+      "state": 3 * p * model.params / n,
+      "grads": 2 * p * model.params / n,
+      "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
+      "saved": model.num_layers * t * saved_per_token * c,
+      "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
+  }
+  terms["total"] = sum(terms.values())
+  return terms
+
+
+def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
+                 hardware: Hardware, dtype: str = "bfloat16") -> dict:
+  """Per-device communication bytes and predicted seconds of one training step."""
+  c = _DTYPE_BYTES[dtype]
+  n = layout.data * layout.seq * layout.ring
+  _, _, t = _tokens(layout, batch, seq_len)
+  heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
+  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
+  l, e, d = model.num_layers, model.hidden_dim, model.head_dim
+  bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
+  # Attention passes: forward, backward, and the forward again unless nothing is recomputed
+  # (save_names keeps q, k, v but not the lse, so attention is recomputed).
+  passes = 2 if layout.remat == "none" else 3
+  a2a = (2 * hq + 2 * hkv) * d * t * c * (layout.seq - 1) / layout.seq * l * passes
+  kv_block = hkv * d * t  # one K (or V) block on each device
+  ring = 0
+  if layout.ring > 1:  # K/V rotate in each pass; float32 dK/dV travel home in the backward
+    ring = l * (passes * 2 * (layout.ring - 1) * kv_block * c + 2 * layout.ring * kv_block * 4)
+  fsdp = (2 * c + 4) * model.params * (n - 1) / n  # gather twice (c), reduce-scatter (fp32)
+  attn_flops = 2 * l * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
+  forward = 2 * model.params * t + attn_flops
+  projections = 2 * l * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
+  recompute = {"full": forward, "save_names": forward - projections,
+               "offload": forward - projections, "none": 0}[layout.remat]
+  compute = (3 * forward + recompute) / hardware.flops
+  attn_time = passes * attn_flops / hardware.flops
+  # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
+  merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
+  offload = 0.0
+  if layout.offload:  # named activations to the host and back over PCIe (~25 GB/s)
+    offload = max(0.0, 2 * l * t * (2 * model.num_heads + 2 * model.num_kv_heads) * d * c
+                  / 25e9 - compute)
+  times = {
+      "compute_s": compute + merge,
+      "all_to_all_s": a2a / bw(layout.seq),
+      "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
+      "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
+      "offload_exposed_s": offload,
+  }
+  return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
+          "step_s": sum(times.values())}
+
+
+def layouts(devices: int, batch: int, *, remats=REMATS):
+  """Every ``Layout`` with data·seq·ring = devices and data dividing the batch."""
+  for data in range(1, devices + 1):
+    if devices % data or batch % data:
+      continue
+    for seq in range(1, devices // data + 1):
+      if (devices // data) % seq == 0:
+        for remat in remats:
+          yield Layout(data, seq, devices // data // seq, remat)
+
+
+def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
+         dtype: str = "bfloat16") -> list[dict]:
+  """Feasible layouts, fastest first; each row has ``layout``, ``memory`` and ``step``."""
+  if seq_len < 1 or devices < 1 or batch < 1:
+    raise ValueError(f"seq_len, devices and batch must be >= 1, got {seq_len}, {devices}, "
+                     f"{batch}.")
+  budget = hardware.memory_gb * _GB * hardware.usable
+  rows = []
+  for layout in layouts(devices, batch):
+    memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, dtype=dtype)
+    if memory["total"] <= budget:
+      step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
+                          dtype=dtype)
+      rows.append({"layout": layout, "memory": memory, "step": step})
+  return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
+
+
+def _format(rows, batch, seq_len):
+  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>10} {'mem GB':>7} {'a2a GB':>7} "
+            f"{'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} {'step s':>8} {'tok/s':>9}")
+  lines = [header]
+  for r in rows:
+    lay, mem, step = r["layout"], r["memory"], r["step"]
+    comm = step["step_s"] - step["compute_s"]
+    lines.append(
+        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>10} {mem['total'] / _GB:>7.1f} "
+        f"{step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
+        f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
+        f"{batch * seq_len / step['step_s']:>9.0f}")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  from ulysses_jax.models import llama
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", required=True, help=f"one of {sorted(llama.PRESETS)}")
+  parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+  parser.add_argument("--devices", type=int, required=True)
+  parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB per device")
+  parser.add_argument("--intra-node", type=int, default=8, help="devices per node")
+  parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+  parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
+  parser.add_argument("--mlp-chunk", type=int, default=None, help="tokens per MLP tile")
+  parser.add_argument("--top", type=int, default=12, help="rows to print")
+  args = parser.parse_args(argv)
+  overrides = {} if args.mlp_chunk is None else {"mlp_chunk": args.mlp_chunk}
+  model = Model.from_config(llama.preset(args.model, **overrides))
+  hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node)
+  rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
+              batch=args.batch, dtype=args.dtype)
+  print(f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x {args.seq_len} "
+        f"tokens on {args.devices} devices of {args.gpu_mem:g} GB "
+        f"({hardware.usable:.0%} usable), {args.intra_node} per node")
+  if not rows:
+    print("no layout fits: add devices, lower --seq-len, or tile the MLP (--mlp-chunk).")
+    return None
+  print(_format(rows[:args.top], args.batch, args.seq_len))
+  best = rows[0]["layout"]
+  print(f"recommended: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}), "
+        f"remat_policy={best.remat!r}; {len(rows)} feasible layouts")
+  return rows[0]
+
+
+if __name__ == "__main__":
+  main()

@@ -88,6 +88,24 @@ def _unblocks(x_NBb):
   return jnp.moveaxis(x_NBb, 0, 1).reshape(b, n * block, *x_NBb.shape[3:])
 
 
+def _fori_loop(num_steps, body, init):
+  """``lax.fori_loop(0, num_steps, body, init)`` that always lowers to a while loop.
+
+  A fori_loop with static bounds becomes a scan, and when this attention runs inside a
+  differentiated ``lax.scan`` (a model's layer stack) JAX then keeps every tile of that scan
+  as a residual, O(S^2) memory, even though the custom_vjp never differentiates it. A while
+  loop has no residuals to keep.
+  """
+  def cond(carry):
+    return carry[0] < num_steps
+
+  def step(carry):
+    i, value = carry
+    return i + 1, body(i, value)
+
+  return lax.while_loop(cond, step, (jnp.int32(0), init))[1]
+
+
 def _block_visible(config, q_pos_b, kv_pos_b):
   """False when the causal mask hides the whole (query block, key block) tile."""
   if not config.causal:
@@ -152,7 +170,7 @@ def _forward(config, q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, q_pos, kv_pos):
       visible = _block_visible(config, q_pos_b, kv_pos_blocks[j])
       return lax.cond(visible, lambda c: update(j, c), lambda c: c, carry)
 
-    row_max, denom, acc = lax.fori_loop(0, k_blocks.shape[0], visit, init)
+    row_max, denom, acc = _fori_loop(k_blocks.shape[0], visit, init)
     out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
     lse = jnp.where(denom == 0, -jnp.inf, row_max + jnp.log(jnp.where(denom == 0, 1.0, denom)))
     return jnp.einsum("bhgqd->bqhgd", out).astype(q_BSHD.dtype), lse
@@ -208,7 +226,7 @@ def _backward_rule(config, residuals, cotangents):
                                k_blocks[j], preferred_element_type=jnp.float32)
       visible = _block_visible(config, q_pos_blocks[i], kv_pos_blocks[j])
       return lax.cond(visible, add, lambda dq: dq, dq)
-    dq = lax.fori_loop(0, k_blocks.shape[0], visit, jnp.zeros(q_blocks.shape[1:], jnp.float32))
+    dq = _fori_loop(k_blocks.shape[0], visit, jnp.zeros(q_blocks.shape[1:], jnp.float32))
     return (dq * config.scale).astype(q_BSHD.dtype)
 
   def dkv_block(j):
@@ -224,7 +242,7 @@ def _backward_rule(config, residuals, cotangents):
       visible = _block_visible(config, q_pos_blocks[i], kv_pos_blocks[j])
       return lax.cond(visible, add, lambda c: c, carry)
     zeros = jnp.zeros(k_blocks.shape[1:], jnp.float32)
-    dk, dv = lax.fori_loop(0, q_blocks.shape[0], visit, (zeros, zeros))
+    dk, dv = _fori_loop(q_blocks.shape[0], visit, (zeros, zeros))
     return (dk * config.scale).astype(k_BSKD.dtype), dv.astype(v_BSKD.dtype)
 
   dq = _unblocks(lax.map(dq_block, jnp.arange(q_blocks.shape[0]))).reshape(b, sq, hq, d)

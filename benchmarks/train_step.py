@@ -1,0 +1,113 @@
+"""Training throughput, MFU and per-device memory of a model preset at a sequence length.
+
+    python -m benchmarks.train_step --preset llama3.2-1b --seq-len 32768 [--data 1 --seq 8]
+
+Runs the real train step (``ulysses_jax.train_step``: chunked loss, remat, AdamW, donation)
+on synthetic tokens, on whatever devices JAX sees (add
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for virtual CPU devices).
+
+MFU = model FLOP/s / measured peak matmul FLOP/s of all devices together
+(``ulysses_jax.metrics``), with model FLOPs per token = 6 * N + 12 * L * S * h / 2 (causal):
+N = parameters taking part in matmuls (all but the embedding lookup; the LM head counts,
+tied or not), L layers, S sequence length, h = heads * head_dim. Remat recomputation is not
+counted (it is not model FLOPs). The peak is timed square matmuls in the compute dtype.
+"""
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from benchmarks import common
+from ulysses_jax import make_mesh, metrics, train_step
+from ulysses_jax.models import llama
+
+FORMULA = ("MFU = flops_per_token * tokens/s / peak(all devices); flops_per_token = 6*N + "
+           "6*L*S*h (causal attention: 12*L*S*h halved)")
+
+
+def synthetic_batch(batch: int, seq_len: int, vocab: int, doc_len: int) -> dict:
+  """Random tokens packed into documents of ``doc_len`` tokens (0 = one document per row)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab, (batch, seq_len + 1), dtype=np.int32)
+  index = np.arange(seq_len, dtype=np.int32)
+  batch_dict = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
+  if doc_len:
+    batch_dict["segment_ids"] = np.broadcast_to(index // doc_len, (batch, seq_len)).copy()
+    batch_dict["positions"] = np.broadcast_to(index % doc_len, (batch, seq_len)).copy()
+    batch_dict["labels"] = np.where((index + 1) % doc_len == 0, -1, batch_dict["labels"])
+  return {k: np.ascontiguousarray(v, np.int32) for k, v in batch_dict.items()}
+
+
+def main(argv=None):
+  on_gpu = jax.default_backend() == "gpu"
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", default="small", choices=sorted(llama.PRESETS))
+  parser.add_argument("--seq-len", type=int, default=2048)
+  parser.add_argument("--batch", type=int, default=0, help="global batch (default: data axis)")
+  parser.add_argument("--data", type=int, default=1)
+  parser.add_argument("--seq", type=int, default=-1, help="seq axis (default: devices/data)")
+  parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
+  parser.add_argument("--remat", default="full", choices=llama.REMAT_POLICIES)
+  parser.add_argument("--mlp-chunk", type=int, default=0)
+  parser.add_argument("--loss-chunk", type=int, default=1024)
+  parser.add_argument("--backend", default="auto")
+  parser.add_argument("--doc-len", type=int, default=0, help="packed documents of this length")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--json", default="")
+  args = parser.parse_args(argv)
+
+  seq_axis = jax.device_count() // args.data if args.seq == -1 else args.seq
+  mesh = make_mesh(data=args.data, seq=seq_axis)
+  batch_size = args.batch or args.data
+  config = llama.preset(args.preset, dtype=args.dtype, remat_policy=args.remat,
+                        mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
+                        attention_backend=args.backend)
+  start = time.perf_counter()
+  model = llama.init_llama(config, mesh)
+  tx = train_step.make_optimizer(train_step.OptimizerConfig())
+  graphdef, state = train_step.init_train_state(model, tx)
+  del model
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=args.seq_len)
+  batch = synthetic_batch(batch_size, args.seq_len, config.vocab_size, args.doc_len)
+  compiled = step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+
+  holder = {"state": state}
+
+  def one_step():
+    holder["state"], metrics = compiled(holder["state"], batch)
+    return holder["state"], metrics
+
+  timing = common.time_fn(one_step, warmup=2, iters=args.steps)
+  tokens_per_s = batch_size * args.seq_len / timing["median_s"]
+  model_flops = metrics.flops_per_token(config, args.seq_len) * tokens_per_s
+  peak = metrics.measure_peak_flops(args.dtype)
+  stats = jax.devices()[0].memory_stats() or {}
+  gib = 2.0 ** -30
+  row = {
+      "preset": args.preset, "params_M": llama.count_params(config) / 1e6,
+      "mesh": f"{mesh.shape['data']}x{mesh.shape['seq']}", "batch": batch_size,
+      "seq_len": args.seq_len, "dtype": args.dtype, "remat": args.remat,
+      "mlp_chunk": args.mlp_chunk, "step_s": timing["median_s"], "tokens_per_s": tokens_per_s,
+      "model_TFLOPs": model_flops / 1e12, "peak_TFLOPs": peak / 1e12,
+      "MFU": model_flops / peak,
+      "args_GiB": memory.argument_size_in_bytes * gib,
+      "temp_GiB": memory.temp_size_in_bytes * gib,
+      "peak_GiB": stats.get("peak_bytes_in_use", float("nan")) * gib,
+      "compile_s": compile_s,
+      "loss": float(one_step()[1]["loss"]),
+  }
+  print(FORMULA)
+  print("memory per device: args = state + batch shard; temp = XLA scratch (activations); "
+        "peak = allocator peak (GPU only)")
+  common.print_table([row], list(row))
+  if args.json:
+    common.write_json(args.json, [row], formula=FORMULA)
+  return row
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,195 @@
+"""Llama: architecture against a plain reference, SP equivalence, tiling, remat, presets."""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
+                         model_on, packed_batch, relative_error, tree_on_host)
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.models import llama
+from ulysses_jax.models.llama import MLP, Llama, LlamaConfig, init_llama, preset
+from ulysses_jax.rope import RopeScaling, inverse_frequencies
+
+
+def _rms(x, scale, eps):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def _rope(x_BSHD, positions_BS, inv_freq):
+  angles = positions_BS[..., None] * np.asarray(inv_freq, np.float64)
+  cos, sin = np.cos(angles)[:, :, None], np.sin(angles)[:, :, None]
+  x1, x2 = np.split(x_BSHD, 2, axis=-1)
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def reference_logits(config, params, tokens, positions, segment_ids):
+  """The Llama forward pass written out layer by layer in float64 NumPy (dense attention)."""
+  c = config
+  p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(params))
+  inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+  x = p["embedding"][tokens]
+  for i in range(c.num_layers):
+    layer = jax.tree.map(lambda a: a[i], p["layers"])
+    attn = layer["attn"]
+    h = _rms(x, layer["attn_norm"]["scale"], c.norm_eps)
+    q, k, v = (np.einsum("bse,ehd->bshd", h, attn[n]["kernel"]) + attn[n].get("bias", 0.0)
+               for n in ("q_proj", "k_proj", "v_proj"))
+    if c.qk_norm:
+      q, k = _rms(q, attn["q_norm"]["scale"], c.norm_eps), _rms(k, attn["k_norm"]["scale"],
+                                                                c.norm_eps)
+    q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
+    out = np.asarray(dense_attention(*(jnp.asarray(t, jnp.float32) for t in (q, k, v)),
+                                     causal=True, q_segment_ids=segment_ids,
+                                     kv_segment_ids=segment_ids), np.float64)
+    x = x + np.einsum("bshd,hde->bse", out, attn["o_proj"]["kernel"])
+    mlp = layer["mlp"]
+    h = _rms(x, layer["mlp_norm"]["scale"], c.norm_eps)
+    gate = h @ mlp["gate_proj"]["kernel"]
+    x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["up_proj"]["kernel"])) @ mlp["down_proj"][
+        "kernel"]
+  x = _rms(x, p["final_norm"]["scale"], c.norm_eps)
+  head = p["embedding"].T if c.tie_embeddings else p["lm_head"]["kernel"]
+  return x @ head
+
+
+ALL_FEATURES = preset("tiny-gqa", tie_embeddings=True, qkv_bias=True, qk_norm=True,
+                      rope_scaling=RopeScaling(factor=4.0, original_max_position=16))
+
+
+@pytest.mark.parametrize("config", [preset("tiny-gqa"), ALL_FEATURES],
+                         ids=["plain", "tied-bias-qknorm-llama3rope"])
+def test_logits_match_reference(config):
+  mesh = mesh_of(2, 4)
+  # Perturb every parameter so norm scales and biases are not at their 1/0 init.
+  state = initial_state(config)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  state = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
+                                       for x, k in zip(leaves, keys)])
+  model = model_on(config, mesh, state)
+  batch = packed_batch(0, 2, 20, config.vocab_size)
+  logits = nnx.jit(lambda m, b: m(b["tokens"], b["positions"], b["segment_ids"]))(model, batch)
+  expected = reference_logits(config, tree_on_host(state), batch["tokens"],
+                              batch["positions"], batch["segment_ids"])
+  assert logits.shape == (2, 20, config.vocab_size) and logits.dtype == jnp.float32
+  assert relative_error(logits, expected) < 1e-5
+
+
+# (preset, seq_len, mesh): S=30 is divisible by neither 4 nor 8; every mesh runs both heads
+# layouts in the slow suite. Small loss/MLP chunks force several padded chunks per device.
+SP_CASES = [("tiny", 32, m) for m in MESHES] + [("tiny-gqa", 30, m) for m in MESHES]
+FAST_SP_CASES = {("tiny", 32, (1, 8)), ("tiny-gqa", 30, (2, 4))}
+
+
+@pytest.fixture(scope="module")
+def sp_reference():
+  """Per preset: config, host parameters, batch, and loss + gradients on one device."""
+  cache = {}
+
+  def get(name, seq_len):
+    if name not in cache:
+      config = preset(name, loss_chunk=3, mlp_chunk=3)
+      state = initial_state(config)
+      batch = packed_batch(1, 8, seq_len, config.vocab_size)
+      cache[name] = (config, state, batch,
+                     loss_and_grads(model_on(config, mesh_of(1, 1), state), batch))
+    return cache[name]
+  return get
+
+
+@pytest.mark.parametrize(
+    "name,seq_len,mesh_shape",
+    [c if c in FAST_SP_CASES else pytest.param(*c, marks=pytest.mark.slow) for c in SP_CASES])
+def test_sequence_parallel_loss_and_grads_match_single_device(sp_reference, name, seq_len,
+                                                              mesh_shape):
+  config, state, batch, (ref_loss, ref_grads) = sp_reference(name, seq_len)
+  loss, grads = loss_and_grads(model_on(config, mesh_of(*mesh_shape), state), batch)
+  assert relative_error(loss, ref_loss) < 1e-5
+  assert_trees_close(grads, ref_grads)
+
+
+def test_compile_size_does_not_grow_with_depth():
+  def op_counts(num_layers):
+    config = preset("tiny", num_layers=num_layers)
+    model = nnx.eval_shape(lambda: Llama(config, mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, 16), jnp.int32)
+    loss = lambda s, t: nnx.merge(graphdef, s).loss(t, t).mean()
+    text = jax.jit(jax.grad(loss)).lower(state, tokens).as_text()
+    return collections.Counter(re.findall(r"stablehlo\.[a-z_]+", text))
+  assert op_counts(2) == op_counts(12)
+
+
+def test_tiled_mlp_matches_plain_mlp():
+  mesh = mesh_of(2, 4)
+  plain = nnx.eval_shape(lambda: MLP(preset("tiny"), mesh=mesh, rngs=nnx.Rngs(0)))
+  graphdef, _ = nnx.split(plain)
+  tiled_graphdef, _ = nnx.split(nnx.eval_shape(
+      lambda: MLP(preset("tiny", mlp_chunk=3), mesh=mesh, rngs=nnx.Rngs(0))))
+  state = nnx.state(MLP(preset("tiny"), mesh=mesh, rngs=nnx.Rngs(0)))
+  x = jax.random.normal(jax.random.key(0), (2, 40, 64))  # 10 local tokens: chunks 3+3+3+1
+
+  def run(graphdef):
+    f = lambda s, x: jnp.sum(jnp.sin(nnx.merge(graphdef, s)(x)))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(state, x)
+
+  (value, grads), (tiled_value, tiled_grads) = run(graphdef), run(tiled_graphdef)
+  assert relative_error(tiled_value, value) < 1e-6
+  assert_trees_close(tiled_grads, grads)
+
+
+@pytest.fixture(scope="module")
+def remat_reference():
+  """Config, parameters, batch, and loss + gradients without remat, on a (1, 2) mesh."""
+  config = preset("tiny-gqa", remat_policy="none")
+  state = initial_state(config)
+  batch = packed_batch(2, 2, 16, config.vocab_size)
+  return config, state, batch, loss_and_grads(model_on(config, mesh_of(1, 2), state), batch)
+
+
+@pytest.mark.parametrize("policy", [
+    "offload",
+    *(pytest.param(p, marks=pytest.mark.slow)
+      for p in llama.REMAT_POLICIES if p not in ("none", "offload"))])
+def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
+  config, state, batch, (loss, grads) = remat_reference
+  model = model_on(config.replace(remat_policy=policy), mesh_of(1, 2), state)
+  remat_loss, remat_grads = loss_and_grads(model, batch)
+  assert relative_error(remat_loss, loss) < 1e-6
+  assert_trees_close(remat_grads, grads)
+  graphdef, params = nnx.split(model)
+  capsys.readouterr()
+  jax.ad_checkpoint.print_saved_residuals(
+      lambda p: nnx.merge(graphdef, p).loss(batch["tokens"], batch["labels"]).mean(), params)
+  on_host = [line for line in capsys.readouterr().out.splitlines() if "<host>" in line]
+  # offload: q, k, v and the attention output of every layer live in pinned host memory.
+  assert len(on_host) == (4 if policy == "offload" else 0), on_host
+
+
+def test_presets_have_published_parameter_counts():
+  # Hugging Face model cards / safetensors totals.
+  assert llama.count_params(preset("llama3.2-1b")) == 1_235_814_400
+  assert llama.count_params(preset("llama3.1-8b")) == 8_030_261_248
+  assert llama.count_params(preset("qwen2.5-7b")) == 7_615_616_512
+
+
+def test_config_errors_name_expected_and_actual():
+  with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads "
+                                       r"\(4\)"):
+    LlamaConfig(num_heads=6, num_kv_heads=4)
+  with pytest.raises(ValueError, match="remat_policy must be one of"):
+    LlamaConfig(remat_policy="some")
+  with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
+    preset("gpt5")
+  with pytest.raises(ValueError, match="divisible by the 8 shards"):
+    init_llama(preset("tiny", hidden_dim=36, head_dim=8, num_heads=4, num_kv_heads=4),
+               mesh_of(2, 4))
+  model = nnx.eval_shape(lambda: Llama(preset("tiny"), mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"labels must have the tokens' shape \(2, 8\)"):
+    model.loss(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 7), jnp.int32))

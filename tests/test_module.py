@@ -1,0 +1,149 @@
+"""UlyssesAttention (the NNX layer) and RoPE: against a dense reference, standalone use."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from model_cases import assert_trees_close, mesh_of, packed_batch, relative_error
+from ulysses_jax.attention.module import UlyssesAttention
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.rope import RopeScaling, apply_rope, inverse_frequencies
+
+E, HQ, HKV, D = 32, 4, 2, 8
+
+
+def _attention(mesh, **kwargs):
+  return UlyssesAttention(E, HQ, num_kv_heads=HKV, head_dim=D, mesh=mesh, rngs=nnx.Rngs(0),
+                          **kwargs)
+
+
+def _rms(x, scale, eps=1e-6):
+  return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def _dense_reference(attn, x, positions, segment_ids):
+  """The same layer with plain projections and single-device dense attention."""
+  project = lambda p: jnp.einsum("bse,ehd->bshd", x, p.kernel[...]) + (
+      0.0 if p.bias is None else p.bias[...])
+  q, k, v = project(attn.q_proj), project(attn.k_proj), project(attn.v_proj)
+  if attn.q_norm is not None:
+    q, k = _rms(q, attn.q_norm.scale[...]), _rms(k, attn.k_norm.scale[...])
+  inv_freq = inverse_frequencies(D, attn.rope_theta, attn.rope_scaling)
+  q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+  out = dense_attention(q, k, v, causal=True, q_segment_ids=segment_ids,
+                        kv_segment_ids=segment_ids)
+  return jnp.einsum("bshd,hde->bse", out, attn.o_proj.kernel[...])
+
+
+@pytest.mark.parametrize("mesh_shape,seq_len,features", [
+    ((2, 4), 30, dict(qk_norm=True, qkv_bias=True)),   # S % P != 0: padded inside
+    ((1, 8), 32, dict(rope_scaling=RopeScaling(factor=4.0, original_max_position=8))),
+])
+def test_matches_dense_reference_with_gradients(mesh_shape, seq_len, features):
+  mesh = mesh_of(*mesh_shape)
+  graphdef, state = nnx.split(_attention(mesh, **features))
+  # Random norm scales and biases, so every parameter matters.
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(1), len(leaves) + 1)
+  state = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape)
+                                       for x, k in zip(leaves, keys)])
+  batch = packed_batch(0, 2, seq_len, 2)
+  x = jax.random.normal(keys[-1], (2, seq_len, E))
+  pos, seg = batch["positions"], batch["segment_ids"]
+
+  def loss(layer_fn):
+    return lambda s, x: jnp.sum(jnp.sin(layer_fn(nnx.merge(graphdef, s), x)))
+
+  ulysses = loss(lambda a, x: a(x, pos, seg))
+  dense = loss(lambda a, x: _dense_reference(a, x, pos, seg))
+  out = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, pos, seg))(state, x)
+  expected = jax.jit(lambda s, x: _dense_reference(nnx.merge(graphdef, s), x, pos, seg))(state, x)
+  assert relative_error(out, expected) < 1e-5
+  grads = jax.jit(jax.grad(ulysses, argnums=(0, 1)))(state, x)
+  assert_trees_close(grads, jax.jit(jax.grad(dense, argnums=(0, 1)))(state, x))
+
+
+def test_packed_document_sees_only_itself_at_restarted_positions():
+  mesh = mesh_of(1, 8)
+  attn = nnx.jit(lambda a, *args: a(*args))
+  layer = _attention(mesh)
+  x = jax.random.normal(jax.random.key(0), (1, 32, E))
+  # Document A = tokens 0..12, document B = tokens 13..31 (crossing shard boundaries).
+  segment_ids = jnp.where(jnp.arange(32) < 13, 0, 1)[None]
+  positions = jnp.where(jnp.arange(32) < 13, jnp.arange(32), jnp.arange(32) - 13)[None]
+  packed = attn(layer, x, positions, segment_ids)
+  alone = attn(layer, x[:, 13:])  # B on its own, default positions 0..18, S % 8 != 0
+  assert relative_error(packed[:, 13:], alone) < 1e-5
+  assert relative_error(packed[:, :13], attn(layer, x[:, :13])) < 1e-5
+
+
+class UserModel(nnx.Module):
+  """What a user might write: embedding, one UlyssesAttention layer, mean-pooled classifier."""
+
+  def __init__(self, mesh, rngs):
+    self.embed = nnx.Embed(16, E, rngs=rngs)
+    self.attn = UlyssesAttention(E, HQ, num_kv_heads=HKV, mesh=mesh, rngs=rngs)
+    self.out = nnx.Linear(E, 2, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    return self.out(jnp.mean(x + self.attn(x), axis=1))
+
+
+def test_usable_in_a_user_nnx_model_with_nnx_optimizer():
+  tokens = jax.random.randint(jax.random.key(0), (4, 24), 0, 16)
+  targets = (tokens[:, 0] > 7).astype(jnp.int32)
+
+  def loss_fn(model):
+    return optax.softmax_cross_entropy_with_integer_labels(model(tokens), targets).mean()
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = {}
+  for shape in ((1, 1), (2, 4)):
+    model = UserModel(mesh_of(*shape), nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    losses[shape] = [float(train_step(model, optimizer)) for _ in range(4)]
+  assert losses[(2, 4)][-1] < losses[(2, 4)][0]
+  np.testing.assert_allclose(losses[(2, 4)], losses[(1, 1)], rtol=1e-5)
+
+
+def test_rope_depends_only_on_relative_position():
+  inv_freq = inverse_frequencies(D, 10_000.0)
+  q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, D))
+  score = lambda m, n: jnp.sum(apply_rope(q, jnp.array([[m]]), inv_freq) *
+                               apply_rope(k, jnp.array([[n]]), inv_freq))
+  assert abs(score(5, 2) - score(103, 100)) < 1e-4
+  assert abs(score(5, 2) - score(5, 3)) > 1e-3
+
+
+def test_llama3_rope_scaling_matches_hugging_face():
+  transformers = pytest.importorskip("transformers")
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  config = transformers.LlamaConfig(
+      hidden_size=512, num_attention_heads=4, head_dim=128, rope_theta=500_000.0,
+      rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position_embeddings=8192))
+  expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+  got = inverse_frequencies(128, 500_000.0, RopeScaling(factor=8.0))
+  assert relative_error(got, expected.numpy()) < 1e-6
+
+
+def test_bad_arguments_raise_before_work():
+  mesh = mesh_of(1, 1)
+  with pytest.raises(ValueError, match=r"num_heads \(6\) must be a multiple of num_kv_heads "
+                                       r"\(4\)"):
+    UlyssesAttention(E, 6, num_kv_heads=4, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"embed_dim \(30\) is not divisible by num_heads \(4\)"):
+    UlyssesAttention(30, 4, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="backend must be one of"):
+    UlyssesAttention(E, 4, mesh=mesh, backend="flash", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="RopeScaling.kind must be one of"):
+    RopeScaling(kind="yarn")

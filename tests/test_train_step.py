@@ -1,0 +1,113 @@
+"""The train step: SP equivalence over optimizer steps, accumulation, optimizer, donation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
+                         relative_error, tree_on_host)
+from ulysses_jax import train_step
+from ulysses_jax.models.llama import preset
+
+CONFIG = preset("tiny-gqa", loss_chunk=3, mlp_chunk=5)
+OPTIMIZER = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=4)
+SEQ_LEN = 30  # divisible by neither 4 nor 8
+Z_LOSS = 1e-3
+
+
+def _train(mesh_shape, state, batches, *, accum_steps=1):
+  """Runs one step per batch from parameters ``state``.
+
+  Returns the final state and the metrics on the host, and whether the step donated (deleted)
+  the state it was given.
+  """
+  mesh = mesh_of(*mesh_shape)
+  tx = train_step.make_optimizer(OPTIMIZER)
+  graphdef, train_state = train_step.init_train_state(model_on(CONFIG, mesh, state), tx)
+  step = train_step.make_train_step(
+      graphdef, train_state, tx, mesh=mesh, seq_len=batches[0]["tokens"].shape[1],
+      accum_steps=accum_steps, z_loss_weight=Z_LOSS,
+      schedule=train_step.learning_rate_schedule(OPTIMIZER))
+  first_state = jax.tree.leaves(train_state)
+  metrics = []
+  for batch in batches:
+    train_state, m = step(train_state, batch)
+    metrics.append({k: float(v) for k, v in m.items()})
+  donated = all(x.is_deleted() for x in first_state)
+  return tree_on_host(train_state), metrics, donated
+
+
+@pytest.fixture(scope="module")
+def three_steps_single_device():
+  state = initial_state(CONFIG)
+  batches = [packed_batch(i, 8, SEQ_LEN, CONFIG.vocab_size) for i in range(3)]
+  batches[1]["labels"][:4] = -1  # uneven valid-token counts across shards and micro-batches
+  return state, batches, _train((1, 1), state, batches)
+
+
+@pytest.mark.parametrize("mesh_shape,accum_steps", [
+    ((2, 4), 1), ((2, 4), 2),  # accumulation: 2 micro-batches of 4 rows, still SP
+    pytest.param((8, 1), 1, marks=pytest.mark.slow),
+    pytest.param((1, 8), 1, marks=pytest.mark.slow)])
+def test_three_steps_match_single_device(three_steps_single_device, mesh_shape, accum_steps):
+  state, batches, (want_state, want_metrics, _) = three_steps_single_device
+  got_state, got_metrics, donated = _train(mesh_shape, state, batches, accum_steps=accum_steps)
+  for got, want in zip(got_metrics, want_metrics):
+    for key in ("loss", "z_loss", "grad_norm"):
+      assert relative_error(got[key], want[key]) < 1e-5, (key, got, want)
+    assert got["tokens"] == want["tokens"] and got["learning_rate"] == want["learning_rate"]
+  assert_trees_close(got_state.params, want_state.params)
+  assert_trees_close(got_state.opt_state, want_state.opt_state)
+  assert int(got_state.step) == 3 and donated
+
+
+def test_metrics_report_the_model_loss_and_the_loss_goes_down(three_steps_single_device):
+  state, batches, (final_state, metrics, _) = three_steps_single_device
+  graphdef, _ = nnx.split(model_on(CONFIG, mesh_of(1, 1), state))
+  batch = batches[0]
+  loss = jax.jit(lambda params: nnx.merge(graphdef, params).loss(
+      batch["tokens"], batch["labels"], batch["positions"], batch["segment_ids"]).mean())
+  assert relative_error(metrics[0]["loss"], loss(state)) < 1e-6
+  assert float(loss(final_state.params)) < metrics[0]["loss"] - 0.2
+  assert metrics[0]["tokens"] == np.sum(batch["labels"] != -1)
+  assert [m["learning_rate"] for m in metrics] == pytest.approx(
+      [0.0, 1e-2, 1e-2 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi / 3)))])
+
+
+def test_optimizer_clips_and_skips_decay_of_norms_and_biases():
+  params = nnx.State({"proj": {"kernel": nnx.Param(jnp.ones((4, 4))),
+                               "bias": nnx.Param(jnp.ones(4))},
+                      "norm": {"scale": nnx.Param(jnp.ones(4))}})
+  config = train_step.OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10,
+                                      weight_decay=0.5, clip_norm=1.0)
+  tx = train_step.make_optimizer(config)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  assert np.allclose(updates["proj"]["kernel"][...], -0.1 * 0.5)  # decayed
+  assert np.all(updates["proj"]["bias"][...] == 0) and np.all(updates["norm"]["scale"][...] == 0)
+  big = jax.tree.map(lambda x: jnp.full_like(x, 10.0), params)
+  _, opt_state = tx.update(big, tx.init(params), params)
+  mu = opt_state[1][0].mu  # first moment = (1 - b1) * clipped gradient
+  assert float(optax.tree.norm(mu)) == pytest.approx((1 - config.b1) * 1.0, rel=1e-6)
+
+
+def test_bad_batches_and_settings_raise_before_compiling():
+  mesh = mesh_of(2, 4)
+  tx = train_step.make_optimizer(OPTIMIZER)
+  graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),
+                                                tx)
+  batch = packed_batch(0, 8, 16, CONFIG.vocab_size)
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=16, accum_steps=3)
+  with pytest.raises(ValueError, match=r"batch size 8 must be divisible by accum_steps \(3\) "
+                                       r"x the data axis \(2\)"):
+    step.lower(state, batch)
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=16)
+  with pytest.raises(ValueError, match=r"missing \['labels'\], unknown \['mask'\]"):
+    step.lower(state, {"tokens": batch["tokens"], "mask": batch["tokens"]})
+  with pytest.raises(ValueError, match="accum_steps must be >= 1"):
+    train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=16, accum_steps=0)
+  with pytest.raises(ValueError, match="need 0 <= warmup_steps < total_steps"):
+    train_step.OptimizerConfig(warmup_steps=10, total_steps=10)

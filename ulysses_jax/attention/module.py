@@ -1,0 +1,117 @@
+"""``UlyssesAttention``: a Flax NNX self-attention layer around ``ulysses_attention``.
+
+Drop it into any NNX model whose activations are ``[B, S, E]`` sharded ``(data, seq)``:
+
+    attn = UlyssesAttention(embed_dim=512, num_heads=8, num_kv_heads=2, mesh=mesh,
+                            rngs=nnx.Rngs(0))
+    y_BSE = attn(x_BSE, positions_BS, segment_ids_BS)
+
+Inside: q/k/v projections (token-local, on the sequence shards), optional qk-norm, RoPE
+from the global ``positions``, the two Ulysses all-to-alls around exact local attention,
+and the output projection. GQA when ``num_kv_heads < num_heads``.
+
+Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
+``q_proj.kernel [E, Hq, D]``, ``k_proj.kernel / v_proj.kernel [E, Hkv, D]`` (+ ``bias``
+``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]``, ``q_norm.scale / k_norm.scale
+[D]`` with ``qk_norm``.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh
+
+from ulysses_jax import rope, sharding
+from ulysses_jax.attention import backends
+from ulysses_jax.attention.ulysses import ulysses_attention
+from ulysses_jax.layers import Dense, RMSNorm
+
+# Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).
+QKV = "qkv"
+ATTN_OUT = "attn_out"
+
+_ACT = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+
+
+class UlyssesAttention(nnx.Module):
+  """Multi-head (or grouped-query) causal self-attention over a sequence-sharded input.
+
+  Args:
+    embed_dim: E, the model width.
+    num_heads: Hq query heads.
+    num_kv_heads: Hkv key/value heads (default Hq); must divide Hq.
+    head_dim: D (default E // Hq).
+    mesh: a ``("data", "seq")`` mesh (``ulysses_jax.make_mesh``).
+    causal: causal mask over positions in the (packed) row.
+    rope_theta, rope_scaling: rotary base and optional ``rope.RopeScaling``.
+    qk_norm: RMSNorm over D on q and k before RoPE (Qwen3 / OLMo-2 style).
+    qkv_bias: biases on the q/k/v projections (Qwen2).
+    norm_eps: epsilon of the qk-norm.
+    backend: local attention backend, one of ``backends.BACKENDS``.
+    dtype, param_dtype: compute and parameter dtypes.
+    init_std: standard deviation of the normal kernel init.
+    rules: logical-axis sharding rules (``ulysses_jax.sharding``).
+  """
+
+  def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+               head_dim: int | None = None, mesh: Mesh, causal: bool = True,
+               rope_theta: float = 10_000.0, rope_scaling: rope.RopeScaling | None = None,
+               qk_norm: bool = False, qkv_bias: bool = False, norm_eps: float = 1e-6,
+               backend: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
+               init_std: float = 0.02, rules: sharding.Rules = sharding.DEFAULT_RULES,
+               rngs: nnx.Rngs):
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                       f"({num_kv_heads}): each key/value head serves num_heads/num_kv_heads "
+                       "query heads.")
+    if head_dim is None:
+      if embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads "
+                         f"({num_heads}); pass head_dim explicitly.")
+      head_dim = embed_dim // num_heads
+    if backend not in backends.BACKENDS:
+      raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}.")
+    e, hq, hkv, d = embed_dim, num_heads, num_kv_heads, head_dim
+    dense = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, init_std=init_std, rngs=rngs)
+    self.q_proj = Dense((e,), (hq, d), axes=("embed", "heads", "head_dim"), use_bias=qkv_bias,
+                        **dense)
+    self.k_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
+                        use_bias=qkv_bias, **dense)
+    self.v_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
+                        use_bias=qkv_bias, **dense)
+    self.o_proj = Dense((hq, d), (e,), axes=("heads", "head_dim", "embed"), **dense)
+    norm = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.q_norm = RMSNorm(d, **norm) if qk_norm else None
+    self.k_norm = RMSNorm(d, **norm) if qk_norm else None
+    self.head_dim = d
+    self.rope_theta = float(rope_theta)
+    self.rope_scaling = rope_scaling
+    self.mesh = mesh
+    self.causal = causal
+    self.backend = backend
+    self.rules = rules
+
+  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array | None = None,
+               segment_ids_BS: jax.Array | None = None) -> jax.Array:
+    """``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
+
+    ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
+    each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
+    """
+    b, s, _ = x_BSE.shape
+    if positions_BS is None:
+      positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
+    q, k, v = (constrain(proj(x_BSE)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+    q, k = (rope.apply_rope(t, positions_BS, inv_freq) for t in (q, k))
+    q, k, v = (checkpoint_name(t, QKV) for t in (q, k, v))
+    out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
+                            segment_ids=segment_ids_BS, backend=self.backend)
+    out = checkpoint_name(constrain(out), ATTN_OUT)
+    return sharding.constrain(self.o_proj(out), ("act_batch", "act_seq", "act_embed"),
+                              self.mesh, self.rules)

@@ -1,0 +1,91 @@
+"""Next-token cross-entropy over a sequence-sharded batch, without full ``[B, S, V]`` logits.
+
+Labels arrive already shifted (``labels[t]`` is the token after ``tokens[t]``, done by the
+data pipeline before sharding, so a shard's last label comes from the next shard) and equal
+``IGNORE_LABEL`` where there is no target. Losses are returned as *sums* with a token
+count, all float32: the global token-weighted mean is ``sums.mean()``, and a shard, or a
+whole batch, without valid tokens contributes zeros rather than NaN.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from ulysses_jax import sharding
+from ulysses_jax.data import IGNORE_LABEL
+
+__all__ = ["IGNORE_LABEL", "CrossEntropySums", "cross_entropy_sums", "chunked_cross_entropy"]
+
+
+class CrossEntropySums(NamedTuple):
+  """Float32 scalars summed over valid (non-ignored) tokens."""
+  loss: jax.Array    # sum of -log p(label)
+  z_loss: jax.Array  # sum of z_loss_weight * logsumexp(logits)^2
+  count: jax.Array   # number of valid tokens
+
+  def __add__(self, other):
+    return CrossEntropySums(*(a + b for a, b in zip(self, other)))
+
+  def mean(self) -> jax.Array:
+    """Token-weighted mean of ``loss + z_loss``; 0 when no token is valid."""
+    return (self.loss + self.z_loss) / jnp.maximum(self.count, 1.0)
+
+
+def cross_entropy_sums(logits_BSV: jax.Array, labels_BS: jax.Array, *,
+                       z_loss_weight: float = 0.0) -> CrossEntropySums:
+  """Cross-entropy sums of explicit logits ``[..., V]`` against int labels ``[...]``.
+
+  Computed in float32 whatever the logits' dtype. Labels equal to ``IGNORE_LABEL`` count
+  nowhere. ``z_loss_weight`` > 0 adds PaLM's ``z_loss_weight * logsumexp^2`` term.
+  """
+  logits = logits_BSV.astype(jnp.float32)
+  valid = labels_BS != IGNORE_LABEL
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  label_logit = jnp.take_along_axis(logits, jnp.where(valid, labels_BS, 0)[..., None],
+                                    axis=-1)[..., 0]
+  zero = jnp.zeros_like(lse)
+  return CrossEntropySums(
+      loss=jnp.sum(jnp.where(valid, lse - label_logit, zero)),
+      z_loss=jnp.sum(jnp.where(valid, z_loss_weight * lse * lse, zero)),
+      count=jnp.sum(valid, dtype=jnp.float32))
+
+
+def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array, *,
+                          mesh: Mesh, chunk: int,
+                          z_loss_weight: float = 0.0) -> CrossEntropySums:
+  """``cross_entropy_sums(hidden @ head, labels)`` in sequence chunks.
+
+  Args:
+    hidden_BSE: final hidden states ``[B, S, E]`` sharded ``(data, seq)``; the seq axis
+      must divide S (``Llama.loss`` pads).
+    head_EV: output projection ``[E, V]``, replicated (gathered once, outside the loop).
+    labels_BS: int ``[B, S]`` sharded like ``hidden``.
+    mesh: the ``("data", "seq")`` mesh.
+    chunk: tokens per device per step. A ``lax.scan`` walks all devices' local sequence
+      slices together, ``chunk`` tokens at a time, so at most ``[B, P*chunk, V]`` float32
+      logits exist (P = seq axis); the backward pass recomputes each chunk's logits.
+    z_loss_weight: see ``cross_entropy_sums``.
+  """
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1, got {chunk}.")
+  if tuple(labels_BS.shape) != tuple(hidden_BSE.shape[:2]):
+    raise ValueError(f"labels must be [batch, seq] = {tuple(hidden_BSE.shape[:2])}, got "
+                     f"{tuple(labels_BS.shape)}.")
+  hidden_NBPcE = sharding.to_local_chunks(hidden_BSE, mesh=mesh, chunk=chunk)
+  labels_NBPc = sharding.to_local_chunks(labels_BS, mesh=mesh, chunk=chunk,
+                                         pad_value=IGNORE_LABEL)
+
+  @jax.checkpoint
+  def chunk_sums(head_EV, hidden_BPcE, labels_BPc):
+    logits = jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV,
+                        preferred_element_type=jnp.float32)
+    return cross_entropy_sums(logits, labels_BPc, z_loss_weight=z_loss_weight)
+
+  def step(total, xs):
+    return total + chunk_sums(head_EV, *xs), None
+
+  zeros = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
+  total, _ = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
+  return total

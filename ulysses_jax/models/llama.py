@@ -1,0 +1,347 @@
+"""Llama-family decoder (Llama 2/3, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``) in NNX.
+
+Activations are ``[B, S, E]`` sharded ``(data, seq)``; attention is ``UlyssesAttention``;
+everything else is token-local. The layers are stacked (every layer parameter has a leading
+``[L]`` axis) and run with ``lax.scan``, so compile time does not grow with depth.
+
+Parameter tree (kernels are Hugging Face ``weight``s transposed and reshaped)::
+
+  embedding                       [V, E]        (HF model.embed_tokens.weight)
+  layers.attn_norm.scale          [L, E]        (input_layernorm.weight)
+  layers.attn.{q,k,v,o}_proj.*    see UlyssesAttention, with a leading [L]
+  layers.mlp_norm.scale           [L, E]        (post_attention_layernorm.weight)
+  layers.mlp.gate_proj.kernel     [L, E, F]     (mlp.gate_proj.weight.T)
+  layers.mlp.up_proj.kernel       [L, E, F]
+  layers.mlp.down_proj.kernel     [L, F, E]
+  final_norm.scale                [E]           (model.norm.weight)
+  lm_head.kernel                  [E, V]        (lm_head.weight.T; absent when tied)
+
+Sequences that the seq axis does not divide are padded at the end inside the model (the
+padding is invisible to real tokens under the causal mask and carries no loss).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from ulysses_jax import loss as loss_lib
+from ulysses_jax import sharding
+from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
+from ulysses_jax.attention.ulysses import PAD_SEGMENT
+from ulysses_jax.layers import Dense, RMSNorm
+from ulysses_jax.mesh import SEQ, make_mesh
+from ulysses_jax.rope import RopeScaling
+
+_ACT_BSE = ("act_batch", "act_seq", "act_embed")
+_ACT_BS = ("act_batch", "act_seq")
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Architecture and memory settings of a Llama-family decoder.
+
+  Shapes: ``vocab_size`` V, ``hidden_dim`` E, ``num_layers`` L, ``num_heads`` Hq,
+  ``num_kv_heads`` Hkv (GQA when < Hq), ``head_dim`` D, ``mlp_dim`` F.
+  ``dtype`` is the compute dtype ("bfloat16" on GPU), ``param_dtype`` the storage dtype.
+  Memory: ``remat_policy`` (one of ``REMAT_POLICIES``, applied per layer; ``remat_names``
+  are the activations that ``save_names`` keeps and ``offload`` moves to host),
+  ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens per
+  device per cross-entropy chunk).
+  """
+  vocab_size: int = 32_000
+  hidden_dim: int = 4096
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 8
+  head_dim: int = 128
+  mlp_dim: int = 14_336
+  rope_theta: float = 500_000.0
+  rope_scaling: RopeScaling | None = None
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  attention_backend: str = "auto"
+  remat_policy: str = "full"
+  remat_names: tuple[str, ...] = (QKV, ATTN_OUT)
+  mlp_chunk: int = 0
+  loss_chunk: int = 1024
+
+  def __post_init__(self):
+    positive = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "mlp_dim", "loss_chunk")
+    bad = {k: getattr(self, k) for k in positive if getattr(self, k) < 1}
+    if bad:
+      raise ValueError(f"LlamaConfig sizes must be >= 1, got {bad}.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                       f"({self.num_kv_heads}).")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got "
+                       f"{self.remat_policy!r}.")
+    if self.mlp_chunk < 0:
+      raise ValueError(f"mlp_chunk must be >= 0 (0 = untiled), got {self.mlp_chunk}.")
+    for name in ("dtype", "param_dtype"):
+      if not jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating):
+        raise ValueError(f"{name} must be a floating dtype name, got {getattr(self, name)!r}.")
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+
+_LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position=8192)
+
+PRESETS = {
+    # Hugging Face meta-llama/Llama-3.2-1B.
+    "llama3.2-1b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, mlp_dim=8192, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_SCALING), norm_eps=1e-5,
+        tie_embeddings=True),
+    # meta-llama/Llama-3.1-8B.
+    "llama3.1-8b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # Qwen/Qwen2.5-7B.
+    "qwen2.5-7b": LlamaConfig(
+        vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
+    # ~25M parameters: CPU benchmarks.
+    "small": LlamaConfig(
+        vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,
+        head_dim=64, mlp_dim=1536, rope_theta=10_000.0),
+    # Test shapes.
+    "tiny": LlamaConfig(
+        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
+    "tiny-gqa": LlamaConfig(
+        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
+}
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+  """A named config from ``PRESETS``, with fields replaced by ``overrides``."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+  return PRESETS[name].replace(**overrides)
+
+
+
+def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
+  """The ``jax.checkpoint`` policy of a ``REMAT_POLICIES`` name (None for ``"none"``).
+
+  ``save_names`` keeps the activations tagged ``names`` (``QKV``, ``ATTN_OUT``) on device;
+  ``offload`` moves them to ``pinned_host`` memory in the forward pass and back in the
+  backward pass; everything else is recomputed.
+  """
+  policies = jax.checkpoint_policies
+  table = {
+      "none": None,
+      "full": policies.nothing_saveable,
+      "save_dots": policies.dots_saveable,
+      "save_dots_no_batch": policies.dots_with_no_batch_dims_saveable,
+      "save_names": policies.save_only_these_names(*names),
+      "offload": policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+          offload_src="device", offload_dst="pinned_host"),
+  }
+  if name not in table:
+    raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {name!r}.")
+  return table[name]
+
+
+def _swiglu(x_BSE, gate_EF, up_EF, down_FE):
+  return jax.nn.silu(x_BSE @ gate_EF) * (x_BSE @ up_EF) @ down_FE
+
+
+class MLP(nnx.Module):
+  """SwiGLU ``down(silu(gate(x)) * up(x))``; optionally tiled along the sequence.
+
+  With ``chunk > 0`` the MLP runs as a scan over chunks of ``chunk`` local tokens per
+  device, each recomputed in the backward pass, so the ``[B, S, F]`` intermediate never
+  exists: at most ``[B, P*chunk, F]`` (ALST's TiledMLP).
+  """
+
+  def __init__(self, config: LlamaConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+    e, f = config.hidden_dim, config.mlp_dim
+    dense = dict(mesh=mesh, dtype=config.dtype, param_dtype=config.param_dtype,
+                 init_std=config.init_std, rngs=rngs)
+    self.gate_proj = Dense((e,), (f,), axes=("embed", "mlp"), **dense)
+    self.up_proj = Dense((e,), (f,), axes=("embed", "mlp"), **dense)
+    self.down_proj = Dense((f,), (e,), axes=("mlp", "embed"), **dense)
+    self.chunk = config.mlp_chunk
+    self.mesh = mesh
+
+  def __call__(self, x_BSE: jax.Array) -> jax.Array:
+    kernels = [p.compute_kernel() for p in (self.gate_proj, self.up_proj, self.down_proj)]
+    x_BSE = x_BSE.astype(kernels[0].dtype)
+    if not self.chunk:
+      return _swiglu(x_BSE, *kernels)
+    x_NBPcE = sharding.to_local_chunks(x_BSE, mesh=self.mesh, chunk=self.chunk)
+    tile = jax.checkpoint(lambda x: _swiglu(x, *kernels), prevent_cse=False)
+    _, y_NBPcE = jax.lax.scan(lambda _, x: (None, tile(x)), None, x_NBPcE)
+    return sharding.from_local_chunks(y_NBPcE, x_BSE.shape[1], mesh=self.mesh)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+  def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
+               rngs: nnx.Rngs):
+    c = config
+    norm = dict(eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+    self.attn_norm = RMSNorm(c.hidden_dim, **norm)
+    self.attn = UlyssesAttention(
+        c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
+        qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend, dtype=c.dtype,
+        param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
+    self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
+    self.mlp = MLP(c, mesh=mesh, rngs=rngs)
+    self.mesh = mesh
+    self.rules = rules
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
+    x_BSE = constrain(x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS))
+    return constrain(x_BSE + self.mlp(self.mlp_norm(x_BSE)))
+
+
+class Llama(nnx.Module):
+  """The decoder. Build it sharded with ``init_llama``; see the module docstring for params."""
+
+  def __init__(self, config: LlamaConfig, *, mesh: Mesh,
+               rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
+    c = config
+    self.embedding = nnx.Param(
+        c.init_std * jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_dim),
+                                       c.param_dtype), logical_axes=("vocab", "embed"))
+
+    @nnx.split_rngs(splits=c.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers",
+                                                         "logical_axes": "layers"})
+    def make_layers(rngs):
+      return DecoderLayer(c, mesh=mesh, rules=rules, rngs=rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(c.hidden_dim, eps=c.norm_eps, dtype=c.dtype,
+                              param_dtype=c.param_dtype)
+    self.lm_head = None if c.tie_embeddings else Dense(
+        (c.hidden_dim,), (c.vocab_size,), axes=("embed", "vocab"), mesh=mesh, dtype=c.dtype,
+        param_dtype=c.param_dtype, init_std=c.init_std, rngs=rngs)
+    self.config = c
+    self.mesh = mesh
+    self.rules = rules
+
+  def lm_head_kernel(self) -> jax.Array:
+    """``[E, V]`` output projection in the compute dtype, all-gathered (replicated)."""
+    if self.lm_head is not None:
+      return self.lm_head.compute_kernel()
+    return sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh).T
+
+  def _check_inputs(self, tokens, positions, segment_ids):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an int [batch, seq] array, got {tokens.dtype} "
+                       f"{tuple(tokens.shape)}.")
+    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+      if x is not None and tuple(x.shape) != tuple(tokens.shape):
+        raise ValueError(f"{name} must have the tokens' shape {tuple(tokens.shape)}, got "
+                         f"{tuple(x.shape)}.")
+
+  def _padded_hidden_states(self, tokens_BS, positions_BS, segment_ids_BS):
+    """Final-normed hidden states ``[B, S', E]``, S' = S rounded up to a multiple of seq."""
+    self._check_inputs(tokens_BS, positions_BS, segment_ids_BS)
+    b, s = tokens_BS.shape
+    if positions_BS is None:
+      positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    pad = -s % self.mesh.shape[SEQ]
+    pad_BS = lambda x, value: jnp.pad(x, [(0, 0), (0, pad)], constant_values=value)
+    tokens_BS, positions_BS = pad_BS(tokens_BS, 0), pad_BS(positions_BS, 0)
+    if segment_ids_BS is not None:
+      segment_ids_BS = pad_BS(segment_ids_BS, PAD_SEGMENT)
+    constrain = lambda x: None if x is None else sharding.constrain(x, _ACT_BS, self.mesh,
+                                                                    self.rules)
+    tokens_BS, positions_BS, segment_ids_BS = map(constrain,
+                                                  (tokens_BS, positions_BS, segment_ids_BS))
+    # Gathering the table first keeps the lookup local to each (data, seq) shard.
+    table_VE = sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh)
+    x_BSE = jnp.take(table_VE, tokens_BS, axis=0)
+    x_BSE = sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
+
+    graphdef, layer_states = nnx.split(self.layers)
+
+    def layer(x_BSE, layer_state):
+      return nnx.merge(graphdef, layer_state)(x_BSE, positions_BS, segment_ids_BS), None
+
+    policy_name = self.config.remat_policy
+    if policy_name != "none":
+      layer = jax.checkpoint(layer, prevent_cse=False,
+                             policy=remat_policy(policy_name, self.config.remat_names))
+    x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
+    return self.final_norm(x_BSE)
+
+  def hidden_states(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
+    """Final-normed hidden states ``[B, S, E]`` in the compute dtype, sharded (data, seq).
+
+    tokens, positions, segment_ids: int ``[B, S]``; positions default to ``arange(S)``
+    (restart them at each packed document); segment_ids None means one document per row.
+    """
+    return self._padded_hidden_states(tokens_BS, positions_BS,
+                                      segment_ids_BS)[:, :tokens_BS.shape[1]]
+
+  def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
+    """Float32 logits ``[B, S, V]``. Materialises all of them: for training use ``loss``."""
+    hidden_BSE = self.hidden_states(tokens_BS, positions_BS, segment_ids_BS)
+    return jnp.einsum("bse,ev->bsv", hidden_BSE, self.lm_head_kernel(),
+                      preferred_element_type=jnp.float32)
+
+  def loss(self, tokens_BS, labels_BS, positions_BS=None, segment_ids_BS=None, *,
+           z_loss_weight: float = 0.0) -> loss_lib.CrossEntropySums:
+    """Next-token cross-entropy sums over valid labels; never builds ``[B, S, V]`` logits.
+
+    labels: int ``[B, S]``, already shifted (``labels[t]`` is the target after
+    ``tokens[t]``), ``IGNORE_LABEL`` where there is none. See ``loss.chunked_cross_entropy``.
+    """
+    if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
+      raise ValueError(f"labels must have the tokens' shape {tuple(tokens_BS.shape)}, got "
+                       f"{tuple(labels_BS.shape)}.")
+    hidden_BSE = self._padded_hidden_states(tokens_BS, positions_BS, segment_ids_BS)
+    pad = hidden_BSE.shape[1] - labels_BS.shape[1]
+    labels_BS = jnp.pad(labels_BS, [(0, 0), (0, pad)], constant_values=loss_lib.IGNORE_LABEL)
+    labels_BS = sharding.constrain(labels_BS, _ACT_BS, self.mesh, self.rules)
+    return loss_lib.chunked_cross_entropy(hidden_BSE, self.lm_head_kernel(), labels_BS,
+                                          mesh=self.mesh, chunk=self.config.loss_chunk,
+                                          z_loss_weight=z_loss_weight)
+
+
+def init_llama(config: LlamaConfig, mesh: Mesh, *, seed: int = 0,
+               rules: sharding.Rules = sharding.DEFAULT_RULES) -> Llama:
+  """A ``Llama`` whose parameters are created directly in their sharded layout."""
+  return sharding.init_sharded(
+      lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(seed)), mesh, rules)
+
+
+def count_params(model_or_config, *, include_embedding: bool = True) -> int:
+  """Number of parameters of a model or config (from shapes alone)."""
+  if isinstance(model_or_config, LlamaConfig):
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    model_or_config = nnx.eval_shape(lambda: Llama(model_or_config, mesh=mesh,
+                                                   rngs=nnx.Rngs(0)))
+  state = nnx.state(model_or_config, nnx.Param)
+  total = sum(x.size for x in jax.tree.leaves(state))
+  if not include_embedding:
+    total -= model_or_config.embedding.size
+  return total

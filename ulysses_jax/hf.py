@@ -1,0 +1,320 @@
+"""Hugging Face checkpoints <-> ``Llama``: ``load_llama`` and ``save_llama``.
+
+Reads Hugging Face Llama-family checkpoint directories (``config.json`` plus
+``model.safetensors``, or shards listed in ``model.safetensors.index.json``) of the model
+types ``llama``, ``mistral`` (without an active sliding window), ``qwen2`` (q/k/v biases) and
+``qwen3`` (qk-norm), and writes directories that ``transformers`` loads. Needs the optional
+extra ``hf`` (``pip install 'ulysses_jax[hf]'``) for ``safetensors``; torch is never imported.
+
+Parameter mapping; ``i`` is the layer, and our layer parameters stack the L layers on axis 0
+(``layers.*`` has a leading ``[L]``). Linear kernels are the transposed ``weight``, reshaped:
+
+  ===================================================  =====================================
+  Hugging Face                                         ulysses_jax
+  ===================================================  =====================================
+  model.embed_tokens.weight       [V, E]               embedding               [V, E]
+  model.layers.i.input_layernorm.weight  [E]           layers.attn_norm.scale  [L, E]
+  ...self_attn.q_proj.weight      [Hq*D, E]  (.T)      layers.attn.q_proj.kernel [L, E, Hq, D]
+  ...self_attn.{k,v}_proj.weight  [Hkv*D, E] (.T)      layers.attn.{k,v}_proj.kernel
+                                                         [L, E, Hkv, D]
+  ...self_attn.{q,k,v}_proj.bias  [H*D]                layers.attn.{q,k,v}_proj.bias [L, H, D]
+  ...self_attn.o_proj.weight      [E, Hq*D]  (.T)      layers.attn.o_proj.kernel [L, Hq, D, E]
+  ...self_attn.{q,k}_norm.weight  [D]                  layers.attn.{q,k}_norm.scale [L, D]
+  model.layers.i.post_attention_layernorm.weight [E]   layers.mlp_norm.scale   [L, E]
+  ...mlp.{gate,up}_proj.weight    [F, E]     (.T)      layers.mlp.{gate,up}_proj.kernel [L, E, F]
+  ...mlp.down_proj.weight         [E, F]     (.T)      layers.mlp.down_proj.kernel [L, F, E]
+  model.norm.weight               [E]                  final_norm.scale        [E]
+  lm_head.weight                  [V, E]     (.T)      lm_head.kernel [E, V] (absent if tied)
+  ===================================================  =====================================
+
+RoPE needs no permutation: ``ulysses_jax.rope`` uses Hugging Face's rotate-half layout.
+"""
+
+import contextlib
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from ulysses_jax import sharding
+from ulysses_jax.models.llama import Llama, LlamaConfig
+from ulysses_jax.rope import RopeScaling
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_RENAME = {"embedding": "embed_tokens", "final_norm": "norm", "attn": "self_attn",
+           "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints store
+
+
+def _safetensors():
+  try:
+    import safetensors.numpy
+  except ImportError as e:
+    raise ImportError("ulysses_jax.hf needs safetensors: pip install 'ulysses_jax[hf]'.") from e
+  return safetensors
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+  """The ``LlamaConfig`` of a Hugging Face ``config.json`` dict; errors name what is unsupported.
+
+  Reads both the transformers 5 ``rope_parameters`` and the older ``rope_theta`` /
+  ``rope_scaling`` fields; rope types ``default``, ``linear`` and ``llama3``.
+  """
+  model_type = hf.get("model_type")
+  if model_type not in ARCHITECTURES:
+    raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}.")
+  problems = []
+  if hf.get("hidden_act", "silu") != "silu":
+    problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
+  if hf.get("mlp_bias"):
+    problems.append("mlp_bias=true")
+  if hf.get("attention_bias"):
+    problems.append(f"attention_bias=true ({model_type} puts a bias on o_proj too)")
+  for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+    if hf.get(key):
+      problems.append(f"{key}={hf[key]} (mixture of experts)")
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']} (only 1.0)")
+  window = hf.get("sliding_window")
+  if window is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
+    problems.append(f"sliding_window={window} is active (if no sequence will exceed {window} "
+                    "tokens, set it to null in config.json)")
+  sliding_layers = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+  if sliding_layers:
+    problems.append(f"layer_types {sorted(set(sliding_layers))} (only 'full_attention')")
+  rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  scaling = None
+  if rope_type == "linear":
+    scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
+  elif rope_type == "llama3":
+    scaling = RopeScaling(kind="llama3", factor=float(rope["factor"]),
+                          low_freq_factor=float(rope["low_freq_factor"]),
+                          high_freq_factor=float(rope["high_freq_factor"]),
+                          original_max_position=int(rope["original_max_position_embeddings"]))
+  elif rope_type != "default":
+    problems.append(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3')")
+  if problems:
+    raise ValueError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems) + ".")
+  heads = hf["num_attention_heads"]
+  return LlamaConfig(
+      vocab_size=hf["vocab_size"], hidden_dim=hf["hidden_size"],
+      num_layers=hf["num_hidden_layers"], num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      mlp_dim=hf["intermediate_size"],
+      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+      init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
+  """The ``config.json`` dict of ``config``: model type llama, or qwen2 (qkv_bias) / qwen3
+  (qk_norm). Rope fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form,
+  which transformers 5 reads too."""
+  if config.qkv_bias and config.qk_norm:
+    raise ValueError("no Hugging Face architecture has both qkv_bias and qk_norm.")
+  model_type = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+  hf = dict(
+      architectures=[ARCHITECTURES[model_type]], model_type=model_type,
+      vocab_size=config.vocab_size, hidden_size=config.hidden_dim,
+      intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
+      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+      head_dim=config.head_dim, hidden_act="silu", rms_norm_eps=config.norm_eps,
+      rope_theta=config.rope_theta, rope_scaling=None,
+      tie_word_embeddings=config.tie_embeddings, initializer_range=config.init_std,
+      torch_dtype=str(dtype))
+  s = config.rope_scaling
+  if s is not None:
+    hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
+    if s.kind == "llama3":
+      hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor,
+                                high_freq_factor=s.high_freq_factor,
+                                original_max_position_embeddings=s.original_max_position)
+      hf["max_position_embeddings"] = int(s.original_max_position * s.factor)
+  if model_type != "qwen2":
+    hf["attention_bias"] = False  # qwen2 has fixed q/k/v biases and no such field
+  if model_type == "llama":
+    hf["mlp_bias"] = False
+  else:
+    hf.update(use_sliding_window=False, sliding_window=None)
+  return hf
+
+
+def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
+  """Hugging Face name of parameter ``path`` (of layer ``layer`` for stacked ones)."""
+  if path[0] == "lm_head":
+    return "lm_head.weight"
+  modules = [_RENAME.get(p, p) for p in path if p not in ("layers", "kernel", "scale", "bias")]
+  prefix = "model." if layer is None else f"model.layers.{layer}."
+  return prefix + ".".join(modules) + (".bias" if path[-1] == "bias" else ".weight")
+
+
+def _num_in(path: tuple[str, ...]) -> int | None:
+  """Input dims of a kernel (its HF weight is ``[prod(out), prod(in)]``); 0 for a bias
+  (flattened); None when the layouts agree."""
+  if path[-1] == "kernel":
+    return 2 if path[-2] == "o_proj" else 1
+  return 0 if path[-1] == "bias" else None
+
+
+def _hf_shape(shape, num_in) -> tuple[int, ...]:
+  if num_in is None:
+    return tuple(shape)
+  if num_in == 0:
+    return (math.prod(shape),)
+  return (math.prod(shape[num_in:]), math.prod(shape[:num_in]))
+
+
+def _to_hf(x: np.ndarray, num_in) -> np.ndarray:
+  if num_in is None:
+    return x
+  if num_in == 0:
+    return x.reshape(-1)
+  return np.ascontiguousarray(x.reshape(math.prod(x.shape[:num_in]), -1).T)
+
+
+class _Checkpoint:
+  """The tensors of a safetensors checkpoint directory by Hugging Face name, read lazily."""
+
+  def __init__(self, path: pathlib.Path, stack: contextlib.ExitStack):
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+      files = ["model.safetensors"]
+    else:
+      raise FileNotFoundError(f"{path} has neither model.safetensors nor "
+                              "model.safetensors.index.json.")
+    safe_open = _safetensors().safe_open
+    self.handles = {}
+    for file in files:
+      handle = stack.enter_context(safe_open(str(path / file), framework="np"))
+      self.handles.update((name, handle) for name in handle.keys())
+    self.unused = {n for n in self.handles if not n.endswith(_IGNORED_SUFFIXES)}
+
+  def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``name``, checked to have ``shape`` (what config.json implies)."""
+    if name not in self.handles:
+      raise ValueError(f"checkpoint has no tensor {name!r}, which config.json implies.")
+    tensor = self.handles[name].get_tensor(name)
+    if tensor.shape != shape:
+      raise ValueError(f"{name}: config.json implies shape {shape}, the checkpoint has "
+                       f"{tensor.shape}.")
+    self.unused.discard(name)
+    return tensor
+
+
+def _read_param(checkpoint: _Checkpoint, path, shape, dtype) -> np.ndarray:
+  """Host value of our parameter ``path`` (``[L, ...]`` stacked for ``layers.*``)."""
+  num_in = _num_in(path)
+  stacked = path[0] == "layers"
+  one_shape = shape[1:] if stacked else shape
+  out = np.empty(shape, dtype)
+  for i in range(shape[0]) if stacked else (None,):
+    tensor = checkpoint.get(_hf_name(path, i), _hf_shape(one_shape, num_in))
+    value = tensor.T.reshape(one_shape) if num_in else tensor.reshape(one_shape)
+    out[(i,) if stacked else ()] = value
+  return out
+
+
+def load_llama(path, mesh: Mesh, *, dtype: str | None = None, param_dtype: str = "float32",
+               rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides) -> Llama:
+  """A ``Llama`` with the weights of a Hugging Face checkpoint directory, sharded on ``mesh``.
+
+  Args:
+    path: directory with ``config.json`` and ``model.safetensors`` (or sharded safetensors
+      with ``model.safetensors.index.json``).
+    mesh: a ``("data", "seq")`` mesh (``make_mesh``).
+    dtype: compute dtype; None means ``param_dtype``.
+    param_dtype: storage dtype the weights are converted to.
+    rules: logical-axis sharding rules.
+    **config_overrides: other ``LlamaConfig`` fields (``remat_policy``, ``attention_backend``,
+      ``mlp_chunk``, ...).
+
+  Parameters go one at a time from the memory-mapped files to their FSDP shards; the host
+  holds at most one (layer-stacked) parameter.
+  """
+  path = pathlib.Path(path)
+  config = config_from_hf(json.loads((path / "config.json").read_text())).replace(
+      dtype=dtype or param_dtype, param_dtype=param_dtype, **config_overrides)
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(0))))
+  shardings = traverse_util.flatten_dict(
+      nnx.to_pure_dict(sharding.tree_shardings(abstract, mesh, rules)))
+  values = {}
+  with contextlib.ExitStack() as stack:
+    checkpoint = _Checkpoint(path, stack)
+    for key, value in traverse_util.flatten_dict(nnx.to_pure_dict(abstract)).items():
+      host = _read_param(checkpoint, key, value.shape, jnp.dtype(param_dtype))
+      values[key] = jax.make_array_from_callback(host.shape, shardings[key],
+                                                 lambda index, host=host: host[index])
+    unused = checkpoint.unused - ({"lm_head.weight"} if config.tie_embeddings else set())
+  if unused:
+    raise ValueError(f"checkpoint tensors that the model has no place for: "
+                     f"{sorted(unused)[:10]}{' ...' if len(unused) > 10 else ''}.")
+  nnx.replace_by_pure_dict(abstract, traverse_util.unflatten_dict(values))
+  return nnx.merge(graphdef, abstract)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  return np.asarray(x if x.is_fully_addressable else
+                    multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_llama(model: Llama, path, *, dtype: str | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes ``model`` as a Hugging Face checkpoint directory that
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads.
+
+  ``config.json`` (``config_to_hf``) and the weights in ``dtype`` (default: the parameter
+  dtype): ``model.safetensors``, or shards of at most ``max_shard_bytes`` plus
+  ``model.safetensors.index.json``. Tensors are gathered to the host one layer at a time;
+  the host holds at most one shard. Every process must call it (multi-host gathers);
+  process 0 writes. A ``mistral`` checkpoint comes back as ``llama`` (same architecture).
+  """
+  save_file = _safetensors().numpy.save_file
+  config = model.config
+  dtype = jnp.dtype(dtype or config.param_dtype)
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  entries = [(key, layer) for layer in [None, *range(config.num_layers)] for key in params
+             if (key[0] == "layers") == (layer is not None)]  # in Hugging Face order
+  shards, size = [[]], 0
+  for key, layer in entries:
+    nbytes = params[key].size // (1 if layer is None else config.num_layers) * dtype.itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards, size = shards + [[]], 0
+    shards[-1].append((key, layer))
+    size += nbytes
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+  path = pathlib.Path(path)
+  write = jax.process_index() == 0
+  if write:
+    path.mkdir(parents=True, exist_ok=True)
+  weight_map, total = {}, 0
+  for file, shard in zip(names, shards):
+    tensors = {}
+    for key, layer in shard:
+      name = _hf_name(key, layer)
+      x = params[key] if layer is None else params[key][layer]
+      tensors[name] = _to_hf(_host(x).astype(dtype), _num_in(key))
+      weight_map[name] = file
+      total += tensors[name].nbytes
+    if write:
+      save_file(tensors, str(path / file), metadata={"format": "pt"})
+  if not write:
+    return
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype.name), indent=2))

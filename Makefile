@@ -22,6 +22,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q
 
+# Trains configs/tiny_cpu.gin into runs/tiny (run again: resumes; finished: says so).
+train: $(STAMP)
+	$(PY) -m ulysses_jax.train --gin_file=configs/tiny_cpu.gin --workdir=runs/tiny
+
 bench-comm: $(STAMP)
 	$(PY) -m benchmarks.comm_volume --json benchmarks/results/comm_volume.json
 

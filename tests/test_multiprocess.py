@@ -1,0 +1,49 @@
+"""Two trainer processes x 4 CPU devices on localhost (jax.distributed, gloo collectives),
+started by scripts/launch_local.sh, give the losses of one process x 8 devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARAMS = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaConfig.head_dim = 16",
+          "LlamaConfig.mlp_dim = 128", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
+          "TrainConfig.eval_batches = 1", "STEPS = 8", "OptimizerConfig.warmup_steps = 2",
+          "TrainConfig.log_every = 1", "CheckpointConfig.save_every = 4"]
+
+
+def _train(command, workdir, params):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+  out = subprocess.run(command + ["--gin_file=configs/tiny_cpu.gin", f"--workdir={workdir}"] +
+                       [f"--gin_param={p}" for p in PARAMS + params], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=400)
+  assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == list(range(1, 9))
+  return out, [r["loss"] for r in records]
+
+
+def test_two_processes_match_one(tmp_path):
+  _, one = _train([sys.executable, "-m", "ulysses_jax.train"], tmp_path / "one", [])
+  out, two = _train(["bash", "scripts/launch_local.sh", "2"], tmp_path / "two",
+                    ["TrainConfig.cpu_devices = 4"])
+  assert "8 devices as {'data': 2, 'seq': 4}" in out.stderr
+  assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["4", "8"]
+  np.testing.assert_allclose(two, one, rtol=1e-6)
+
+
+def test_launcher_usage_errors():
+  out = subprocess.run(["bash", "scripts/launch_local.sh", "two"], cwd=REPO, capture_output=True,
+                       text=True)
+  assert out.returncode == 2
+  assert "usage: scripts/launch_local.sh NUM_PROCESSES" in out.stderr
+  out = subprocess.run(["bash", "scripts/launch_local.sh", "3", "--workdir=x"], cwd=REPO,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}, capture_output=True,
+                       text=True)
+  assert out.returncode == 2
+  assert "2 GPUs do not split evenly over 3 processes" in out.stderr

@@ -1,0 +1,319 @@
+"""Tests for the trainer (ulysses_jax.train): configs and bad input in-process; training,
+restarts, signals, damaged checkpoints, resharding and non-finite steps through the real
+command line (``python -m ulysses_jax.train``) in subprocesses.
+
+The subprocess runs share one JAX compilation cache, so only the first run of each program
+compiles. They use configs/tiny_cpu.gin shrunk by ``FAST`` to keep each run to seconds.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ulysses_jax import distributed, metrics, train
+from ulysses_jax.checkpoint import Checkpointer
+from ulysses_jax.mesh import make_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "configs/tiny_cpu.gin"
+FAST = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaConfig.head_dim = 16",
+        "LlamaConfig.mlp_dim = 128", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
+        "DataConfig.batch_size = 8", "TrainConfig.eval_batches = 1"]
+STEPS = 30
+# The reference run: every step logged, checkpoints every 5 steps, the last two kept.
+REFERENCE = FAST + [f"STEPS = {STEPS}", "TrainConfig.log_every = 1", "TrainConfig.eval_every = 10",
+                    "CheckpointConfig.save_every = 5", "CheckpointConfig.keep = 2"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _command(workdir, params, gin_file=TINY, cache=None, extra=()):
+  params = list(params) + ([f"TrainConfig.compilation_cache = '{cache}'"] if cache else [])
+  return ([sys.executable, "-m", "ulysses_jax.train", f"--gin_file={gin_file}",
+           f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params] + list(extra))
+
+
+def _env():
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def _run(workdir, params, cache, check=True, **kw):
+  out = subprocess.run(_command(workdir, params, cache=cache, **kw), cwd=REPO, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+  if check and out.returncode:
+    raise AssertionError(f"trainer failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+  return out
+
+
+def _start(workdir, params, cache, log):
+  with open(log, "w") as f:
+    return subprocess.Popen(_command(workdir, params, cache=cache), cwd=REPO, env=_env(),
+                            stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_for(predicate, proc, timeout=240):
+  deadline = time.time() + timeout
+  while not predicate():
+    assert proc.poll() is None, "the trainer exited before the awaited moment"
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.02)
+
+
+def _records(workdir):
+  """The records of metrics.jsonl (a line still being written is left out)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _losses(workdir):
+  return {r["step"]: r["loss"] for r in _records(workdir)}
+
+
+def _steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(p) for p in os.listdir(d) if p.isdigit()) if os.path.isdir(d) else []
+
+
+def _restore_params(checkpoints, params, mesh, step, tmp_path):
+  """Parameters of checkpoint ``step`` (copied aside) restored onto ``mesh``."""
+  train.parse_gin([TINY], params)
+  _, abstract = train.abstract_train_state(train.LlamaConfig(), mesh,
+                                           train.optimizer(train.OptimizerConfig()))
+  directory = tmp_path / f"restore-{step}-{mesh.shape['data']}x{mesh.shape['seq']}"
+  shutil.copytree(os.path.join(checkpoints, str(step)), directory / str(step))
+  with Checkpointer(directory) as ckpt:
+    restored = ckpt.restore(abstract)
+  assert restored.step == step
+  return jax.tree.map(np.asarray, restored.state.params)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+  """An uninterrupted run of STEPS steps: (workdir, completed process)."""
+  workdir = str(tmp_path_factory.mktemp("reference") / "run")
+  return workdir, _run(workdir, REFERENCE, cache_dir)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
+  with pytest.raises(ValueError, match="Configurable 'TrainConfig' doesn't have a parameter "
+                     "named 'stepz'"):
+    train.parse_gin([TINY], ["TrainConfig.stepz = 3"])
+  with pytest.raises(ValueError, match="No configurable matching 'TrianConfig'"):
+    train.parse_gin([TINY], ["TrianConfig.steps = 3"])
+  bad = tmp_path / "bad.gin"
+  bad.write_text("include 'configs/tiny_cpu.gin'\nLlamaConfig.hiden_dim = 3\n")
+  with pytest.raises(ValueError, match=r"(?s)'LlamaConfig' doesn't have a parameter named "
+                     r"'hiden_dim'.*bad.gin\", line 2"):
+    train.parse_gin([str(bad)], [])
+  with pytest.raises(FileNotFoundError, match="gin file 'configs/nope.gin' not found"):
+    train.parse_gin(["configs/nope.gin"], [])
+  with pytest.raises(ValueError, match="give at least one --gin_file"):
+    train.main([f"--workdir={tmp_path}"])
+
+
+def test_train_config_values_are_checked():
+  train.parse_gin([TINY], [])
+  with pytest.raises(ValueError, match=r"out of range: \{'steps': 0\}"):
+    train.TrainConfig(steps=0)
+  with pytest.raises(TypeError, match="TrainConfig.steps must be a int, got '10'"):
+    train.TrainConfig(steps="10")
+  with pytest.raises(ValueError, match="unknown platform 'gpux'"):
+    distributed.configure_platform("gpux")
+
+
+@pytest.mark.parametrize("param, message", [
+    ("TrainConfig.mesh_seq = 3", "mesh data=2 x seq=3 needs 6 devices but 8 are available"),
+    ("DataConfig.seq_len = 130", "seq_len=130 does not divide over the mesh's 'seq' axis of 4 "
+     "devices"),
+    ("DataConfig.batch_size = 3", "batch size 3 does not divide over the mesh's 'data' axis"),
+    ("LlamaConfig.vocab_size = 100", "uses ids up to 255, beyond the model's vocab_size=100"),
+    ("LlamaConfig.mlp_dim = 1073741824", r"the train state \(parameters \+ optimizer\) needs "
+     r".* GiB per device but a device has"),
+    ("TrainConfig.cpu_devices = 4", "asks for 4 CPU devices per process but JAX already started "
+     "with 8"),
+    ("OptimizerConfig.warmup_steps = 40", "need 0 <= warmup_steps < total_steps, got "
+     "warmup_steps=40, total_steps=30"),
+])
+def test_bad_runs_fail_before_training(tmp_path, param, message):
+  train.parse_gin([TINY], FAST + ["STEPS = 30", param])
+  with pytest.raises(train.ConfigError, match=message):
+    train.train(str(tmp_path))
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+def test_command_line_prints_bad_input_without_a_traceback(tmp_path):
+  out = _run(str(tmp_path), ["TrainConfig.stepz = 3"], None, check=False)
+  assert out.returncode == 1
+  assert out.stderr.startswith("error: Configurable 'TrainConfig' doesn't have a parameter "
+                               "named 'stepz'."), out.stderr
+  assert "Traceback" not in out.stderr
+
+
+def test_multiprocess_flags_come_together():
+  with pytest.raises(ValueError, match="give --coordinator_address, --num_processes and "
+                     "--process_id"):
+    distributed.initialize("localhost:1234", None, None)
+  with pytest.raises(ValueError, match=r"--process_id=2 must be in \[0, --num_processes=2\)"):
+    distributed.initialize("localhost:1234", 2, 2)
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def test_metrics_writer_drops_steps_after_the_restored_one(tmp_path):
+  writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+  for step in (1, 2, 3):
+    writer.write({"step": step, "loss": 1.0 / step, "peak_memory_gib": None})
+  writer.write({"step": 4, "loss": float("nan")})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert [json.loads(line) for line in f][2:] == [{"step": 3, "loss": 1 / 3},
+                                                    {"step": 4, "loss": None}]
+  metrics.MetricsWriter(str(tmp_path), resume_step=2, enabled=True).close()
+  with open(tmp_path / "metrics.jsonl") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]
+  assert any(p.startswith("events.out.tfevents") for p in os.listdir(tmp_path / "tensorboard"))
+
+
+def test_flops_per_token_formula():
+  config = train.LlamaConfig(vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=16, mlp_dim=128)
+  per_layer = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # attn, mlp, norms
+  matmul_params = 2 * per_layer + 64 + 64 * 256  # + final norm + head (embedding excluded)
+  assert metrics.flops_per_token(config, 512) == 6 * matmul_params + 6 * 2 * 512 * 4 * 16
+
+
+# ----------------------------------------------------------------------------- training
+
+def test_tiny_cpu_learns_and_writes_its_outputs(reference):
+  workdir, out = reference
+  records = _records(workdir)
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  for r in records:
+    assert {"step", "loss", "grad_norm", "learning_rate", "tokens_per_sec", "mfu", "step_time_s",
+            "nonfinite_steps"} <= set(r)
+    assert r["tokens_per_sec"] > 0 and r["nonfinite_steps"] == 0
+  assert [r["step"] for r in records if "eval_loss" in r] == [10, 20, 30]
+  losses = [r["loss"] for r in records]
+  assert np.mean(losses[-5:]) < losses[0] - 1.5, losses  # from ln(256) = 5.5 to below 4
+  assert np.log(256) - 0.2 < losses[0] < np.log(256) + 0.2
+  with open(os.path.join(workdir, "config.gin")) as f:
+    operative = f.read()
+  for line in ("STEPS = 30", "TrainConfig.steps = %STEPS", "LlamaConfig.hidden_dim = 64",
+               "TrainConfig.mesh_seq = 4", "DataConfig.source = 'stdlib'"):
+    assert line in operative
+  assert _steps(workdir) == [25, 30]
+  assert os.listdir(os.path.join(workdir, "tensorboard"))
+  assert f"loss         {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step 30)" in out.stdout
+  assert "tokens/s after the first step, MFU" in out.stdout
+  assert os.path.join(workdir, "metrics.jsonl") in out.stdout
+  assert os.path.join(workdir, "checkpoints") + "  (latest: step 30)" in out.stdout
+  # Started again when finished: nothing to redo.
+  again = _run(workdir, REFERENCE, None)
+  assert "already at step 30 of 30" in again.stdout
+  assert _losses(workdir) == {r["step"]: r["loss"] for r in records}
+
+
+def test_sigterm_and_sigkill_restarts_reproduce_the_uninterrupted_losses(reference, cache_dir,
+                                                                        tmp_path):
+  ref_dir, _ = reference
+  workdir, log = str(tmp_path / "run"), str(tmp_path / "log")
+  # SIGTERM: a checkpoint at the step it arrived, then a clean exit.
+  proc = _start(workdir, REFERENCE, cache_dir, log)
+  _wait_for(lambda: os.path.exists(os.path.join(workdir, "metrics.jsonl")) and
+            len(_records(workdir)) >= 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  assert proc.wait(timeout=120) == 0, open(log).read()
+  stopped_at = _records(workdir)[-1]["step"]
+  assert stopped_at < STEPS and stopped_at in _steps(workdir)
+  assert "stopped by signal 15, rerun the same command to resume" in open(log).read()
+  # SIGKILL right after the next periodic checkpoint lands.
+  proc = _start(workdir, REFERENCE, cache_dir, log)
+  _wait_for(lambda: any(s > stopped_at for s in _steps(workdir)), proc)
+  proc.kill()
+  proc.wait(timeout=60)
+  killed_at = max(_steps(workdir))
+  assert killed_at < STEPS
+  # The last restart finishes the run.
+  out = _run(workdir, REFERENCE, cache_dir)
+  assert f"resuming at step {killed_at}" in out.stderr
+  assert _losses(workdir) == _losses(ref_dir)  # exactly
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(reference, cache_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(reference[0], workdir)
+  newest = os.path.join(workdir, "checkpoints", str(STEPS))
+  for d, _, files in os.walk(os.path.join(newest, "state")):
+    for f in files:
+      if os.sep + "d" + os.sep in os.path.join(d, f):
+        with open(os.path.join(d, f), "wb") as out:
+          out.write(b"torn write")
+  out = _run(workdir, REFERENCE, cache_dir)
+  assert f"checkpoint {newest} failed to restore" in out.stderr
+  assert "resuming at step 25" in out.stderr
+  assert [p for p in os.listdir(os.path.dirname(newest)) if p.startswith(f"{STEPS}.damaged-")]
+  assert _losses(workdir) == _losses(reference[0])
+
+
+@pytest.mark.parametrize("data, seq", [(1, 8), pytest.param(8, 1, marks=pytest.mark.slow)])
+def test_resharding_restore_gives_the_same_parameters_and_next_loss(reference, cache_dir,
+                                                                    tmp_path, data, seq):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(reference[0], workdir)
+  checkpoints = os.path.join(workdir, "checkpoints")
+  saved = _restore_params(checkpoints, REFERENCE, make_mesh(2, 4), 25, tmp_path)
+  moved = _restore_params(checkpoints, REFERENCE, make_mesh(data, seq), 25, tmp_path)
+  jax.tree.map(np.testing.assert_array_equal, moved, saved)
+  shutil.rmtree(os.path.join(checkpoints, str(STEPS)))
+  mesh = [f"TrainConfig.mesh_data = {data}", f"TrainConfig.mesh_seq = {seq}"]
+  _run(workdir, REFERENCE + mesh + ["TrainConfig.steps = 26"], cache_dir)
+  np.testing.assert_allclose(_losses(workdir)[26], _losses(reference[0])[26], rtol=2e-6)
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  params = FAST + ["STEPS = 10", "TrainConfig.log_every = 1", "TrainConfig.max_bad_steps = 3",
+                   "OptimizerConfig.learning_rate = 1e12", "OptimizerConfig.warmup_steps = 0",
+                   "CheckpointConfig.save_every = 1", "CheckpointConfig.keep = 10"]
+  out = _run(workdir, params, cache_dir, check=False)
+  assert out.returncode == 1
+  checkpoints = os.path.join(workdir, "checkpoints")
+  assert (f"error: stopped at step 4: the loss or gradients were non-finite in 3 steps in a "
+          f"row (TrainConfig.max_bad_steps=3). Those updates were all skipped, so "
+          f"{checkpoints}/4 holds the last good parameters.") in out.stderr
+  records = _records(workdir)
+  assert [(r["loss"] is None, r["nonfinite_steps"]) for r in records] == [
+      (False, 0), (True, 1), (True, 2), (True, 3)]
+  assert _steps(workdir) == [1, 2, 3, 4]
+  after_good_step = _restore_params(checkpoints, params, make_mesh(2, 4), 1, tmp_path)
+  after_bad_steps = _restore_params(checkpoints, params, make_mesh(2, 4), 4, tmp_path)
+  jax.tree.map(np.testing.assert_array_equal, after_bad_steps, after_good_step)
+
+
+@pytest.mark.slow
+def test_retrieval_is_learned_across_sequence_shards(cache_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  out = _run(workdir, ["STEPS = 300"], cache_dir, gin_file="configs/retrieval_cpu.gin")
+  train.parse_gin(["configs/retrieval_cpu.gin"], [])
+  data, task, cfg = train.DataConfig(), train.RetrievalTask(), train.TrainConfig()
+  shard = data.seq_len // cfg.mesh_seq
+  assert cfg.mesh_seq == 8 and 2 * task.num_pairs <= shard < data.seq_len - 2  # first vs last
+  accuracy = _records(workdir)[-1]["eval_accuracy"]
+  assert accuracy > 4 * task.chance, out.stdout

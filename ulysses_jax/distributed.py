@@ -1,0 +1,95 @@
+"""Multi-process start-up: platform settings, then ``jax.distributed.initialize``.
+
+One process per host (CPU) or per GPU. The processes find each other either through
+explicit flags (``coordinator_address``, ``num_processes``, ``process_id``: what
+``scripts/launch_local.sh`` passes) or through the environment of a cluster launcher, which
+``jax.distributed.initialize`` reads itself: SLURM under ``srun`` (one task per GPU, as in
+``scripts/launch_slurm.sh``) or Open MPI's ``mpirun``. A single process needs none of this.
+
+Everything here must run before JAX starts its backends (before the first array or
+``jax.devices()`` call).
+"""
+
+import os
+
+import jax
+
+PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
+
+
+def _launcher_size() -> int:
+  """How many processes the environment's launcher started (1 when none is detected)."""
+  for var in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
+    if os.environ.get(var, "").isdigit():
+      return int(os.environ[var])
+  return 1
+
+
+def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cache: str = ""):
+  """Selects the JAX platform, the number of virtual CPU devices and the compile cache.
+
+  Args:
+    platform: "" (JAX's default: GPU if present), or one of ``PLATFORMS``.
+    cpu_devices: virtual CPU devices per process (0: JAX's default, one), so that a laptop
+      can run a multi-device mesh.
+    compilation_cache: a directory for JAX's persistent compilation cache ("" = off).
+
+  If JAX already started (a notebook, a test session), nothing can change any more: the
+  settings are checked against what is running instead, with a clear error on a mismatch.
+  """
+  if platform and platform not in PLATFORMS:
+    raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS} or '' for "
+                     "JAX's default")
+  if platform:
+    jax.config.update("jax_platforms", platform)
+  if cpu_devices:
+    try:
+      jax.config.update("jax_num_cpu_devices", cpu_devices)
+    except RuntimeError:
+      pass  # backends already up: checked in check_platform
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if compilation_cache:
+    jax.config.update("jax_compilation_cache_dir", compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def check_platform(platform: str = "", cpu_devices: int = 0):
+  """Raises if the running backend differs from what ``configure_platform`` asked for."""
+  backend = jax.default_backend()
+  if platform and backend != {"cuda": "gpu"}.get(platform, platform):
+    raise RuntimeError(f"the config asks for platform {platform!r} but JAX runs on "
+                       f"{backend!r}: JAX started before the setting could apply, or no "
+                       f"{platform} device is visible")
+  if cpu_devices and backend == "cpu" and jax.local_device_count() != cpu_devices:
+    raise RuntimeError(
+        f"the config asks for {cpu_devices} CPU devices per process but JAX already started "
+        f"with {jax.local_device_count()}; start a fresh process (python -m "
+        f"ulysses_jax.train) or set XLA_FLAGS=--xla_force_host_platform_device_count="
+        f"{cpu_devices} before JAX is imported")
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
+  """Joins the processes of a multi-process run; returns whether there are several.
+
+  With no arguments, initializes only when a launcher (SLURM ``srun``, ``mpirun``) started
+  more than one process, and lets JAX read the rest from its environment. Explicit
+  arguments must come together.
+  """
+  given = [a is not None for a in (coordinator_address, num_processes, process_id)]
+  if any(given) and not all(given):
+    raise ValueError("multi-process flags come together: give --coordinator_address, "
+                     "--num_processes and --process_id (or none, to detect a SLURM/MPI "
+                     "launcher)")
+  if all(given):
+    if not 0 <= process_id < num_processes:
+      raise ValueError(f"--process_id={process_id} must be in [0, --num_processes="
+                       f"{num_processes})")
+    if num_processes == 1:
+      return False
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return True
+  if _launcher_size() > 1:
+    jax.distributed.initialize()
+    return jax.process_count() > 1
+  return False

@@ -1,0 +1,112 @@
+"""Training metrics: the ``metrics.jsonl`` + TensorBoard writer, model FLOPs, device peaks.
+
+MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops``:
+
+* ``flops_per_token = 6 * N + 6 * L * S * h``: 6 FLOPs per parameter per token for the
+  dense matmuls (forward 2, backward 4), N the parameters that take part in a matmul (all
+  but the embedding lookup; the output head counts, tied or not); attention scores and
+  values cost ``12 * L * S * h`` per token forward+backward (L layers, S sequence length,
+  h = query heads * head dim), halved for the causal mask. Rematerialisation is not
+  counted (this is MFU, not hardware FLOPs utilisation).
+* ``peak_flops``: the measured matmul throughput, in the model's compute dtype, of all
+  devices together (``measure_peak_flops``), or a given per-device figure times the
+  device count.
+"""
+
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ulysses_jax.models.llama import LlamaConfig, count_params
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward) of a causal Llama; see the module doc."""
+  embedding = config.vocab_size * config.hidden_dim
+  matmul_params = count_params(config) - embedding + (embedding if config.tie_embeddings
+                                                      else 0)
+  attention = 6 * config.num_layers * seq_len * config.num_heads * config.head_dim
+  return 6 * matmul_params + attention
+
+
+def measure_peak_flops(dtype: str = "bfloat16") -> float:
+  """FLOP/s of square matmuls in ``dtype`` on all devices at once (all processes).
+
+  Every local device multiplies its own matrices (no communication); the best of a few
+  timed runs counts. Processes are assumed alike: the local figure times their number.
+  """
+  devices = jax.local_devices()
+  n = 8192 if devices[0].platform == "gpu" else 256
+  mesh = Mesh(np.array(devices), ("d",))
+  x = jax.device_put(jnp.full((len(devices), n, n), 1 / n, dtype), NamedSharding(mesh, P("d")))
+  repeats = 8
+
+  @jax.jit
+  def chain(a):
+    return jax.lax.fori_loop(0, repeats, lambda _, b: jnp.einsum("dij,djk->dik", b, a), a)
+
+  chain(x).block_until_ready()
+  best = float("inf")
+  for _ in range(3):
+    start = time.perf_counter()
+    chain(x).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 * repeats * len(devices) / best * jax.process_count()
+
+
+def peak_memory_gib() -> float | None:
+  """Largest peak device memory in use among local devices, or None if not reported."""
+  peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+  peaks = [p for p in peaks if p is not None]
+  return max(peaks) / 2**30 if peaks else None
+
+
+class MetricsWriter:
+  """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors every number
+  to TensorBoard event files under ``tensorboard/``.
+
+  Only process 0 writes (others get a writer that does nothing). On resume from step
+  ``resume_step``, records of later steps (logged after that checkpoint by the run that
+  was stopped) are dropped from both, so the history reads like one uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None):
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.tensorboard_dir = os.path.join(workdir, "tensorboard")
+    self._enabled = jax.process_index() == 0 if enabled is None else enabled
+    if not self._enabled:
+      return
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(self.path):
+      with open(self.path, encoding="utf-8") as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(self.path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    self._tb = SummaryWriter(self.tensorboard_dir, purge_step=resume_step + 1)
+
+  def write(self, record: dict):
+    """Writes ``record``: ``step`` and numbers; None values (not measured) are left out,
+    non-finite numbers are written as null (JSON has no NaN) and not sent to TensorBoard."""
+    if not self._enabled:
+      return
+    record = {k: v for k, v in record.items() if v is not None}
+    finite = {k: v for k, v in record.items() if math.isfinite(v)}
+    self._file.write(json.dumps({k: finite.get(k) for k in record}) + "\n")
+    self._file.flush()
+    for key, value in finite.items():
+      if key != "step":
+        self._tb.add_scalar(key, value, record["step"])
+    self._tb.flush()
+
+  def close(self):
+    if self._enabled:
+      self._file.close()
+      self._tb.close()

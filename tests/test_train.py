@@ -287,6 +287,15 @@ def test_resharding_restore_gives_the_same_parameters_and_next_loss(reference, c
   np.testing.assert_allclose(_losses(workdir)[26], _losses(reference[0])[26], rtol=2e-6)
 
 
+def test_host_offloaded_optimizer_gives_the_same_losses(reference, cache_dir, tmp_path):
+  workdir = str(tmp_path / "run")
+  _run(workdir, REFERENCE + ["TrainConfig.offload_optimizer = True", "TrainConfig.steps = 8"],
+       cache_dir)
+  got, want = _losses(workdir), _losses(reference[0])
+  assert sorted(got) == list(range(1, 9))
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+
+
 def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   params = FAST + ["STEPS = 10", "TrainConfig.log_every = 1", "TrainConfig.max_bad_steps = 3",

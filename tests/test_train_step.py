@@ -18,7 +18,7 @@ SEQ_LEN = 30  # divisible by neither 4 nor 8
 Z_LOSS = 1e-3
 
 
-def _train(mesh_shape, state, batches, *, accum_steps=1):
+def _train(mesh_shape, state, batches, *, accum_steps=1, offload_optimizer=False):
   """Runs one step per batch from parameters ``state``.
 
   Returns the final state and the metrics on the host, and whether the step donated (deleted)
@@ -26,15 +26,19 @@ def _train(mesh_shape, state, batches, *, accum_steps=1):
   """
   mesh = mesh_of(*mesh_shape)
   tx = train_step.make_optimizer(OPTIMIZER)
-  graphdef, train_state = train_step.init_train_state(model_on(CONFIG, mesh, state), tx)
+  graphdef, train_state = train_step.init_train_state(model_on(CONFIG, mesh, state), tx,
+                                                      offload_optimizer=offload_optimizer)
   step = train_step.make_train_step(
       graphdef, train_state, tx, mesh=mesh, seq_len=batches[0]["tokens"].shape[1],
       accum_steps=accum_steps, z_loss_weight=Z_LOSS,
-      schedule=train_step.learning_rate_schedule(OPTIMIZER))
+      schedule=train_step.learning_rate_schedule(OPTIMIZER), offload_optimizer=offload_optimizer)
   first_state = jax.tree.leaves(train_state)
   metrics = []
   for batch in batches:
     train_state, m = step(train_state, batch)
+    if offload_optimizer:  # the moments stay in host memory between steps
+      assert {x.sharding.memory_kind for x in jax.tree.leaves(train_state.opt_state)} == {
+          "pinned_host"}
     metrics.append({k: float(v) for k, v in m.items()})
   donated = all(x.is_deleted() for x in first_state)
   return tree_on_host(train_state), metrics, donated
@@ -62,6 +66,13 @@ def test_three_steps_match_single_device(three_steps_single_device, mesh_shape, 
   assert_trees_close(got_state.params, want_state.params)
   assert_trees_close(got_state.opt_state, want_state.opt_state)
   assert int(got_state.step) == 3 and donated
+
+
+def test_host_offloaded_optimizer_matches_on_device(three_steps_single_device):
+  state, batches, (want_state, _, _) = three_steps_single_device
+  got_state, _, _ = _train((2, 4), state, batches, offload_optimizer=True)
+  assert_trees_close(got_state.params, want_state.params)
+  assert_trees_close(got_state.opt_state, want_state.opt_state)
 
 
 def test_metrics_report_the_model_loss_and_the_loss_goes_down(three_steps_single_device):

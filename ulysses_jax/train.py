@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from ulysses_jax import distributed, sharding
+from ulysses_jax import distributed
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer, StopRequest
 from ulysses_jax.data import DataConfig, RetrievalTask, make_datasets, retrieval_accuracy
@@ -41,7 +41,7 @@ from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import LlamaConfig, count_params, init_llama
 from ulysses_jax.rope import RopeScaling
 from ulysses_jax.train_step import (OptimizerConfig, init_train_state, learning_rate_schedule,
-                                    make_optimizer, make_train_step)
+                                    make_optimizer, make_train_step, state_shardings)
 
 _log = logging.getLogger("ulysses_jax.train")
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +62,7 @@ class TrainConfig:
   accum_steps: micro-batches per step (gradient accumulation).
   z_loss_weight: weight of the z-loss term.
   max_bad_steps: consecutive non-finite steps that stop training.
+  offload_optimizer: keep the Adam moments in pinned host memory between steps.
   platform: "" (JAX's default), "cpu", "gpu" or "tpu".
   cpu_devices: virtual CPU devices per process (0: JAX's default).
   peak_flops: per-device peak FLOP/s for MFU (0: measure at start; see ``metrics``).
@@ -79,6 +80,7 @@ class TrainConfig:
   accum_steps: int = 1
   z_loss_weight: float = 0.0
   max_bad_steps: int = 20
+  offload_optimizer: bool = False
   platform: str = ""
   cpu_devices: int = 0
   peak_flops: float = 0.0
@@ -126,11 +128,11 @@ def parse_gin(files: list[str], params: list[str]):
 
 # ----------------------------------------------------------------------------- setup
 
-def abstract_train_state(model_config, mesh, tx, seed=0):
+def abstract_train_state(model_config, mesh, tx, seed=0, offload_optimizer=False):
   """(graphdef, train state as ShapeDtypeStructs carrying their target shardings)."""
   graphdef, shapes = jax.eval_shape(
       lambda: init_train_state(init_llama(model_config, mesh, seed=seed), tx))
-  shardings = sharding.tree_shardings(shapes, mesh)
+  shardings = state_shardings(shapes, mesh, offload_optimizer=offload_optimizer)
   return graphdef, jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
@@ -145,6 +147,8 @@ def _check_fits(abstract_state):
   """Raises if the train state alone overflows a device (host memory for CPU devices)."""
   need = {}
   for x in jax.tree.leaves(abstract_state):
+    if x.sharding.memory_kind == "pinned_host":
+      continue  # the offloaded optimizer state
     for device in x.sharding.device_set:
       shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
       need[device] = need.get(device, 0) + shard
@@ -155,8 +159,8 @@ def _check_fits(abstract_state):
   if have and max(need.values()) > have:
     raise MemoryError(f"the train state (parameters + optimizer) needs "
                       f"{max(need.values()) / 2**30:.1f} GiB per device but a device has "
-                      f"{have / 2**30:.1f} GiB; use a smaller model (LlamaConfig) or more "
-                      "devices")
+                      f"{have / 2**30:.1f} GiB; use a smaller model (LlamaConfig), more "
+                      "devices or TrainConfig.offload_optimizer=True")
 
 
 def _make_eval_step(graphdef, retrieval: bool):
@@ -219,7 +223,8 @@ def train(workdir: str, datasets=None) -> dict:
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq)
     tx = optimizer(opt_cfg)
-    graphdef, abstract = abstract_train_state(model_cfg, mesh, tx, cfg.seed)
+    graphdef, abstract = abstract_train_state(model_cfg, mesh, tx, cfg.seed,
+                                              cfg.offload_optimizer)
     _check_fits(abstract)
     train_ds, eval_ds = datasets or make_datasets(data_cfg, mesh,
                                                   vocab_size=model_cfg.vocab_size)
@@ -232,13 +237,15 @@ def train(workdir: str, datasets=None) -> dict:
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_cfg)
   restored = ckpt.restore(abstract)
   if restored is None:
-    start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), tx)[1]
+    start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), tx,
+                                       offload_optimizer=cfg.offload_optimizer)[1]
   else:
     start, state = restored.step, restored.state
     train_ds.set_state(restored.data_state)
   step_fn = make_train_step(graphdef, abstract, tx, mesh=mesh, seq_len=data_cfg.seq_len,
                             accum_steps=cfg.accum_steps, z_loss_weight=cfg.z_loss_weight,
-                            schedule=learning_rate_schedule(opt_cfg))
+                            schedule=learning_rate_schedule(opt_cfg),
+                            offload_optimizer=cfg.offload_optimizer)
   eval_step = _make_eval_step(graphdef, data_cfg.source == "retrieval")
   flops = metrics_lib.flops_per_token(model_cfg, data_cfg.seq_len)
   peak = (cfg.peak_flops * jax.device_count() if cfg.peak_flops

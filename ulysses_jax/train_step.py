@@ -10,6 +10,11 @@ The state is a ``TrainState`` pytree (step counter, parameters, optax state); pa
 gradients and Adam moments are all sharded like the parameters (``ulysses_jax.sharding``:
 FSDP over every device), the step is jitted with explicit in/out shardings, and the
 incoming state's buffers are donated.
+
+With ``offload_optimizer=True`` the optax state (Adam's two moments: twice the parameter
+bytes) lives in ``pinned_host`` memory between steps; each step copies it to the device for
+the update and back. That trades two host<->device transfers of the moments per step for
+their device memory.
 """
 
 import dataclasses
@@ -80,17 +85,33 @@ class TrainState(NamedTuple):
   opt_state: optax.OptState
 
 
+def _on_host(shardings):
+  return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
+
+
+def state_shardings(state, mesh: Mesh, *, offload_optimizer: bool = False,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> TrainState:
+  """Shardings of a ``TrainState`` (or its ``eval_shape``): FSDP for parameters and optimizer
+  state, the latter in ``pinned_host`` memory with ``offload_optimizer``."""
+  shardings = sharding.tree_shardings(state, mesh, rules)
+  if offload_optimizer:
+    shardings = shardings._replace(opt_state=_on_host(shardings.opt_state))
+  return shardings
+
+
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation,
-                     rules: sharding.Rules = sharding.DEFAULT_RULES
-                     ) -> tuple[nnx.GraphDef, TrainState]:
+                     rules: sharding.Rules = sharding.DEFAULT_RULES, *,
+                     offload_optimizer: bool = False) -> tuple[nnx.GraphDef, TrainState]:
   """Splits a (sharded) model into its graphdef and a ``TrainState``.
 
-  The optimizer state is created directly in the parameters' sharding. ``model`` must have
-  a ``mesh`` attribute (``Llama`` does).
+  The optimizer state is created directly in the parameters' sharding (in host memory with
+  ``offload_optimizer``). ``model`` must have a ``mesh`` attribute (``Llama`` does).
   """
   graphdef, params = nnx.split(model)
   mesh = model.mesh
   opt_shardings = sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
+  if offload_optimizer:
+    opt_shardings = _on_host(opt_shardings)
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
   step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
   return graphdef, TrainState(step, params, opt_state)
@@ -115,7 +136,8 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
                     tx: optax.GradientTransformation, *, mesh: Mesh, seq_len: int,
                     accum_steps: int = 1, z_loss_weight: float = 0.0,
                     schedule: optax.Schedule | None = None,
-                    rules: sharding.Rules = sharding.DEFAULT_RULES):
+                    rules: sharding.Rules = sharding.DEFAULT_RULES,
+                    offload_optimizer: bool = False):
   """The jitted ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -133,6 +155,8 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
       of them, exactly as one big batch would.
     z_loss_weight: weight of the z-loss term added to the objective.
     schedule: learning-rate schedule, only to report it in the metrics.
+    offload_optimizer: the optax state lives in host memory (``init_train_state`` with the
+      same flag); it visits the device only for the update.
 
   Metrics (replicated float32 scalars): ``loss`` (mean cross-entropy over valid tokens),
   ``z_loss``, ``grad_norm`` (before clipping), ``tokens`` (valid labels), and
@@ -172,7 +196,12 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
           jax.tree.map(jnp.zeros_like, current.params), param_shardings)
       zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
-    updates, opt_state = tx.update(grads, current.opt_state, current.params)
+    opt_state = current.opt_state
+    if offload_optimizer:
+      opt_state = jax.device_put(opt_state, device_opt_shardings)
+    updates, opt_state = tx.update(grads, opt_state, current.params)
+    if offload_optimizer:
+      opt_state = jax.device_put(opt_state, shardings.opt_state)
     params = optax.apply_updates(current.params, updates)
     count = jnp.maximum(sums.count, 1.0)
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
@@ -181,6 +210,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
       metrics["learning_rate"] = jnp.asarray(schedule(current.step), jnp.float32)
     return TrainState(current.step + 1, params, opt_state), metrics
 
-  state_shardings = sharding.tree_shardings(state, mesh, rules)
-  return jax.jit(step, in_shardings=(state_shardings, NamedSharding(mesh, batch_spec)),
-                 out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer, rules=rules)
+  device_opt_shardings = sharding.tree_shardings(state.opt_state, mesh, rules)
+  return jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, batch_spec)),
+                 out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)

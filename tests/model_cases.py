@@ -13,8 +13,8 @@ F32_RTOL = 1e-5  # relative L2 error per array, float32
 MESHES = ((8, 1), (2, 4), (1, 8))
 
 
-def mesh_of(data, seq):
-  return make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
+def mesh_of(data, seq, ring=1):
+  return make_mesh(data=data, seq=seq, ring=ring, devices=jax.devices()[:data * seq * ring])
 
 
 def packed_batch(seed, batch, seq_len, vocab, *, max_docs=3, ignore_fraction=0.1):

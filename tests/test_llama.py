@@ -83,8 +83,11 @@ def test_logits_match_reference(config):
 
 # (preset, seq_len, mesh): S=30 is divisible by neither 4 nor 8; every mesh runs both heads
 # layouts in the slow suite. Small loss/MLP chunks force several padded chunks per device.
-SP_CASES = [("tiny", 32, m) for m in MESHES] + [("tiny-gqa", 30, m) for m in MESHES]
-FAST_SP_CASES = {("tiny", 32, (1, 8)), ("tiny-gqa", 30, (2, 4))}
+# Hybrid meshes are (data, seq, ring): all-to-all over seq, K/V ring over ring.
+HYBRID_MESHES = ((2, 2, 2), (1, 4, 2))
+SP_CASES = [("tiny", 32, m) for m in MESHES + HYBRID_MESHES] + [
+    ("tiny-gqa", 30, m) for m in MESHES + HYBRID_MESHES]
+FAST_SP_CASES = {("tiny", 32, (1, 8)), ("tiny-gqa", 30, (2, 4)), ("tiny-gqa", 30, (2, 2, 2))}
 
 
 @pytest.fixture(scope="module")

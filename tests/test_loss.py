@@ -112,5 +112,5 @@ def test_sums_add_and_bad_arguments_raise():
   with pytest.raises(ValueError, match=r"labels must be \[batch, seq\] = \(4, 24\), got "
                                        r"\(4, 23\)"):
     chunked_cross_entropy(hidden, head, labels[:, :23], mesh=mesh_of(1, 1), chunk=4)
-  with pytest.raises(ValueError, match="must be divisible by the seq axis"):
+  with pytest.raises(ValueError, match=r"must be divisible by the sequence shards \(8\)"):
     chunked_cross_entropy(hidden[:, :23], head, labels[:, :23], mesh=mesh_of(1, 8), chunk=4)

@@ -11,13 +11,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from model_cases import initial_state, mesh_of, packed_batch
 from ulysses_jax import sharding, train_step
-from ulysses_jax.mesh import DATA, SEQ
+from ulysses_jax.mesh import DATA, RING, SEQ
 from ulysses_jax.models.llama import Llama, init_llama, preset
 
 
 def test_logical_to_spec_uses_the_rules_table():
-  assert sharding.logical_to_spec(("act_batch", "act_seq", "act_embed")) == P(DATA, SEQ, None)
-  assert sharding.logical_to_spec(("layers", "embed", "mlp")) == P(None, (DATA, SEQ), None)
+  act, param = ("act_batch", "act_seq", "act_embed"), ("layers", "embed", "mlp")
+  assert sharding.logical_to_spec(act) == P(DATA, (RING, SEQ), None)
+  # Mesh axes the mesh lacks drop out: the same rules serve (data, seq) and hybrid meshes.
+  plain, hybrid = mesh_of(2, 4), mesh_of(2, 2, ring=2)
+  assert sharding.logical_to_spec(act, mesh=plain) == P(DATA, SEQ, None)
+  assert sharding.logical_to_spec(param, mesh=plain) == P(None, (DATA, SEQ), None)
+  assert sharding.logical_to_spec(act, mesh=hybrid) == P(DATA, (RING, SEQ), None)
+  assert sharding.logical_to_spec(param, mesh=hybrid) == P(None, (DATA, RING, SEQ), None)
   pure_dp = tuple((k, DATA if k == "embed" else v) for k, v in sharding.DEFAULT_RULES)
   assert sharding.logical_to_spec(("embed", None), pure_dp) == P(DATA, None)
   with pytest.raises(ValueError, match=r"logical axes \['embedd'\] are not in the sharding "

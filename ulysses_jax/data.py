@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from ulysses_jax.corpus import (Corpus, make_tokenizer, resolve_paths, split_corpus,
                                 stdlib_files, text_corpus, token_corpus)
-from ulysses_jax.mesh import DATA, SEQ, make_mesh
+from ulysses_jax.mesh import DATA, make_mesh, sequence_axes, sequence_shards
+from ulysses_jax.sharding import batch_spec
 
 IGNORE_LABEL = -1
 SOURCES = ("stdlib", "files", "retrieval")
@@ -198,16 +199,18 @@ def _data_coords(mesh) -> list[int]:
 
 
 def _check_divisible(mesh, batch_size: int, seq_len: int):
-  if seq_len % mesh.shape[SEQ]:
-    raise ValueError(f"seq_len={seq_len} does not divide over the mesh's {SEQ!r} axis of "
-                     f"{mesh.shape[SEQ]} devices; use a multiple of {mesh.shape[SEQ]}")
+  shards, axes = sequence_shards(mesh), " x ".join(repr(a) for a in sequence_axes(mesh))
+  if seq_len % shards:
+    raise ValueError(f"seq_len={seq_len} does not divide over the mesh's {axes} axis of "
+                     f"{shards} devices; use a multiple of {shards}")
   if batch_size % mesh.shape[DATA]:
     raise ValueError(f"batch size {batch_size} does not divide over the mesh's {DATA!r} axis "
                      f"of {mesh.shape[DATA]} devices; use a multiple of {mesh.shape[DATA]}")
 
 
 def make_global_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-  """Global int32 ``[B, S]`` arrays sharded ``P(DATA, SEQ)`` from this process's rows.
+  """Global int32 ``[B, S]`` arrays sharded ``sharding.batch_spec`` (``P(DATA, SEQ)``) from
+  this process's rows.
 
   ``local_batch`` holds, in order, the rows of the data-axis slices that this process's
   devices hold (all rows on one process); B = local rows * data size / local slices.
@@ -219,8 +222,8 @@ def make_global_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax
                      f"{len(coords)} slices of the {DATA!r} axis")
   global_rows = local_rows // len(coords) * mesh.shape[DATA]
   _check_divisible(mesh, global_rows, seq_len)
-  sharding = NamedSharding(mesh, P(DATA, SEQ))
-  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v, np.int32),
+  global_sharding = NamedSharding(mesh, batch_spec(mesh, seq_len))
+  return {k: jax.make_array_from_process_local_data(global_sharding, np.asarray(v, np.int32),
                                                     (global_rows, seq_len))
           for k, v in local_batch.items()}
 

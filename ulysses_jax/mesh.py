@@ -13,6 +13,7 @@ arrays alike. (JAX >= 0.10 defaults ``jax.make_mesh`` to Explicit axes, under wh
 shard_map no longer reshards; we never use Explicit meshes.)
 """
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -62,6 +63,11 @@ def make_mesh(data: int = -1, seq: int = 1, ring: int = 1,
 def sequence_axes(mesh: Mesh) -> tuple[str, ...]:
   """Mesh axes the sequence is sharded over, major first: ``("ring", "seq")`` or ``("seq",)``."""
   return (RING, SEQ) if RING in mesh.axis_names else (SEQ,)
+
+
+def sequence_shards(mesh: Mesh) -> int:
+  """How many shards the sequence is cut into: seq x ring."""
+  return math.prod(mesh.shape[a] for a in sequence_axes(mesh))
 
 
 def ring_size(mesh: Mesh) -> int:

@@ -10,8 +10,9 @@ names (``"embed"``, ``"act_seq"``, ...). ``DEFAULT_RULES`` maps each name to mes
   Adam moments, which follow the parameter's sharding (ZeRO-3 / FSDP). Layers all-gather
   their weights just in time (``gather``).
 
-Pure FSDP vs FSDP + sequence parallelism is the mesh shape (``seq=1`` or not), not a rule
-change. Parameters carry their logical names as ``nnx.Variable`` metadata ``logical_axes``.
+Pure FSDP vs FSDP + sequence parallelism vs the hybrid is the mesh shape (``seq``, ``ring``),
+not a rule change: rules name every mesh axis, and axes a mesh lacks are dropped.
+Parameters carry their logical names as ``nnx.Variable`` metadata ``logical_axes``.
 """
 
 import math
@@ -22,21 +23,21 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ulysses_jax.mesh import DATA, SEQ
+from ulysses_jax.mesh import DATA, RING, SEQ, sequence_axes, sequence_shards
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: Rules = (
     # Activations.
     ("act_batch", DATA),
-    ("act_seq", SEQ),
+    ("act_seq", (RING, SEQ)),
     ("act_embed", None),
     ("act_heads", None),
     ("act_head_dim", None),
     ("act_mlp", None),
     ("act_vocab", None),
     # Parameters: FSDP over every device, along the hidden (embed) dimension.
-    ("embed", (DATA, SEQ)),
+    ("embed", (DATA, RING, SEQ)),
     ("vocab", None),
     ("mlp", None),
     ("heads", None),
@@ -47,14 +48,25 @@ DEFAULT_RULES: Rules = (
 )
 
 
-def logical_to_spec(axes: tuple[str | None, ...], rules: Rules = DEFAULT_RULES) -> P:
-  """Maps logical axis names (None = replicated) to a PartitionSpec via ``rules``."""
+def _present(mesh_axes, mesh: Mesh | None):
+  """``mesh_axes`` (a name, tuple or None) less the axes ``mesh`` lacks, as a spec entry."""
+  if mesh_axes is None or mesh is None:
+    return mesh_axes
+  kept = tuple(a for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes)
+               if a in mesh.axis_names)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def logical_to_spec(axes: tuple[str | None, ...], rules: Rules = DEFAULT_RULES,
+                    mesh: Mesh | None = None) -> P:
+  """Maps logical axis names (None = replicated) to a PartitionSpec via ``rules``; with
+  ``mesh``, mesh axes it lacks (e.g. ``ring``) are left out."""
   table = dict(rules)
   unknown = [a for a in axes if a is not None and a not in table]
   if unknown:
     raise ValueError(f"logical axes {unknown} are not in the sharding rules; known names: "
                      f"{sorted(table)}. Add them to the rules table.")
-  return P(*(None if a is None else table[a] for a in axes))
+  return P(*(None if a is None else _present(table[a], mesh) for a in axes))
 
 
 def _num_shards(axes: str | tuple[str, ...], mesh: Mesh) -> int:
@@ -90,7 +102,7 @@ def tree_shardings(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
       if len(axes) != len(x.shape):
         raise ValueError(f"{jax.tree_util.keystr(path)}: logical_axes {axes} do not match "
                          f"shape {tuple(x.shape)}.")
-      spec = logical_to_spec(axes, rules)
+      spec = logical_to_spec(axes, rules, mesh)
       _check_divisible(jax.tree_util.keystr(path), x.shape, spec, mesh)
       return x.replace(NamedSharding(mesh, spec))
     return NamedSharding(mesh, P())
@@ -131,7 +143,7 @@ def constrain(x, axes: tuple[str | None, ...], mesh: Mesh, rules: Rules = DEFAUL
   A dimension that its mesh axes do not divide (e.g. a sequence of odd length) is left
   unconstrained for XLA to lay out, rather than raising.
   """
-  spec = logical_to_spec(axes, rules)
+  spec = logical_to_spec(axes, rules, mesh)
   spec = P(*(a if a is None or size % _num_shards(a, mesh) == 0 else P.UNCONSTRAINED
              for size, a in zip(x.shape, spec)))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -147,24 +159,28 @@ def gather(x, mesh: Mesh):
 
 
 def batch_spec(mesh: Mesh, seq_len: int) -> P:
-  """Spec of ``[B, S]`` input arrays: ``(data, seq)``, or ``(data, None)`` if seq does not
-  divide S (the model pads such batches to a multiple of seq and shards them itself)."""
-  return P(DATA, SEQ) if seq_len % mesh.shape[SEQ] == 0 else P(DATA, None)
+  """Spec of ``[B, S]`` input arrays: ``(data, seq)`` (``(data, (ring, seq))`` on a hybrid
+  mesh), or ``(data, None)`` if the sequence shards do not divide S (the model pads such
+  batches and shards them itself)."""
+  if seq_len % sequence_shards(mesh):
+    return P(DATA, None)
+  return P(DATA, _present(sequence_axes(mesh), mesh))
 
 
 def to_local_chunks(x_BS, *, mesh: Mesh, chunk: int, pad_value=0):
   """``[B, S, ...]`` sharded ``(data, seq)`` -> ``[N, B, P, c, ...]`` chunks of local tokens.
 
-  P = ``mesh.shape["seq"]`` must divide S. Each device's local slice of S/P tokens is padded
-  to a multiple of ``c = min(chunk, S/P)`` with ``pad_value`` and cut into N chunks; chunk
+  P = ``sequence_shards(mesh)`` (seq x ring) must divide S. Each device's local slice of S/P
+  tokens is padded to a multiple of ``c = min(chunk, S/P)`` with ``pad_value`` and cut into N
+  chunks; chunk
   ``n`` holds tokens ``[n*c, (n+1)*c)`` of every device's slice, so a ``lax.scan`` over N
   works on local data only (no communication). Inverse: ``from_local_chunks``.
   """
   b, s = x_BS.shape[:2]
-  p = mesh.shape[SEQ]
+  p = sequence_shards(mesh)
   if s % p:
-    raise ValueError(f"sequence length {s} must be divisible by the seq axis ({p}); pad it "
-                     "first.")
+    raise ValueError(f"sequence length {s} must be divisible by the sequence shards ({p}); "
+                     "pad it first.")
   local = s // p
   c = min(chunk, local)
   rest = x_BS.shape[2:]
@@ -173,7 +189,7 @@ def to_local_chunks(x_BS, *, mesh: Mesh, chunk: int, pad_value=0):
   if pad:
     x = jnp.pad(x, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * len(rest), constant_values=pad_value)
   x = jnp.moveaxis(x.reshape(b, p, (local + pad) // c, c, *rest), 2, 0)
-  spec = P(None, DATA, SEQ, *([None] * (1 + len(rest))))
+  spec = P(None, DATA, _present(sequence_axes(mesh), mesh), *([None] * (1 + len(rest))))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
@@ -184,4 +200,4 @@ def from_local_chunks(x_NBPc, seq_len: int, *, mesh: Mesh):
   x = jnp.moveaxis(x_NBPc, 0, 2).reshape(b, p, n * c, *rest)[:, :, :seq_len // p]
   x = x.reshape(b, seq_len, *rest)
   return jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, P(DATA, SEQ, *([None] * len(rest)))))
+      x, NamedSharding(mesh, P(DATA, _present(sequence_axes(mesh), mesh), *([None] * len(rest)))))

@@ -58,6 +58,8 @@ class TrainConfig:
   eval_every: steps between evaluations on held-out data (0: only after the last step).
   eval_batches: held-out batches per evaluation (fewer if the split is smaller).
   mesh_data, mesh_seq: the ("data", "seq") mesh; mesh_data=-1 takes the remaining devices.
+  mesh_ring: > 1 adds a "ring" axis: the hybrid, all-to-all over seq and a K/V ring over
+    ring (put seq within a node, ring across nodes).
   seed: parameter initialisation.
   accum_steps: micro-batches per step (gradient accumulation).
   z_loss_weight: weight of the z-loss term.
@@ -76,6 +78,7 @@ class TrainConfig:
   eval_batches: int = 8
   mesh_data: int = -1
   mesh_seq: int = 1
+  mesh_ring: int = 1
   seed: int = 0
   accum_steps: int = 1
   z_loss_weight: float = 0.0
@@ -221,7 +224,7 @@ def train(workdir: str, datasets=None) -> dict:
     cfg, model_cfg, data_cfg = TrainConfig(), LlamaConfig(), DataConfig()
     opt_cfg, ckpt_cfg = OptimizerConfig(), CheckpointConfig()
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
-    mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq)
+    mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
     tx = optimizer(opt_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, mesh, tx, cfg.seed,
                                               cfg.offload_optimizer)

@@ -32,7 +32,7 @@ from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.ulysses import PAD_SEGMENT
 from ulysses_jax.layers import Dense, RMSNorm
-from ulysses_jax.mesh import SEQ, make_mesh
+from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.rope import RopeScaling
 
 _ACT_BSE = ("act_batch", "act_seq", "act_embed")
@@ -267,7 +267,7 @@ class Llama(nnx.Module):
     b, s = tokens_BS.shape
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    pad = -s % self.mesh.shape[SEQ]
+    pad = -s % sequence_shards(self.mesh)
     pad_BS = lambda x, value: jnp.pad(x, [(0, 0), (0, pad)], constant_values=value)
     tokens_BS, positions_BS = pad_BS(tokens_BS, 0), pad_BS(positions_BS, 0)
     if segment_ids_BS is not None:

@@ -16,7 +16,7 @@ setup: $(STAMP)
 
 # The CI suite: everything except tests marked slow (and gpu tests, which skip on CPU).
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q --durations=20
 
 # Everything, slow tests included.
 test-all: $(STAMP)

@@ -1,0 +1,298 @@
+"""Longest sequence a full training step fits, per memory configuration, and its speed there.
+
+    python -m benchmarks.max_seqlen --preset llama3.2-1b \\
+        --configs none,full,full+opt,offload+opt+mlp2048
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.max_seqlen \\
+        --preset small --budget-gib 0.25 --configs none,full,full+opt
+
+A memory configuration is ``POLICY[+opt][+mlpN]``: the per-layer remat policy (one of
+``llama.REMAT_POLICIES``), ``+opt`` for the optimizer state in pinned host memory
+(``offload_optimizer``), ``+mlpN`` for the MLP tiled into chunks of N tokens per device.
+
+The search doubles S from ``--granularity`` (rounded up to a multiple of the seq axis) while
+the step fits, then bisects between the last fit and the first failure down to one
+granularity step. "Fits" means:
+
+* GPU: one real step (forward, backward, AdamW) runs without XLA's RESOURCE_EXHAUSTED. Each
+  try runs in a fresh child process, so a failed try leaves nothing behind and the
+  allocator's ``peak_bytes_in_use`` (``device.memory_stats()``) is that step's alone.
+* CPU (and other backends): the compiled step's per-device memory ``argument + output +
+  temp - alias`` bytes (``compiled.memory_analysis()``; optimizer state in host memory not
+  counted when the compiler does not report it apart) is at most ``--budget-gib``. The step
+  is compiled on abstract inputs (``ShapeDtypeStruct``), so nothing is allocated.
+
+At the S found, a few timed steps give step time, tokens/s and MFU (on CPU only when S is at
+most ``--time-max-tokens``). MFU formula: see ``benchmarks.train_step``.
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import multiprocessing
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # tries run in children
+
+import jax  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
+from ulysses_jax import make_mesh, metrics, train_step  # noqa: E402
+from ulysses_jax.models import llama  # noqa: E402
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+  """Remat policy, optimizer state on the host or not, MLP tile (0 = untiled)."""
+  remat: str = "full"
+  offload_optimizer: bool = False
+  mlp_chunk: int = 0
+
+  @property
+  def name(self) -> str:
+    return "+".join([self.remat] + ["opt"] * self.offload_optimizer +
+                    [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
+
+
+def parse_config(spec: str) -> MemoryConfig:
+  """``"full+opt+mlp1024"`` -> ``MemoryConfig("full", True, 1024)``."""
+  remat, *flags = spec.split("+")
+  config = MemoryConfig(remat=remat)
+  for flag in flags:
+    if flag == "opt":
+      config = dataclasses.replace(config, offload_optimizer=True)
+    elif flag.startswith("mlp") and flag[3:].isdigit():
+      config = dataclasses.replace(config, mlp_chunk=int(flag[3:]))
+    else:
+      raise ValueError(f"unknown flag {flag!r} in memory config {spec!r}: expected "
+                       f"POLICY[+opt][+mlpN], e.g. full+opt+mlp1024.")
+  if remat not in llama.REMAT_POLICIES:
+    raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES}.")
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What every try shares: model preset, dtype, mesh shape and batch size."""
+  preset: str
+  dtype: str
+  data: int
+  seq: int
+  batch: int
+  loss_chunk: int = 1024
+
+  def model_config(self, memory: MemoryConfig) -> llama.LlamaConfig:
+    return llama.preset(self.preset, dtype=self.dtype, remat_policy=memory.remat,
+                        mlp_chunk=memory.mlp_chunk, loss_chunk=self.loss_chunk)
+
+
+def search(fits, granularity: int, max_len: int) -> tuple[int, int]:
+  """Largest multiple S of ``granularity`` (<= ``max_len``) with ``fits(S)``, assuming fits
+  is monotone; and the smallest multiple tried that did not fit (0 if none failed).
+
+  Doubles from ``granularity``, then bisects; returns ``(0, granularity)`` when even the
+  smallest length fails.
+  """
+  low, high = 0, 0
+  length = granularity
+  while length <= max_len:
+    if not fits(length):
+      high = length
+      break
+    low, length = length, 2 * length
+  while high and high - low > granularity:
+    middle = (low + high) // 2 // granularity * granularity
+    if fits(middle):
+      low = middle
+    else:
+      high = middle
+  return low, high
+
+
+def abstract_state(config: llama.LlamaConfig, mesh, tx, offload_optimizer: bool):
+  """``(graphdef, TrainState of ShapeDtypeStruct)``: shapes only, nothing allocated."""
+  graphdefs = []
+
+  def build():
+    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), tx,
+                                                  offload_optimizer=offload_optimizer)
+    graphdefs.append(graphdef)
+    return state
+
+  state = jax.eval_shape(build)
+  return graphdefs[0], state
+
+
+def device_bytes(compiled, host_state) -> int:
+  """Per-device bytes of a compiled step: arguments + outputs + temporaries - aliased.
+
+  ``host_state`` (a tree of ShapeDtypeStruct in pinned host memory) is taken off when the
+  compiler counts it with device memory (CPU, where both are the same RAM).
+  """
+  stats = compiled.memory_analysis()
+  total = (stats.argument_size_in_bytes + stats.output_size_in_bytes +
+           stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+  if host_state is not None and not stats.host_argument_size_in_bytes:
+    total -= sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x in jax.tree.leaves(host_state))
+  return total
+
+
+def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: bool):
+  """Compiles the train step at ``seq_len``. Returns ``(compiled, state, batch, bytes)``;
+  with ``abstract`` the state and batch are ShapeDtypeStructs."""
+  mesh = make_mesh(data=setup.data, seq=setup.seq,
+                   devices=jax.devices()[:setup.data * setup.seq])
+  tx = train_step.make_optimizer(train_step.OptimizerConfig())
+  config = setup.model_config(memory)
+  if abstract:
+    graphdef, state = abstract_state(config, mesh, tx, memory.offload_optimizer)
+    batch = {k: jax.ShapeDtypeStruct((setup.batch, seq_len), "int32")
+             for k in ("tokens", "labels")}
+  else:
+    graphdef, state = train_step.init_train_state(
+        llama.init_llama(config, mesh), tx, offload_optimizer=memory.offload_optimizer)
+    batch = synthetic_batch(setup.batch, seq_len, config.vocab_size, 0)
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=seq_len,
+                                    offload_optimizer=memory.offload_optimizer)
+  compiled = step.lower(state, batch).compile()
+  host_state = None
+  if memory.offload_optimizer:
+    shardings = train_step.state_shardings(state, mesh, offload_optimizer=True).opt_state
+    host_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              state.opt_state, shardings)
+  return compiled, state, batch, device_bytes(compiled, host_state)
+
+
+@functools.cache
+def compiled_bytes(setup: Setup, memory: MemoryConfig, seq_len: int) -> int:
+  """Per-device bytes of the step compiled on abstract inputs (cached: compiling is slow)."""
+  return compile_step(setup, memory, seq_len, abstract=True)[3]
+
+
+def run_steps(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -> dict:
+  """Compiles and runs ``steps`` timed steps (after 2 warm-up steps) at ``seq_len``.
+
+  Returns ``{"fits": False}`` when the device runs out of memory, else ``fits``, ``step_s``,
+  ``est_GiB`` (compiled analysis) and ``peak_GiB`` (allocator peak; NaN where unreported).
+  """
+  try:
+    compiled, state, batch, nbytes = compile_step(setup, memory, seq_len, abstract=False)
+    holder = {"state": state}
+
+    def one_step():
+      holder["state"], step_metrics = compiled(holder["state"], batch)
+      return step_metrics
+
+    timing = common.time_fn(one_step, warmup=min(steps, 2), iters=steps)
+  except jax.errors.JaxRuntimeError as error:
+    if "RESOURCE_EXHAUSTED" not in str(error):
+      raise
+    return {"fits": False}
+  return {"fits": True, "step_s": timing["median_s"], "est_GiB": nbytes / GIB,
+          "peak_GiB": metrics.peak_memory_gib() or float("nan")}
+
+
+def run_in_child(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -> dict:
+  """``run_steps`` in a fresh process: clean allocator, clean peak, no leftovers of an OOM."""
+  context = multiprocessing.get_context("spawn")
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+    return pool.submit(run_steps, setup, memory, seq_len, steps).result()
+
+
+def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: int,
+            budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
+            peak_flops: float) -> dict:
+  """Searches the longest fitting S for one memory configuration and times a step there."""
+  step = math.lcm(granularity, setup.seq)
+  if on_gpu:
+    fits = lambda s: run_in_child(setup, memory, s, 1)["fits"]  # noqa: E731
+  else:
+    fits = lambda s: compiled_bytes(setup, memory, s) <= budget_gib * GIB  # noqa: E731
+  best, first_fail = search(fits, step, max_len)
+  row = {"config": memory.name, "max_tokens": best, "first_fail": first_fail,
+         "est_GiB": float("nan"), "step_s": float("nan"), "tokens_per_s": float("nan"),
+         "MFU": float("nan"), "peak_GiB": float("nan")}
+  if not best:
+    return row
+  row["est_GiB"] = compiled_bytes(setup, memory, best) / GIB
+  if on_gpu or best <= time_max_tokens:
+    timed = (run_in_child if on_gpu else run_steps)(setup, memory, best, steps)
+    if timed["fits"]:
+      tokens_per_s = setup.batch * best / timed["step_s"]
+      row.update(step_s=timed["step_s"], tokens_per_s=tokens_per_s, peak_GiB=timed["peak_GiB"],
+                 MFU=metrics.flops_per_token(setup.model_config(memory), best) * tokens_per_s
+                 / peak_flops)
+  return row
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+  """Bar charts of max tokens and tokens/s per memory configuration."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+  names = [r["config"] for r in rows]
+  axes[0].bar(names, [r["max_tokens"] for r in rows])
+  axes[0].set_ylabel("longest sequence (tokens)")
+  axes[1].bar(names, [r["tokens_per_s"] for r in rows])
+  axes[1].set_ylabel("tokens/s at that length")
+  for axis in axes:
+    axis.tick_params(axis="x", rotation=30)
+  figure.suptitle(title)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+def main(argv=None) -> list[dict]:
+  on_gpu = jax.default_backend() == "gpu"
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", default="small", choices=sorted(llama.PRESETS))
+  parser.add_argument("--configs", default="none,full,full+opt",
+                      help="comma-separated POLICY[+opt][+mlpN]")
+  parser.add_argument("--data", type=int, default=1)
+  parser.add_argument("--seq", type=int, default=-1, help="seq axis (default: devices/data)")
+  parser.add_argument("--batch", type=int, default=0, help="global batch (default: data axis)")
+  parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
+  parser.add_argument("--loss-chunk", type=int, default=1024)
+  parser.add_argument("--granularity", type=int, default=1024 if on_gpu else 128)
+  parser.add_argument("--max-len", type=int, default=2**20)
+  parser.add_argument("--budget-gib", type=float, default=1.0,
+                      help="per-device budget of the compiled-analysis criterion (not GPU)")
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--time-max-tokens", type=int, default=4096,
+                      help="off GPU, time the step only up to this S")
+  parser.add_argument("--json", default="")
+  parser.add_argument("--plot", default="", help="PNG path")
+  args = parser.parse_args(argv)
+
+  seq_axis = jax.device_count() // args.data if args.seq == -1 else args.seq
+  setup = Setup(args.preset, args.dtype, args.data, seq_axis, args.batch or args.data,
+                args.loss_chunk)
+  peak_flops = metrics.measure_peak_flops(args.dtype)
+  rows = [measure(setup, parse_config(spec), granularity=args.granularity,
+                  max_len=args.max_len, budget_gib=args.budget_gib, steps=args.steps,
+                  time_max_tokens=args.time_max_tokens, on_gpu=on_gpu, peak_flops=peak_flops)
+          for spec in args.configs.split(",")]
+  criterion = ("a real step without RESOURCE_EXHAUSTED" if on_gpu else
+               f"compiled memory analysis <= {args.budget_gib} GiB per device")
+  print(f"{args.preset}, mesh {args.data}x{seq_axis}, batch {setup.batch}, {args.dtype}; "
+        f"fits = {criterion}")
+  print("est = compiled args + out + temp - alias per device; peak = allocator peak (GPU)")
+  print(FORMULA)
+  common.print_table(rows, list(rows[0]))
+  if args.json:
+    common.write_json(args.json, rows, setup=dataclasses.asdict(setup), criterion=criterion,
+                      formula=FORMULA)
+  if args.plot:
+    plot(rows, args.plot, f"{args.preset}: {criterion}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,59 @@
+"""The max-sequence-length search and the transformers comparison, on tiny presets (CPU)."""
+
+import pytest
+
+from benchmarks import max_seqlen
+
+GRANULARITY = 512
+
+
+@pytest.mark.parametrize("limit", [0, 100, 128, 129, 1000, 4096, 10**6])
+def test_search_finds_the_last_multiple_that_fits(limit):
+  tried = []
+
+  def fits(length):
+    tried.append(length)
+    return length <= limit
+
+  best, first_fail = max_seqlen.search(fits, 128, 4096)
+  assert best == min(limit // 128 * 128, 4096)
+  assert first_fail == (0 if limit >= 4096 else best + 128)
+  assert all(s % 128 == 0 for s in tried)
+  assert len(tried) == len(set(tried)) <= 12
+
+
+def test_parse_config():
+  assert max_seqlen.parse_config("offload+opt+mlp64") == max_seqlen.MemoryConfig(
+      "offload", True, 64)
+  assert max_seqlen.parse_config("none").name == "none"
+  with pytest.raises(ValueError, match="POLICY"):
+    max_seqlen.parse_config("full+gpu")
+  with pytest.raises(ValueError, match="remat policy"):
+    max_seqlen.parse_config("most")
+
+
+def test_max_seqlen_respects_budget_and_remat_offload_fit_more():
+  setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
+  budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("none"), GRANULARITY)
+  rows = max_seqlen.main(["--preset", "tiny", "--configs", "none,full+opt",
+                          "--granularity", str(GRANULARITY), "--max-len", str(2 * GRANULARITY),
+                          "--budget-gib", str(budget / max_seqlen.GIB),
+                          "--time-max-tokens", "0"])
+  none, offloaded = rows
+  assert none["max_tokens"] == GRANULARITY and none["first_fail"] == 2 * GRANULARITY
+  assert none["est_GiB"] * max_seqlen.GIB <= budget
+  assert max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("none"),
+                                   2 * GRANULARITY) > budget
+  assert offloaded["max_tokens"] > none["max_tokens"]
+  assert offloaded["est_GiB"] * max_seqlen.GIB <= budget
+
+
+def test_same_first_loss_as_transformers():
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  from benchmarks import vs_transformers
+  ours, theirs = vs_transformers.main(["--preset", "tiny-gqa", "--seq-lens", "64",
+                                       "--batch", "2", "--steps", "3"])
+  assert abs(ours["first_loss"] - theirs["first_loss"]) <= 1e-4 * abs(theirs["first_loss"])
+  assert abs(ours["last_loss"] - theirs["last_loss"]) <= 1e-3 * abs(theirs["last_loss"])
+  assert ours["last_loss"] < ours["first_loss"]

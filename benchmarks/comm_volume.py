@@ -154,7 +154,7 @@ def main():
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--json", default="benchmarks/results/comm_volume.json")
-  parser.add_argument("--plot", default="benchmarks/plots/comm_volume.png")
+  parser.add_argument("--plot", default="", help="PNG path (needs matplotlib: the bench extra)")
   args = parser.parse_args()
   rows = []
   for q_heads, kv_heads in ((32, 32), (32, 8)):
@@ -172,8 +172,9 @@ def main():
                      "MiB_per_device", "expected_MiB", "ratio", "other_collective_bytes"])
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   write_json(args.json, rows)
-  plot(rows, args.plot, tokens_per_device=args.tokens_per_device,
-       fixed_seq_len=args.fixed_seq_len)
+  if args.plot:
+    plot(rows, args.plot, tokens_per_device=args.tokens_per_device,
+         fixed_seq_len=args.fixed_seq_len)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import print_table, write_json
+from benchmarks.common import print_table, save_figure, write_json
 from ulysses_jax import hlo, make_mesh, ulysses_attention
 from ulysses_jax.attention.baselines import allgather_kv_attention, ring_attention
 from ulysses_jax.attention.ulysses import plan_heads
@@ -139,12 +139,8 @@ def plot(rows, path, *, tokens_per_device, fixed_seq_len):
       ax.set(xticks=[2, 4, 8], xlabel="devices P",
              ylabel="MiB per device (forward)", title=f"Hq={hq}, Hkv={hkv}, {sweep}")
       ax.legend()
-  fig.suptitle("Attention forward collective bytes per device (markers: compiled HLO; "
-               "dashed: formula)")
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=110)
-  print(f"wrote {path}")
+  save_figure(fig, "Attention forward collective bytes per device (markers: compiled HLO; "
+              "dashed: formula)", path)
 
 
 def main():

@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: environment header, timing, table and JSON output."""
 
 import json
+import os
 import platform
 import shlex
 import statistics
@@ -64,4 +65,13 @@ def write_json(path: str, rows: list[dict], **extra) -> None:
   """Writes ``{"environment": ..., "rows": rows, **extra}`` to ``path``."""
   with open(path, "w") as f:
     json.dump({"environment": environment(), "rows": rows, **extra}, f, indent=2)
+  print(f"wrote {path}")
+
+
+def save_figure(figure, title: str, path: str) -> None:
+  """Titles, lays out and writes a matplotlib figure as a PNG (folders created)."""
+  figure.suptitle(title)
+  figure.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  figure.savefig(path, dpi=120)
   print(f"wrote {path}")

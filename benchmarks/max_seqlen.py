@@ -243,10 +243,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   axes[1].set_ylabel("tokens/s at that length")
   for axis in axes:
     axis.tick_params(axis="x", rotation=30)
-  figure.suptitle(title)
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  common.save_figure(figure, title, path)
 
 
 def main(argv=None) -> list[dict]:

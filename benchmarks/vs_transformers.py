@@ -156,10 +156,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("sequence length")
     axis.legend()
-  figure.suptitle(title)
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  common.save_figure(figure, title, path)
 
 
 def main(argv=None) -> list[dict]:

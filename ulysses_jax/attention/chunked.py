@@ -54,6 +54,22 @@ def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None
   return (out, lse) if return_lse else out
 
 
+def chunked_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
+                               causal, q_segment_ids, kv_segment_ids, q_positions,
+                               kv_positions, scale, block_q, block_kv):
+  """``(dq, dk, dv)`` of one query/key tile set, given an output and lse computed elsewhere.
+
+  With the output and lse of a larger attention (ring attention passes the global ones),
+  ``exp(scores - lse)`` are the true probabilities, so summing this over key shards gives
+  the exact gradient. Here sequence lengths must be multiples of the blocks and segment ids
+  and positions are required (no padding is added).
+  """
+  config = _Config(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+  residuals = (q_BSHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, q_positions,
+               kv_positions, out_BSHD, lse_BHS)
+  return _backward_rule(config, residuals, (d_out_BSHD, jnp.zeros_like(lse_BHS)))[:3]
+
+
 class _Config(tuple):
   """Static settings, hashable so they can be a nondiff argument of the custom_vjp."""
 

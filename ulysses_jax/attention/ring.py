@@ -232,20 +232,17 @@ def _forward_rule(ring, q, k, v, segment_ids):
 
 
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
-  """(dq, dk, dv) of one step's tile given the GLOBAL out and lse.
-
-  With the final lse, exp(scores - lse) are the true attention probabilities, so the
-  flash-attention backward of each block, summed over blocks, is the exact gradient.
-  """
+  """(dq, dk, dv) of one step's tile given the GLOBAL out and lse (summed over steps: exact)."""
   b, s = q.shape[:2]
   if q_seg is None:
     q_seg = kv_seg = jnp.zeros((b, s), jnp.int32)
-  config = chunked._Config(causal=ring.causal, scale=(q.shape[-1] ** -0.5 if ring.scale is None
-                                                      else ring.scale),
-                           block_q=ring.block, block_kv=ring.block)
-  residuals = (q, k, v, q_seg, kv_seg, ring.positions(lax.axis_index(ring.axis_name), s),
-               ring.positions(ring.source(step), k.shape[1]), out, lse)
-  return chunked._backward_rule(config, residuals, (d_out, jnp.zeros_like(lse)))[:3]
+  return chunked.chunked_attention_backward(
+      q, k, v, out, lse, d_out, causal=ring.causal,
+      scale=q.shape[-1] ** -0.5 if ring.scale is None else ring.scale,
+      q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+      q_positions=ring.positions(lax.axis_index(ring.axis_name), s),
+      kv_positions=ring.positions(ring.source(step), k.shape[1]),
+      block_q=ring.block, block_kv=ring.block)
 
 
 def _backward_rule(ring, residuals, d_out):

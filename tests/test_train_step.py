@@ -1,4 +1,5 @@
-"""The train step: SP equivalence over optimizer steps, accumulation, optimizer, donation."""
+"""The train step: SP equivalence over optimizer steps, accumulation, optimizer, donation,
+skipped non-finite steps."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,8 @@ from flax import nnx
 
 from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
                          relative_error, tree_on_host)
-from ulysses_jax import train_step
-from ulysses_jax.models.llama import preset
+from ulysses_jax import train, train_step
+from ulysses_jax.models.llama import Llama, preset
 
 CONFIG = preset("tiny-gqa", loss_chunk=3, mlp_chunk=5)
 OPTIMIZER = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=4)
@@ -103,6 +104,42 @@ def test_optimizer_clips_and_skips_decay_of_norms_and_biases():
   _, opt_state = tx.update(big, tx.init(params), params)
   mu = opt_state[1][0].mu  # first moment = (1 - b1) * clipped gradient
   assert float(optax.tree.norm(mu)) == pytest.approx((1 - config.b1) * 1.0, rel=1e-6)
+
+
+def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_counted(monkeypatch):
+  """The loss is made +inf when the first token is 0, which leaves its gradients finite:
+  with the trainer's optimizer that step keeps parameters and moments and is counted."""
+  model_loss = Llama.loss
+
+  def loss_inf_on_token_0(self, tokens, *args, **kwargs):
+    sums = model_loss(self, tokens, *args, **kwargs)
+    return sums._replace(loss=sums.loss + jnp.where(tokens[0, 0] == 0, jnp.inf, 0.0))
+
+  monkeypatch.setattr(Llama, "loss", loss_inf_on_token_0)
+  mesh = mesh_of(1, 1)
+  tx = train.optimizer(train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0,
+                                                  total_steps=4))  # lr > 0 from step 1
+  graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),
+                                                tx)
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=SEQ_LEN)
+  bad, good = (packed_batch(i, 8, SEQ_LEN, CONFIG.vocab_size) for i in range(2))
+  bad["tokens"][0, 0], good["tokens"][0, 0] = 0, 1
+  before = tree_on_host(state)
+
+  state, metrics = step(state, bad)
+  after_bad = tree_on_host(state)
+  assert np.isinf(metrics["loss"])
+  jax.tree.map(np.testing.assert_array_equal, after_bad.params, before.params)
+  jax.tree.map(np.testing.assert_array_equal, after_bad.opt_state.inner_state,
+               before.opt_state.inner_state)
+  assert (after_bad.opt_state.notfinite_count, after_bad.opt_state.total_notfinite) == (1, 1)
+
+  state, metrics = step(state, good)
+  after_good = tree_on_host(state)
+  assert np.isfinite(metrics["loss"])
+  assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after_good.params),
+                                                      jax.tree.leaves(before.params)))
+  assert (after_good.opt_state.notfinite_count, after_good.opt_state.total_notfinite) == (0, 1)
 
 
 def test_bad_batches_and_settings_raise_before_compiling():

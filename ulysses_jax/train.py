@@ -14,8 +14,8 @@ Writes into ``DIR``:
 
 Started again with the same ``DIR``, it resumes from the newest checkpoint that restores,
 on any mesh. SIGTERM/SIGINT save a checkpoint at the current step and exit. A step with
-non-finite gradients is skipped (parameters and optimizer state unchanged) and counted;
-``TrainConfig.max_bad_steps`` of them in a row save the state and stop with an error.
+a non-finite loss or gradients is skipped (parameters and optimizer state unchanged) and
+counted; ``TrainConfig.max_bad_steps`` of them in a row save the state and stop with an error.
 """
 
 import argparse
@@ -142,7 +142,8 @@ def abstract_train_state(model_config, mesh, tx, seed=0, offload_optimizer=False
 
 def optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
   """``train_step.make_optimizer`` that never applies an update with a non-finite gradient
-  (it keeps the parameters and moments and counts the step; we stop at max_bad_steps)."""
+  (it keeps the parameters and moments and counts the step; we stop at max_bad_steps). The
+  train step makes the gradients of a non-finite loss NaN, so such steps are skipped too."""
   return optax.apply_if_finite(make_optimizer(config), max_consecutive_errors=2**31 - 1)
 
 

@@ -158,9 +158,12 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
     offload_optimizer: the optax state lives in host memory (``init_train_state`` with the
       same flag); it visits the device only for the update.
 
+  A step whose loss is non-finite hands ``tx`` all-NaN gradients (wrap ``tx`` in
+  ``optax.apply_if_finite`` to skip such steps, as ``ulysses_jax.train`` does).
+
   Metrics (replicated float32 scalars): ``loss`` (mean cross-entropy over valid tokens),
-  ``z_loss``, ``grad_norm`` (before clipping), ``tokens`` (valid labels), and
-  ``learning_rate`` when ``schedule`` is given.
+  ``z_loss``, ``grad_norm`` (before clipping; NaN when the loss is non-finite), ``tokens``
+  (valid labels), and ``learning_rate`` when ``schedule`` is given.
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
@@ -196,6 +199,11 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
           jax.tree.map(jnp.zeros_like, current.params), param_shardings)
       zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
+    # The gradient of a non-finite loss means nothing even where it is finite: make it NaN,
+    # so the one finiteness check on gradients (``optax.apply_if_finite`` in
+    # ``ulysses_jax.train``) skips and counts both kinds of bad step.
+    loss_finite = jnp.isfinite(sums.loss + sums.z_loss)
+    grads = jax.tree.map(lambda g: jnp.where(loss_finite, g, jnp.nan), grads)
     opt_state = current.opt_state
     if offload_optimizer:
       opt_state = jax.device_put(opt_state, device_opt_shardings)

@@ -17,7 +17,7 @@ Expected values (DESIGN.md), with G = Hq / Hkv and b bytes per element:
 Ring and hybrid run causal in the zigzag layout prepared on the data side
 (``layout="zigzag"``); the natural layout adds an exchange of q, k, v and the output. Their
 collective-permutes sit in a loop, so bytes are weighted by the loop's trip count
-(``executed_collective_bytes``). With P = 1 no collective is needed and all are 0. The
+(``hlo.executed_collective_bytes``). With P = 1 no collective is needed and all are 0. The
 default dtype is float32 because the CPU compiler widens bfloat16 collectives to float32 (GPU
 compilers keep bfloat16). The plot needs matplotlib.
 
@@ -26,9 +26,7 @@ compilers keep bfloat16). The plot needs matplotlib.
 """
 
 import argparse
-import collections
 import os
-import re
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -67,37 +65,6 @@ def expected_bytes(scheme, *, batch, seq_len, q_heads, kv_heads, head_dim, shard
   return all_to_all + 2 * (ring - 1) * heads.exchanged_kv_heads * tokens // (ring * seq)
 
 
-def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
-  """``hlo.collective_bytes``, counting collectives in while loops once per iteration.
-
-  Each computation is weighted by the known trip counts of the loops around it (XLA
-  annotates them as ``known_trip_count``); ``hlo.collective_bytes`` lists every instruction
-  once, which undercounts the ring's loop.
-  """
-  bodies, calls, name = collections.defaultdict(list), collections.defaultdict(list), None
-  for line in hlo_text.splitlines():
-    header = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-    if header:
-      name = "ENTRY" if line.startswith("ENTRY") else header[1]
-      continue
-    bodies[name].append(line)
-    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-    for kind, callees in re.findall(r"\b(body|condition|calls|to_apply|branch_computations|"
-                                    r"true_computation|false_computation)=(\{[^}]*\}|%[\w.\-]+)",
-                                    line):
-      for callee in re.findall(r"%([\w.\-]+)", callees):
-        calls[name].append((callee, int(trips[1]) if trips and kind == "body" else 1))
-  totals = dict.fromkeys(hlo.COLLECTIVES, 0)
-
-  def visit(computation, weight):
-    for op, _, nbytes in hlo.collectives("\n".join(bodies[computation])):
-      totals[op] += weight * nbytes
-    for callee, trips in calls[computation]:
-      visit(callee, weight * trips)
-  visit("ENTRY", 1)
-  return totals
-
-
 def measure(scheme, *, batch, seq_len, q_heads, kv_heads, head_dim, shards, dtype):
   attention, kwargs, mesh_shape, used = SCHEMES[scheme]
   seq, ring = mesh_shape(shards)
@@ -105,7 +72,7 @@ def measure(scheme, *, batch, seq_len, q_heads, kv_heads, head_dim, shards, dtyp
   q = jax.ShapeDtypeStruct((batch, seq_len, q_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((batch, seq_len, kv_heads, head_dim), dtype)
   forward = jax.jit(lambda q, k, v: attention(q, k, v, mesh=mesh, causal=True, **kwargs))
-  totals = executed_collective_bytes(forward.lower(q, kv, kv).compile().as_text())
+  totals = hlo.executed_collective_bytes(forward.lower(q, kv, kv).compile().as_text())
   expected = expected_bytes(scheme, batch=batch, seq_len=seq_len, q_heads=q_heads,
                             kv_heads=kv_heads, head_dim=head_dim, shards=shards,
                             itemsize=jnp.dtype(dtype).itemsize)
@@ -166,7 +133,6 @@ def main():
   print(f"Forward collective bytes per device, B=1, D={args.head_dim}, {args.dtype}, causal")
   print_table(rows, ["sweep", "scheme", "Hq", "Hkv", "S", "P", "seq", "ring", "collective",
                      "MiB_per_device", "expected_MiB", "ratio", "other_collective_bytes"])
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   write_json(args.json, rows)
   if args.plot:
     plot(rows, args.plot, tokens_per_device=args.tokens_per_device,

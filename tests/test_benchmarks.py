@@ -1,8 +1,13 @@
-"""The max-sequence-length search and the transformers comparison, on tiny presets (CPU)."""
+"""The max-sequence-length search, the transformers comparison and the communication
+volume, on tiny shapes (CPU)."""
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from benchmarks import max_seqlen
+from benchmarks import comm_volume, max_seqlen
+from ulysses_jax import hlo, make_mesh
+from ulysses_jax.attention.baselines import ring_attention
 
 GRANULARITY = 512
 
@@ -57,3 +62,23 @@ def test_same_first_loss_as_transformers():
   assert abs(ours["first_loss"] - theirs["first_loss"]) <= 1e-4 * abs(theirs["first_loss"])
   assert abs(ours["last_loss"] - theirs["last_loss"]) <= 1e-3 * abs(theirs["last_loss"])
   assert ours["last_loss"] < ours["first_loss"]
+
+
+@pytest.mark.parametrize("scheme", ["ring", "hybrid"])
+def test_comm_volume_of_looped_collectives_matches_the_formula(scheme):
+  row = comm_volume.measure(scheme, batch=1, seq_len=256, q_heads=8, kv_heads=4, head_dim=8,
+                            shards=8, dtype=jnp.float32)
+  assert row["ratio"] == 1.0 and row["other_collective_bytes"] == 0, row
+
+
+def test_executed_collective_bytes_weights_a_loop_body_by_its_trip_count():
+  shards = 4  # the ring's loop rotates K and V shards - 1 times
+  mesh = make_mesh(data=1, seq=shards, devices=jax.devices()[:shards])
+  qkv = jax.ShapeDtypeStruct((1, 256, 4, 8), jnp.float32)
+  ring = jax.jit(lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=True,
+                                                layout="zigzag"))
+  text = ring.lower(qkv, qkv, qkv).compile().as_text()
+  kv_shard_bytes = 2 * 256 // shards * 4 * 8 * 4
+  assert hlo.collective_bytes(text)["collective-permute"] == kv_shard_bytes
+  assert hlo.executed_collective_bytes(text) == {
+      **dict.fromkeys(hlo.COLLECTIVES, 0), "collective-permute": (shards - 1) * kv_shard_bytes}

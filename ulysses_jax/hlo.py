@@ -1,12 +1,14 @@
 """Collective traffic read from a compiled program's HLO text.
 
 Used by tests (which collectives a program contains) and by ``benchmarks/comm_volume.py``
-(how many bytes each device moves). Backends may split one collective into a tuple of
-pieces (the CPU compiler turns a P-way all-to-all into P operands); the bytes of all pieces
-are summed. Collectives over single-device groups move nothing and are left out. Note that
-the CPU compiler also widens bfloat16 collectives to float32; GPU compilers do not.
+(how many bytes each device moves, ``executed_collective_bytes``). Backends may split one
+collective into a tuple of pieces (the CPU compiler turns a P-way all-to-all into P
+operands); the bytes of all pieces are summed. Collectives over single-device groups move
+nothing and are left out. Note that the CPU compiler also widens bfloat16 collectives to
+float32; GPU compilers do not.
 """
 
+import collections
 import re
 
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
@@ -18,6 +20,10 @@ _INSTRUCTION = re.compile(
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]<=")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_CALLEES = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
+                      r"false_computation)=(\{[^}]*\}|%[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
 def array_bytes(shape_text: str) -> int:
@@ -51,8 +57,43 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
-  """Result bytes per device summed by collective kind (absent kinds are 0)."""
+  """Result bytes per device summed by collective kind (absent kinds are 0), each
+  instruction once: a loop body counts once however often it runs
+  (``executed_collective_bytes`` weights it)."""
   totals = dict.fromkeys(COLLECTIVES, 0)
   for op, _, nbytes in collectives(hlo_text):
     totals[op] += nbytes
+  return totals
+
+
+def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
+  """Result bytes per device summed by collective kind, counting each collective as often
+  as it runs: one inside a while loop counts once per iteration.
+
+  Walks the calls from the entry computation (while bodies and conditions, calls,
+  conditional branches, reducers), weighting each computation by the product of the trip
+  counts of the loops around it, as XLA annotates them (``known_trip_count``). Limits: a loop
+  whose trip count XLA does not know counts once (as in ``collective_bytes``), and every
+  branch of a conditional counts as if it ran.
+  """
+  lines, calls, name = collections.defaultdict(list), collections.defaultdict(list), None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      name = "ENTRY" if line.startswith("ENTRY") else header[1]
+      continue
+    lines[name].append(line)
+    trips = _TRIP_COUNT.search(line)
+    for kind, callees in _CALLEES.findall(line):
+      for callee in re.findall(r"%([\w.\-]+)", callees):
+        calls[name].append((callee, int(trips[1]) if trips and kind == "body" else 1))
+  totals = dict.fromkeys(COLLECTIVES, 0)
+
+  def visit(computation, weight):
+    for op, _, nbytes in collectives("\n".join(lines[computation])):
+      totals[op] += weight * nbytes
+    for callee, trips in calls[computation]:
+      visit(callee, weight * trips)
+
+  visit("ENTRY", 1)
   return totals

@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: environment header, timing, table and JSON output."""
 
 import json
+import math
 import os
 import platform
 import shlex
@@ -62,10 +63,24 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def write_json(path: str, rows: list[dict], **extra) -> None:
-  """Writes ``{"environment": ..., "rows": rows, **extra}`` to ``path``."""
+  """Writes ``{"environment": ..., "rows": rows, **extra}`` to ``path`` (folders created);
+  NaN and infinities (a figure that was not measured) become null, so it is strict JSON."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
-    json.dump({"environment": environment(), "rows": rows, **extra}, f, indent=2)
+    json.dump(finite_or_null({"environment": environment(), "rows": rows, **extra}), f,
+              indent=2, allow_nan=False)
   print(f"wrote {path}")
+
+
+def finite_or_null(tree):
+  """``tree`` (dicts, lists, scalars) with every non-finite float replaced by None."""
+  if isinstance(tree, dict):
+    return {key: finite_or_null(value) for key, value in tree.items()}
+  if isinstance(tree, (list, tuple)):
+    return [finite_or_null(value) for value in tree]
+  if isinstance(tree, float) and not math.isfinite(tree):
+    return None
+  return tree
 
 
 def save_figure(figure, title: str, path: str) -> None:

@@ -9,14 +9,16 @@ Implementations that fail to compile or run are skipped with the reason.
 
 Run on a GPU (one H100/H200 run of the default grid takes a few minutes):
   python -m benchmarks.attention_kernels [--seq-lens 4096,16384,65536] [--head-dims 64,128]
-      [--impls ours,cudnn,pallas_triton,pallas_mgpu,xla,xla_chunked] [--sweep] [--json PATH]
+      [--impls ours,ours_mosaic,cudnn,pallas_triton,pallas_mgpu,xla,xla_chunked] [--sweep]
+      [--json PATH]
+"ours" is our flash attention with the Triton-lowered forward, "ours_mosaic" the same with the
+Hopper forward of ``ulysses_jax.kernels.flash_hopper``; both use the Triton backward.
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
 
 import argparse
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +40,15 @@ def implementations(causal, head_dim, *, interpret, sweep):
   """name -> factory; a factory returns ``fn(q, k, v) -> out`` or raises (the skip reason)."""
   scale = head_dim ** -0.5
 
-  def ours(block_q=None, block_kv=None):
+  def ours(block_q=None, block_kv=None, forward_kernel="triton"):
     return functools.partial(flash_attention, causal=causal, block_q=block_q,
-                             block_kv=block_kv, interpret=interpret)
+                             block_kv=block_kv, interpret=interpret,
+                             forward_kernel=forward_kernel)
+
+  def ours_mosaic():
+    if interpret:  # GPU interpret mode runs it in the tests; far too slow for a benchmark
+      raise RuntimeError("the Mosaic GPU forward needs a Hopper GPU")
+    return ours(forward_kernel="mosaic")
 
   def cudnn():
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
@@ -69,7 +77,7 @@ def implementations(causal, head_dim, *, interpret, sweep):
   def xla_chunked():
     return functools.partial(chunked_attention, causal=causal)
 
-  impls = {"ours": ours}
+  impls = {"ours": ours, "ours_mosaic": ours_mosaic}
   if sweep:
     impls.update({f"ours[{bq}x{bk}]": functools.partial(ours, bq, bk) for bq, bk in SWEEP_BLOCKS})
   impls.update(cudnn=cudnn, pallas_triton=pallas_triton, pallas_mgpu=pallas_mgpu, xla=xla,
@@ -213,7 +221,6 @@ def main():
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]
   print()
   print_table([{**r, "status": r["status"][:80]} for r in rows_out], columns)
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
              tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,
              tokens=args.tokens, hidden=args.hidden)

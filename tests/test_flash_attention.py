@@ -7,6 +7,11 @@ most lengths are not a multiple of the block size.
 
 Tolerances: relative L2 error (``attention_cases``) below 1e-5 for float32 and 2e-2 for
 bfloat16 / float16 inputs; lse below 1e-5 absolute-or-relative for float32.
+
+The Hopper forward (``forward_kernel="mosaic"``) runs in Pallas' GPU interpret mode, which
+simulates the three warpgroups, the slot barriers and the TMA copies (its buffers also start as
+NaN); it needs several host devices (conftest sets 8): with one, its simulated warpgroups block
+XLA's few CPU threads and a run can hang. Its wgmma forms are checked by lowering for CUDA.
 """
 
 import jax
@@ -14,11 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
                              random_inputs, relative_error)
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels import flash_hopper
 from ulysses_jax.kernels.flash_attention import flash_attention, make_plan
 
 
@@ -79,6 +86,23 @@ def test_interpret_mode_poisons_unwritten_outputs():
                        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
   assert np.all(np.asarray(out[:16]) == 1.0)
   assert np.all(np.isnan(np.asarray(out[16:])))
+
+
+def test_gpu_interpret_mode_poisons_unwritten_outputs():
+  """The same premise for the Mosaic kernel: a TMA copy writes half, the rest comes back NaN."""
+  def writes_first_half(x_ref, o_ref):
+    def scoped(buffer, barrier):
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, 64)], buffer, barrier.at[0])
+      plgpu.barrier_wait(barrier.at[0])
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(buffer, o_ref.at[pl.ds(0, 64)])
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(scoped, plgpu.SMEM((64, 64), jnp.float32), plgpu.Barrier(num_barriers=1))
+  x = jnp.ones((128, 64), jnp.float32)
+  out = plgpu.kernel(writes_first_half, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     interpret=flash_hopper.interpret_params())(x)
+  assert np.all(np.asarray(out[:64]) == 1.0)
+  assert np.all(np.isnan(np.asarray(out[64:])))
 
 
 # (q_heads, kv_heads): GQA ratios 1, 2, 4, 8 and MQA.
@@ -190,12 +214,76 @@ def test_block_plan_per_head_dim_and_generation():
     (dict(kv_segment_ids=jnp.zeros((1, 8), jnp.int32)), r"kv_segment_ids needs segment_ids"),
     (dict(block_q=48), r"block_q must be a power of two >= 16, got 48"),
     (dict(block_kv=8), r"block_kv must be a power of two >= 16, got 8"),
+    (dict(forward_kernel="cutlass"), r"forward_kernel must be one of \('triton', 'mosaic'\)"),
+    (dict(forward_kernel="mosaic"), r"'mosaic' needs bfloat16 or float16 inputs .* float32"),
+    (dict(q=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+          v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), forward_kernel="mosaic", block_q=64),
+     r"'mosaic' needs block_q a multiple of 128 and block_kv a multiple of 64, got 64"),
 ])
 def test_invalid_inputs_raise_clear_errors(change, message):
   args = dict(q=jnp.zeros((1, 8, 2, 64)), k=jnp.zeros((1, 8, 2, 64)), v=jnp.zeros((1, 8, 2, 64)))
   args.update(change)
   with pytest.raises(ValueError, match=message):
     flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+# The Hopper forward: S = 300 spans three 128-row tiles (the last mostly padding) and three key
+# blocks; segments cross tiles; the backward that consumes its lse is the Triton one.
+@pytest.mark.parametrize("causal,heads,head_dim,segments", [
+    (True, (2, 1), 64, True), (False, (2, 1), 64, True), (True, (2, 2), 128, False)],
+    ids=["causal-gqa-packed", "full-gqa-packed", "causal-d128"])
+def test_mosaic_forward_matches_reference(causal, heads, head_dim, segments):
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, 300, *heads, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  _check_against_reference(q, k, v, d_out, causal=causal,
+                           segment_ids=segment_ids if segments else None, tol=BF16_TOL,
+                           forward_kernel="mosaic")
+
+
+def test_mosaic_forward_rows_with_no_visible_key_give_zero():
+  q, k, v, d_out, _ = random_inputs(3, 1, 200, 2, 1, 64, dtype=jnp.bfloat16)
+  q_ids = jnp.array([[0] * 50 + [1] * 100 + [2] * 50], jnp.int32)
+  kv_ids = jnp.array([[0] * 50 + [3] * 100 + [2] * 50], jnp.int32)
+  out, lse, *_ = _check_against_reference(q, k, v, d_out, causal=False, segment_ids=q_ids,
+                                          kv_segment_ids=kv_ids, tol=BF16_TOL,
+                                          forward_kernel="mosaic")
+  assert np.all(np.asarray(out[:, 50:150], np.float32) == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, :, 50:150])))
+
+
+@pytest.mark.parametrize("head_dim,causal,segments", [
+    (64, True, True), (128, True, False), (128, False, True), (256, False, False)])
+def test_mosaic_forward_lowers_for_hopper(head_dim, causal, segments):
+  """The hardware path (wgmma from registers, register layouts) through Mosaic GPU's lowering,
+  which rejects layouts it cannot realise; compiling and running it needs an H100/H200."""
+  plan = make_plan(1000, head_dim, causal=causal, scale=head_dim ** -0.5, interpret=False,
+                   generation="sm90", forward_kernel="mosaic")
+  q = jax.ShapeDtypeStruct((2, plan.padded_len, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, plan.padded_len, 2, head_dim), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, plan.padded_len), jnp.int32) if segments else None
+  forward = jax.jit(lambda *args: flash_hopper.forward(plan, *args))
+  lowered = forward.trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_mosaic_plan():
+  plan = make_plan(16384, 128, causal=True, scale=1.0, generation="sm90",
+                   forward_kernel="mosaic")
+  assert (plan.forward.block_q, plan.forward.block_kv, plan.forward.num_stages) == (128, 128, 2)
+  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic")
+  assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (128, 64, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_compiled_mosaic_forward_matches_reference(head_dim, causal):
+  """The Hopper kernel compiled for the GPU: ragged length, GQA, with and without segments."""
+  q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  for ids in (None, segment_ids):
+    _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
+                             interpret=False, forward_kernel="mosaic")
 
 
 @pytest.mark.gpu

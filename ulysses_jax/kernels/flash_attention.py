@@ -8,8 +8,11 @@ share it, so GQA/MQA never repeats K/V in memory and needs no atomics).
 
 On GPU the kernels go through the Pallas Triton lowering (one code path for Ampere and Hopper;
 Triton picks the tensor-core instructions of the generation); block sizes, warps and pipeline
-stages come from a table per head dim and GPU generation (``make_plan``). Elsewhere the same
-kernels run in Pallas interpret mode (slow; for tests).
+stages come from a table per head dim and GPU generation (``make_plan``). On Hopper the forward
+can instead run ``flash_hopper`` (Pallas Mosaic GPU: TMA, wgmma, a copy warpgroup feeding two
+compute warpgroups) with ``forward_kernel="mosaic"``; the backward is the Triton one either way.
+Elsewhere the same kernels run in Pallas interpret mode (slow; for tests), the Mosaic one in
+Pallas' GPU interpret mode.
 
 Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
@@ -17,12 +20,13 @@ no key returns 0 and lse -inf, never NaN. Any sequence length works: inputs are 
 multiple of the block size and padded keys are masked.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from ulysses_jax.kernels import flash_kernels
+from ulysses_jax.kernels import flash_hopper, flash_kernels
 from ulysses_jax.kernels.flash_kernels import LOG2E, Plan, Tile
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -44,11 +48,16 @@ _TILES = {
         256: ((64, 32, 4, 2), (32, 32, 4, 2), (32, 32, 4, 2)),
     },
 }
+# The Mosaic forward per head dim: (CTA query rows, keys per slot, warps = 3 warpgroups, slots).
+# Shared memory: rows*D + 2*slots*block_kv*D 16-bit elements, at most 192 KiB (D = 256).
+_MOSAIC_TILES = {64: (128, 128, 12, 3), 128: (128, 128, 12, 2), 256: (128, 64, 12, 2)}
+_MOSAIC_MIN_ROWS = flash_hopper.COMPUTE_WARPGROUPS * flash_hopper.WGMMA_ROWS
+FORWARD_KERNELS = ("triton", "mosaic")
 
 
 def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
                     kv_segment_ids=None, scale=None, block_q=None, block_kv=None,
-                    interpret=None, return_lse=False):
+                    interpret=None, return_lse=False, forward_kernel="triton"):
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
   Args:
@@ -64,16 +73,21 @@ def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
       two >= 16); default from the table for this head dim and GPU generation.
     interpret: run in Pallas interpret mode; default: unless the default backend is a GPU.
     return_lse: also return the log-sum-exp of the scaled scores.
+    forward_kernel: ``"triton"``, or ``"mosaic"`` for the Hopper kernel of ``flash_hopper``
+      (bfloat16 / float16, head dims 64 / 128 / 256; ``block_q`` a multiple of 128 and
+      ``block_kv`` of 64 when given).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
+  _validate_forward_kernel(forward_kernel, q_BSHD, block_q, block_kv)
   b, s, _, d = q_BSHD.shape
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   plan = make_plan(s, d, causal=causal, scale=d ** -0.5 if scale is None else float(scale),
-                   block_q=block_q, block_kv=block_kv, interpret=bool(interpret))
+                   block_q=block_q, block_kv=block_kv, interpret=bool(interpret),
+                   forward_kernel=forward_kernel)
   pad = lambda x: jnp.pad(x, [(0, 0), (0, plan.padded_len - s)] + [(0, 0)] * (x.ndim - 2))
   q_seg = kv_seg = None
   if segment_ids is not None:
@@ -85,7 +99,7 @@ def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
 
 
 def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
-              interpret=False, generation=None):
+              interpret=False, generation=None, forward_kernel="triton"):
   """Block sizes and launch parameters of the three kernels for one problem shape.
 
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default it is read from
@@ -93,15 +107,21 @@ def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
   """
   if generation is None:
     generation = "other" if interpret else _gpu_generation()
-  table = _TILES[generation][max(64, head_dim)]
+  table = list(_TILES[generation][max(64, head_dim)])
+  if forward_kernel == "mosaic":
+    table[0] = _MOSAIC_TILES[head_dim]
   # Blocks never exceed the (power-of-two rounded) sequence, so short sequences pad little.
   cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
   tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
            for bq, bk, warps, stages in table]
+  if forward_kernel == "mosaic":  # wgmma: at least 64 rows per compute warpgroup, 64 keys
+    tiles[0] = dataclasses.replace(tiles[0], block_q=max(tiles[0].block_q, _MOSAIC_MIN_ROWS),
+                                   block_kv=max(tiles[0].block_kv, 64))
   largest = max(max(t.block_q, t.block_kv) for t in tiles)
   padded_len = -(-seq_len // largest) * largest
   return Plan(causal=bool(causal), scale=float(scale), seq_len=seq_len, padded_len=padded_len,
-              interpret=interpret, forward=tiles[0], dq=tiles[1], dkv=tiles[2])
+              interpret=interpret, forward=tiles[0], dq=tiles[1], dkv=tiles[2],
+              forward_kernel=forward_kernel)
 
 
 def _gpu_generation():
@@ -146,13 +166,36 @@ def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
                        f"{block}; try 64 or 128, or None for the tuned default.")
 
 
+def _validate_forward_kernel(forward_kernel, q, block_q, block_kv):
+  if forward_kernel not in FORWARD_KERNELS:
+    raise ValueError(f"flash_attention: forward_kernel must be one of {FORWARD_KERNELS}, got "
+                     f"{forward_kernel!r}.")
+  if forward_kernel == "triton":
+    return
+  d = q.shape[3]
+  if q.dtype not in flash_hopper.DTYPES or d not in flash_hopper.HEAD_DIMS:
+    raise ValueError(f"flash_attention: forward_kernel='mosaic' needs bfloat16 or float16 inputs "
+                     f"and head dim in {flash_hopper.HEAD_DIMS}, got {q.dtype} and {d}; use "
+                     f"forward_kernel='triton'.")
+  if ((block_q is not None and block_q % _MOSAIC_MIN_ROWS)
+      or (block_kv is not None and block_kv % 64)):
+    raise ValueError(f"flash_attention: forward_kernel='mosaic' needs block_q a multiple of "
+                     f"{_MOSAIC_MIN_ROWS} and block_kv a multiple of 64, got {block_q} and "
+                     f"{block_kv}; pass None for the default.")
+
+
+def _forward(plan, q, k, v, q_seg, kv_seg):
+  kernels = flash_hopper if plan.forward_kernel == "mosaic" else flash_kernels
+  return kernels.forward(plan, q, k, v, q_seg, kv_seg)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(plan, q, k, v, q_seg, kv_seg):
-  return flash_kernels.forward(plan, q, k, v, q_seg, kv_seg)
+  return _forward(plan, q, k, v, q_seg, kv_seg)
 
 
 def _flash_forward(plan, q, k, v, q_seg, kv_seg):
-  out, lse = flash_kernels.forward(plan, q, k, v, q_seg, kv_seg)
+  out, lse = _forward(plan, q, k, v, q_seg, kv_seg)
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 

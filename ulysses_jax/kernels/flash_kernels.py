@@ -31,7 +31,9 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-  """Block sizes and Triton launch parameters of one kernel."""
+  """Block sizes and launch parameters of one kernel. For the Mosaic forward
+  (``flash_hopper``): ``block_q`` rows per CTA, ``num_warps`` 12 (three warpgroups),
+  ``num_stages`` K/V slots in shared memory."""
   block_q: int
   block_kv: int
   num_warps: int
@@ -49,13 +51,14 @@ class Plan:
   forward: Tile
   dq: Tile
   dkv: Tile
+  forward_kernel: str = "triton"  # or "mosaic": flash_hopper.forward
 
   @property
   def ragged(self):
     return self.padded_len != self.seq_len
 
 
-def _visible(q_pos, kv_pos, q_seg, kv_seg, *, causal, kv_len):
+def visible(q_pos, kv_pos, q_seg, kv_seg, *, causal, kv_len):
   """Which keys each query sees, broadcast from ``[n, 1]`` / ``[1, m]`` operands; None: all."""
   conditions = []
   if causal:
@@ -67,7 +70,7 @@ def _visible(q_pos, kv_pos, q_seg, kv_seg, *, causal, kv_len):
   return functools.reduce(jnp.logical_and, conditions) if conditions else None
 
 
-def _dot(a, b, contract_a, contract_b):
+def dot(a, b, contract_a, contract_b):
   """2-D matmul contracting the given axes, accumulating in float32."""
   return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
                          preferred_element_type=jnp.float32)
@@ -78,7 +81,7 @@ def _q_block(plan, num_q_blocks, i):
   return num_q_blocks - 1 - i if plan.causal else i
 
 
-def _kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks):
+def kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks):
   """``(n_plain, n_visible)``: key blocks ``[0, n_plain)`` need no positional mask,
   ``[n_plain, n_visible)`` do, the rest are hidden from every query of the block."""
   if plan.causal:
@@ -113,8 +116,8 @@ def _forward_kernel(*refs, plan, has_segments):
   def visit(masked, j, carry):
     acc, row_max, denom = carry
     kv = _kv_slice(j, block_kv)
-    scores = _dot(q, k_ref[kv, :], 1, 1) * qk_scale
-    mask = _visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
+    scores = dot(q, k_ref[kv, :], 1, 1) * qk_scale
+    mask = visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
                     kv_seg_ref[kv][None, :] if has_segments else None,
                     causal=masked and plan.causal,
                     kv_len=plan.seq_len if masked and plan.ragged else None)
@@ -127,12 +130,12 @@ def _forward_kernel(*refs, plan, has_segments):
     probs = jnp.exp2(scores - ref_max[:, None])
     denom = correction * denom + jnp.sum(probs, axis=1)
     v = v_ref[kv, :]
-    acc = correction[:, None] * acc + _dot(probs.astype(v.dtype), v, 1, 0)
+    acc = correction[:, None] * acc + dot(probs.astype(v.dtype), v, 1, 0)
     return acc, new_max, denom
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
-  n_plain, n_visible = _kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
+  n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
   carry = lax.fori_loop(0, n_plain, functools.partial(visit, False), init)
   acc, row_max, denom = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
   empty = denom == 0.0
@@ -159,17 +162,17 @@ def _dq_kernel(*refs, plan, has_segments):
   def visit(masked, j, dq):
     kv = _kv_slice(j, block_kv)
     k, v = k_ref[kv, :], v_ref[kv, :]
-    probs = jnp.exp2(_dot(q, k, 1, 1) * qk_scale - lse2)
-    mask = _visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
+    probs = jnp.exp2(dot(q, k, 1, 1) * qk_scale - lse2)
+    mask = visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
                     kv_seg_ref[kv][None, :] if has_segments else None,
                     causal=masked and plan.causal,
                     kv_len=plan.seq_len if masked and plan.ragged else None)
     if mask is not None:
       probs = jnp.where(mask, probs, 0.0)
-    d_scores = probs * (_dot(do, v, 1, 1) - delta)
-    return dq + _dot(d_scores.astype(k.dtype), k, 1, 0)
+    d_scores = probs * (dot(do, v, 1, 1) - delta)
+    return dq + dot(d_scores.astype(k.dtype), k, 1, 0)
 
-  n_plain, n_visible = _kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
+  n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
   dq = lax.fori_loop(0, n_plain, functools.partial(visit, False),
                      jnp.zeros(q.shape, jnp.float32))
   dq = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), dq)
@@ -200,15 +203,15 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
     dk, dv = carry
     rows = _kv_slice(i, block_q)
     q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-    probs_t = jnp.exp2(_dot(k, q, 1, 1) * qk_scale - lse2_ref[g, rows][None, :])
-    mask = _visible((i * block_q + jnp.arange(block_q))[None, :], kv_pos,
+    probs_t = jnp.exp2(dot(k, q, 1, 1) * qk_scale - lse2_ref[g, rows][None, :])
+    mask = visible((i * block_q + jnp.arange(block_q))[None, :], kv_pos,
                     q_seg_ref[rows][None, :] if has_segments else None, kv_seg,
                     causal=masked and plan.causal, kv_len=None)
     if mask is not None:
       probs_t = jnp.where(mask, probs_t, 0.0)
-    dv = dv + _dot(probs_t.astype(do.dtype), do, 1, 0)
-    d_scores_t = probs_t * (_dot(v, do, 1, 1) - delta_ref[g, rows][None, :])
-    dk = dk + _dot(d_scores_t.astype(q.dtype), q, 1, 0)
+    dv = dv + dot(probs_t.astype(do.dtype), do, 1, 0)
+    d_scores_t = probs_t * (dot(v, do, 1, 1) - delta_ref[g, rows][None, :])
+    dk = dk + dot(d_scores_t.astype(q.dtype), q, 1, 0)
     return dk, dv
 
   if plan.causal:

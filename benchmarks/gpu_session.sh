@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU measurements that benchmarks/RESULTS.md still lacks, in stages that each fit one
+# 10-minute command on a lent H100/H200 (the GPU machine has jax, flax, optax, orbax, torch and
+# transformers; nothing here needs gin-config).
+#
+# Usage, from the repository root on the GPU machine:
+#   benchmarks/gpu_session.sh STAGE [OUT_DIR]        (OUT_DIR defaults to benchmarks/results/gpu)
+# Stages:
+#   kernels       GPU tests of the Pallas kernels (Triton, and the Mosaic Hopper forward), then
+#                 the kernel table at D=128, S=4K and 16K, all implementations incl. ours_mosaic
+#   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
+#   step-1b       llama3.2-1b training step at 64K tokens (MFU), Triton and cuDNN attention
+#   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
+#   memory-8b     the same for llama3.1-8b (offload configurations; the 500K / 1M-token targets)
+#   peers         ulysses_jax vs transformers + PyTorch, llama3.2-1b, with --find-max
+# Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
+# benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
+set -uo pipefail
+stage=${1:?"usage: benchmarks/gpu_session.sh STAGE [OUT_DIR]"}
+out=${2:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+
+run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
+  local name=$1; shift
+  echo "+ $*" | tee "$out/$name.log"
+  "$@" 2>&1 | tee -a "$out/$name.log"
+}
+
+case $stage in
+  kernels)
+    run gpu_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_flash_attention.py -q -m gpu
+    run kernels_d128 python3 -m benchmarks.attention_kernels --head-dims 128 \
+      --seq-lens 4096,16384 --json "$out/attention_kernels_d128.json" ;;
+  kernels-more)
+    run kernels_d128_64k python3 -m benchmarks.attention_kernels --head-dims 128 \
+      --seq-lens 65536 --json "$out/attention_kernels_d128_64k.json"
+    run kernels_d64 python3 -m benchmarks.attention_kernels --head-dims 64 \
+      --seq-lens 4096,16384,65536 --json "$out/attention_kernels_d64.json" ;;
+  step-1b)
+    for backend in pallas cudnn; do
+      run "step_1b_64k_$backend" python3 -m benchmarks.train_step --preset llama3.2-1b \
+        --seq-len 65536 --backend "$backend" --json "$out/train_step_1b_64k_$backend.json"
+    done ;;
+  memory-1b)
+    run max_seqlen_1b python3 -m benchmarks.max_seqlen --preset llama3.2-1b \
+      --configs none,full,full+opt,offload+opt+mlp2048 --json "$out/max_seqlen_1b.json" \
+      --plot "$out/max_seqlen_1b.png" ;;
+  memory-8b)
+    run max_seqlen_8b python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
+      --configs full+opt,offload+opt+mlp2048 --max-len 2097152 --json "$out/max_seqlen_8b.json" \
+      --plot "$out/max_seqlen_8b.png" ;;
+  peers)
+    run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
+      --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
+      --plot "$out/vs_transformers.png" ;;
+  *)
+    echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, memory-1b, memory-8b" \
+      "or peers" >&2
+    exit 2 ;;
+esac

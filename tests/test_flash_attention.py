@@ -275,24 +275,14 @@ def test_mosaic_plan():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("forward_kernel", ["triton", "mosaic"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_compiled_mosaic_forward_matches_reference(head_dim, causal):
-  """The Hopper kernel compiled for the GPU: ragged length, GQA, with and without segments."""
+def test_compiled_gpu_kernels_match_reference(forward_kernel, head_dim, causal):
+  """The kernels compiled for the GPU (the Mosaic forward needs Hopper), default blocks, ragged
+  length, GQA, with and without segments."""
   q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   for ids in (None, segment_ids):
     _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
-                             interpret=False, forward_kernel="mosaic")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_compiled_gpu_kernels_match_reference(head_dim, causal):
-  """The Triton-lowered kernels (not interpret mode), default blocks, ragged length, GQA."""
-  q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
-                                              dtype=jnp.bfloat16, num_segments=4)
-  for ids in (None, segment_ids):
-    _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
-                             interpret=False)
+                             interpret=False, forward_kernel=forward_kernel)

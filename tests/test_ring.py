@@ -59,6 +59,25 @@ def test_ring_attention_matches_dense_reference(mesh_shape, shape, causal, num_s
                            tol=F32_TOL)
 
 
+# The Pallas flash kernel as the ring's local attention (interpret mode on CPU): causal steps
+# after the first run as the zigzag layout's chunk tiles. Head dim 16, the kernel's smallest.
+@pytest.mark.parametrize("attention,mesh_shape,shape,causal,num_segments", [
+    (ulysses_attention, (1, 1, 8), (1, 64, 4, 2, 16), True, 3),   # plain ring, GQA, packed
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), True, 4),   # hybrid, MQA, padded, packed
+    (ring_attention, (1, 4, 1), (1, 44, 4, 1, 16), True, 3),      # ring over seq, padded
+    pytest.param(ulysses_attention, (1, 2, 2), (2, 40, 4, 2, 16), False, 2,
+                 marks=pytest.mark.slow),
+])
+def test_pallas_backend_matches_dense_reference(attention, mesh_shape, shape, causal,
+                                                num_segments):
+  mesh = _mesh(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(6, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
+                                 backend="pallas")
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
 @pytest.mark.parametrize("attention,mesh_shape", [
     (ring_attention, (1, 4, 1)),
     pytest.param(ulysses_attention, (1, 2, 2), marks=pytest.mark.slow),
@@ -79,11 +98,13 @@ def test_zigzag_layout_on_the_data_side(attention, mesh_shape):
 
 
 @pytest.mark.slow
-def test_bfloat16():
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_bfloat16(backend):
   mesh = _mesh(1, 2, 4)
-  q, k, v, d_out, segment_ids = random_inputs(3, 1, 64, 4, 2, 8, dtype=jnp.bfloat16,
+  q, k, v, d_out, segment_ids = random_inputs(3, 1, 64, 4, 2, 16, dtype=jnp.bfloat16,
                                               num_segments=3)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                         backend=backend)
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
                            tol=BF16_TOL)
 
@@ -171,10 +192,10 @@ def test_mesh_axes():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda q, m: ring_attention(q, q, q, mesh=m, backend="pallas"),
-     r"ring attention supports backend 'auto' or 'xla', got 'pallas'"),
-    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="cudnn"),
-     r"ring attention supports backend 'auto' or 'xla', got 'cudnn'"),
+    (lambda q, m: ring_attention(q, q, q, mesh=m, backend="cudnn"),
+     r"ring attention supports backend 'auto', 'xla' or 'pallas', got 'cudnn'"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="flash"),
+     r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn'\), got 'flash'"),
     (lambda q, m: ulysses_attention(q, q, q, mesh=m, layout="diagonal"),
      r"layout must be one of \('natural', 'zigzag'\)"),
     (lambda q, m: ulysses_attention(q[:, :12], q[:, :12], q[:, :12], mesh=m, layout="zigzag"),

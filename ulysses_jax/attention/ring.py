@@ -24,9 +24,14 @@ layout-agnostic. The permutation lives here only:
   operation outside attention is token-local, and RoPE takes the permuted global positions);
   ``from_zigzag`` inverts it. No exchange traffic.
 
-Without a causal mask the ring is balanced as is and the layout does not matter. The local
-attention is ``chunked.chunked_attention`` (the ``"xla"`` backend), the one that takes
-positions and returns a differentiable lse.
+Without a causal mask the ring is balanced as is and the layout does not matter.
+
+**Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
+whole block, masking by global positions. ``"pallas"`` runs the flash kernel, which knows no
+positions, so a causal step is cut into what the zigzag layout makes of it: at step 0 the
+device's own block, a plain causal attention (both chunks ascend); at step t > 0, from source
+device s, two fully visible chunk tiles, (q0, kv0) and (q1, kv0) when s < r, (q1, kv0) and
+(q1, kv1) when s > r, run as one non-causal call on the tiles stacked along the batch axis.
 """
 
 import dataclasses
@@ -39,7 +44,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.attention import chunked
+from ulysses_jax.attention import backends, chunked
+from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
 from ulysses_jax.mesh import DATA, sequence_axes
 
@@ -107,12 +113,13 @@ def check_layout(layout, seq_len, ring_size, inner=1):
         f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
 
 
-def check_backend(backend):
-  """Ring attention needs positions and an lse from its local attention: the XLA backend."""
-  if backend not in ("auto", "xla"):
-    raise ValueError(f"ring attention supports backend 'auto' or 'xla', got {backend!r}: it "
-                     "merges partial results by log-sum-exp and masks by global positions, "
-                     "which only the XLA local attention provides.")
+def resolve_backend(backend, *, dtype, segment_ids_given):
+  """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: pallas on GPU)."""
+  if backend == "cudnn":
+    raise ValueError("ring attention supports backend 'auto', 'xla' or 'pallas', got 'cudnn': "
+                     "it merges partial results by log-sum-exp, which cuDNN's attention does "
+                     "not return.")
+  return backends.resolve_backend(backend, dtype=dtype, segment_ids_given=segment_ids_given)
 
 
 def _chunk_positions(index, ring_size, chunk, zigzag):
@@ -152,6 +159,7 @@ class _Ring:
   causal: bool
   scale: float | None
   block: int
+  backend: str  # "xla" or "pallas"
 
   def rotate(self, tree):
     """Every array of ``tree`` moves from device i to device i+1 of the ring."""
@@ -166,17 +174,21 @@ class _Ring:
     """The device whose K/V block this device holds at ``step``."""
     return (lax.axis_index(self.axis_name) - step) % self.size
 
+  def source_is_earlier(self, step):
+    return self.source(step) < lax.axis_index(self.axis_name)
+
 
 def attend_shard(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, *, axis_name, ring_size, causal,
-                 scale, layout):
+                 scale, layout, backend):
   """Ring attention inside ``shard_map``: local ``[B, S/R, H, D]`` in, same shape out.
 
   The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
-  ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None.
+  ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None. ``backend``
+  is resolved (``resolve_backend``).
   """
   chunk = q_BsHD.shape[1] // 2
   block = max(b for b in range(1, min(chunk, _MAX_BLOCK) + 1) if chunk % b == 0)
-  ring = _Ring(axis_name, ring_size, causal, scale, block)
+  ring = _Ring(axis_name, ring_size, causal, scale, block, backend)
   exchange = causal and layout == "natural" and ring_size > 1
   if exchange:
     q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
@@ -187,13 +199,78 @@ def attend_shard(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, *, axis_name, ring_size
 
 
 def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
-  """Local attention of this device's queries to the K/V block held at ``step``."""
+  """Local attention of this device's queries to the K/V block held at ``step``: the partial
+  output ``[B, S/R, H, D]`` and its lse ``[B, H, S/R]``."""
+  if ring.backend == "pallas":
+    return _flash_step(ring, q, k, v, q_seg, kv_seg, step)
   local_len = q.shape[1]
   return chunked.chunked_attention(
       q, k, v, causal=ring.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
       q_positions=ring.positions(lax.axis_index(ring.axis_name), local_len),
       kv_positions=ring.positions(ring.source(step), k.shape[1]), scale=ring.scale,
       block_q=ring.block, block_kv=ring.block, return_lse=True)
+
+
+def _tile_chunks(ring, step):
+  """Which local chunk each flash tile of a causal step t > 0 takes (module docstring), for
+  queries and for keys: ``True`` the first chunk, ``False`` the second (traced or not)."""
+  early = ring.source_is_earlier(step)
+  return (early, False), (True, early)
+
+
+def _stack_tiles(chunks, x, axis=1):
+  """``[B, 2c, ...]`` -> the tiles' chunks stacked on the batch axis, ``[2B, c, ...]``."""
+  if x is None:
+    return None
+  first, second = jnp.split(x, 2, axis)
+  return jnp.concatenate([jnp.where(c, first, second) for c in chunks], 0)
+
+
+def _chunk_masks(chunks):
+  """Per local chunk, per tile: is the tile in that chunk."""
+  return [list(chunks), [jnp.logical_not(c) for c in chunks]]
+
+
+def _sum_tiles(chunks, d, axis=1):
+  """Inverse of ``_stack_tiles`` for gradients: each chunk sums the tiles in it."""
+  tiles = jnp.split(d, 2, 0)
+  zero = jnp.zeros_like(tiles[0])
+  return jnp.concatenate([sum(jnp.where(m, t, zero) for t, m in zip(tiles, masks))
+                          for masks in _chunk_masks(chunks)], axis)
+
+
+def _merge_tiles(chunks, out, lse):
+  """Inverse of ``_stack_tiles`` for partial results: each chunk merges the tiles in it by
+  lse; a chunk in none gets out 0 and lse -inf."""
+  tiles = list(zip(jnp.split(out, 2, 0), jnp.split(lse, 2, 0)))
+  halves = []
+  for masks in _chunk_masks(chunks):
+    half = jnp.zeros_like(tiles[0][0]), jnp.full_like(tiles[0][1], -jnp.inf)
+    for (tile_out, tile_lse), m in zip(tiles, masks):
+      half = _merge(*half, tile_out, jnp.where(m, tile_lse, -jnp.inf))
+    halves.append(half)
+  return (jnp.concatenate([h[0] for h in halves], 1),
+          jnp.concatenate([h[1] for h in halves], 2))
+
+
+def _flash_step(ring, q, k, v, q_seg, kv_seg, step):
+  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True)
+
+  def whole_block(causal):
+    out, lse = flash(q, k, v, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return out.astype(jnp.float32), lse
+
+  if not ring.causal:
+    return whole_block(False)
+
+  def tiles():
+    chunks_q, chunks_kv = _tile_chunks(ring, step)
+    stack_q, stack_kv = (functools.partial(_stack_tiles, c) for c in (chunks_q, chunks_kv))
+    out, lse = flash(stack_q(q), stack_kv(k), stack_kv(v), causal=False,
+                     segment_ids=stack_q(q_seg), kv_segment_ids=stack_kv(kv_seg))
+    return _merge_tiles(chunks_q, out.astype(jnp.float32), lse)
+
+  return lax.cond(step == 0, lambda: whole_block(True), tiles)
 
 
 def _merge(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS):
@@ -233,6 +310,8 @@ def _forward_rule(ring, q, k, v, segment_ids):
 
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
   """(dq, dk, dv) of one step's tile given the GLOBAL out and lse (summed over steps: exact)."""
+  if ring.backend == "pallas":
+    return _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   b, s = q.shape[:2]
   if q_seg is None:
     q_seg = kv_seg = jnp.zeros((b, s), jnp.int32)
@@ -243,6 +322,27 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
       q_positions=ring.positions(lax.axis_index(ring.axis_name), s),
       kv_positions=ring.positions(ring.source(step), k.shape[1]),
       block_q=ring.block, block_kv=ring.block)
+
+
+def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
+  grads = functools.partial(flash_attention_backward, scale=ring.scale)
+
+  def whole_block(causal):
+    return grads(q, k, v, out, lse, d_out, causal=causal, segment_ids=q_seg,
+                 kv_segment_ids=kv_seg)
+
+  if not ring.causal:
+    return whole_block(False)
+
+  def tiles():
+    chunks_q, chunks_kv = _tile_chunks(ring, step)
+    stack_q, stack_kv = (functools.partial(_stack_tiles, c) for c in (chunks_q, chunks_kv))
+    dq, dk, dv = grads(stack_q(q), stack_kv(k), stack_kv(v), stack_q(out),
+                       stack_q(lse, axis=2), stack_q(d_out), causal=False,
+                       segment_ids=stack_q(q_seg), kv_segment_ids=stack_kv(kv_seg))
+    return _sum_tiles(chunks_q, dq), _sum_tiles(chunks_kv, dk), _sum_tiles(chunks_kv, dv)
+
+  return lax.cond(step == 0, lambda: whole_block(True), tiles)
 
 
 def _backward_rule(ring, residuals, d_out):
@@ -283,7 +383,8 @@ def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="aut
       (R devices in all).
     causal: causal mask over global positions; balanced with the zigzag layout.
     segment_ids: int ``[B, S]`` (>= 0) or None; packed segments may cross shards.
-    backend: ``"auto"`` or ``"xla"`` (see ``check_backend``).
+    backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see ``resolve_backend`` and the module
+      docstring).
     scale: score scale, default ``1/sqrt(D)``.
     layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the
       inputs and output are in ``to_zigzag(., R)`` order and S must be a multiple of 2R.
@@ -293,15 +394,16 @@ def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="aut
     ``padded_length(S, R)`` (natural layout) and the padding masked.
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
-  check_backend(backend)
+  backend = resolve_backend(backend, dtype=q.dtype, segment_ids_given=segment_ids is not None)
   axes = sequence_axes(mesh)
   check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
-                         scale=None if scale is None else float(scale), layout=layout)
+                         scale=None if scale is None else float(scale), layout=layout,
+                         backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout"))
-def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout):
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout", "backend"))
+def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backend):
   s = q.shape[1]
   axes = sequence_axes(mesh)
   ring_size = math.prod(mesh.shape[a] for a in axes)
@@ -310,7 +412,7 @@ def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout):
     q, k, v, segment_ids = pad_sequence(padded_length(s, ring_size), q, k, v, segment_ids,
                                         causal=causal)
   attend = functools.partial(attend_shard, axis_name=axes, ring_size=ring_size, causal=causal,
-                             scale=scale, layout=layout)
+                             scale=scale, layout=layout, backend=backend)
   act = P(DATA, axes, None, None)
   seg_spec = None if segment_ids is None else P(DATA, axes)
   out = jax.shard_map(attend, mesh=mesh, in_specs=(act, act, act, seg_spec), out_specs=act,

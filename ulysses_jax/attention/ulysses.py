@@ -183,8 +183,8 @@ def ulysses_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="
     causal: causal mask over global positions.
     segment_ids: int ``[B, S]`` (>= 0), or None; tokens attend only within their segment.
       Segments may cross shard boundaries.
-    backend: local attention, one of ``backends.BACKENDS``; the hybrid takes ``"auto"`` or
-      ``"xla"`` only (``ring.check_backend``).
+    backend: local attention, one of ``backends.BACKENDS``; the hybrid takes all but
+      ``"cudnn"`` (``ring.resolve_backend``).
     scale: score scale, default ``1/sqrt(D)``.
     layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``ring.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
@@ -198,11 +198,8 @@ def ulysses_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="
   from ulysses_jax.attention import ring
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
   ring.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
-  if ring_size(mesh) > 1:
-    ring.check_backend(backend)
-    backend = "xla"
-  backend = backends.resolve_backend(backend, dtype=q.dtype,
-                                     segment_ids_given=segment_ids is not None)
+  resolve = ring.resolve_backend if ring_size(mesh) > 1 else backends.resolve_backend
+  backend = resolve(backend, dtype=q.dtype, segment_ids_given=segment_ids is not None)
   return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
                             scale=None if scale is None else float(scale), layout=layout)
 
@@ -231,7 +228,8 @@ def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, la
                                      segment_ids=full_segment_ids, scale=scale)
     else:  # This ring position's S/R tokens: K/V rotate over the ring axis.
       out = ring.attend_shard(q, k, v, full_segment_ids, axis_name=RING,
-                              ring_size=ring_shards, causal=causal, scale=scale, layout=layout)
+                              ring_size=ring_shards, causal=causal, scale=scale, layout=layout,
+                              backend=backend)
     return heads_to_seq(out)
 
   seq_axes = SEQ if ring_shards == 1 else sequence_axes(mesh)

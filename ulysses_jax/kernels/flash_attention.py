@@ -82,20 +82,56 @@ def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
   _validate_forward_kernel(forward_kernel, q_BSHD, block_q, block_kv)
-  b, s, _, d = q_BSHD.shape
-  if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  plan = make_plan(s, d, causal=causal, scale=d ** -0.5 if scale is None else float(scale),
-                   block_q=block_q, block_kv=block_kv, interpret=bool(interpret),
-                   forward_kernel=forward_kernel)
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, plan.padded_len - s)] + [(0, 0)] * (x.ndim - 2))
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    q_seg = pad(segment_ids.astype(jnp.int32))
-    kv_seg = q_seg if kv_segment_ids is None else pad(kv_segment_ids.astype(jnp.int32))
-  out, lse = _flash(plan, pad(q_BSHD), pad(k_BSKD), pad(v_BSKD), q_seg, kv_seg)
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel)
+  q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
+  out, lse = _flash(plan, *(_pad(plan, x) for x in (q_BSHD, k_BSKD, v_BSKD)), q_seg, kv_seg)
+  s = plan.seq_len
   out, lse = out[:, :s], lse[:, :, :s]
   return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
+                             causal=True, segment_ids=None, kv_segment_ids=None, scale=None,
+                             block_q=None, block_kv=None, interpret=None):
+  """``(dq, dk, dv)`` of one attention given an output and lse computed elsewhere.
+
+  Arguments as ``flash_attention``; ``out_BSHD`` ``[B, S, Hq, D]``, ``lse_BHS`` ``[B, Hq, S]``
+  float32 and the output cotangent ``d_out_BSHD``. With the output and lse of a larger
+  attention over more keys (ring attention passes the global ones), ``exp(scores - lse)`` are
+  the true probabilities of these keys, so summing the results over key blocks gives the
+  exact gradient. Returns float32 ``dq`` ``[B, S, Hq, D]`` and ``dk``, ``dv`` ``[B, S, Hkv, D]``.
+  """
+  _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton")
+  q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
+  pad = functools.partial(_pad, plan)
+  lse = jnp.pad(lse_BHS, [(0, 0), (0, 0), (0, plan.padded_len - plan.seq_len)])
+  grads = _backward(plan, pad(q_BSHD), pad(k_BSKD), pad(v_BSKD), q_seg, kv_seg, pad(out_BSHD),
+                    lse, pad(d_out_BSHD), jnp.zeros_like(lse), jnp.float32)
+  return tuple(g[:, :plan.seq_len] for g in grads)
+
+
+def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel):
+  d = q.shape[3]
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return make_plan(q.shape[1], d, causal=causal,
+                   scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
+                   block_kv=block_kv, interpret=bool(interpret), forward_kernel=forward_kernel)
+
+
+def _pad(plan, x_BS):
+  """Pads the sequence axis (1) to ``plan.padded_len`` with zeros."""
+  tail = plan.padded_len - plan.seq_len
+  return jnp.pad(x_BS, [(0, 0), (0, tail)] + [(0, 0)] * (x_BS.ndim - 2))
+
+
+def _padded_segment_ids(plan, segment_ids, kv_segment_ids):
+  if segment_ids is None:
+    return None, None
+  q_seg = _pad(plan, segment_ids.astype(jnp.int32))
+  kv_seg = q_seg if kv_segment_ids is None else _pad(plan, kv_segment_ids.astype(jnp.int32))
+  return q_seg, kv_seg
 
 
 def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
@@ -201,15 +237,21 @@ def _flash_forward(plan, q, k, v, q_seg, kv_seg):
 
 def _flash_backward(plan, residuals, cotangents):
   q, k, v, q_seg, kv_seg, out, lse = residuals
-  d_out, d_lse = cotangents
+  return (*_backward(plan, q, k, v, q_seg, kv_seg, out, lse, *cotangents, q.dtype), None, None)
+
+
+def _backward(plan, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, grad_dtype):
+  """(dq, dk, dv) in ``grad_dtype`` on padded inputs; ``d_lse`` is the lse's cotangent."""
   # dS_ij = P_ij (dP_ij - delta_i) with delta_i = rowsum(dO * O)_i - dlse_i: the lse cotangent
   # reaches the scores as + P_ij dlse_i.
   delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
   delta = delta - d_lse
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
-  dq = flash_kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg)
-  dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg)
-  return dq, dk, dv, None, None
+  d_out = d_out.astype(q.dtype)
+  dq = flash_kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
+  dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
+                                      grad_dtype)
+  return dq, dk, dv
 
 
 _flash.defvjp(_flash_forward, _flash_backward)

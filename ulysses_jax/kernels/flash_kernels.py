@@ -269,8 +269,9 @@ def forward(plan, q, k, v, q_seg, kv_seg):
   return call(q, k, v, *((q_seg, kv_seg) if has_segments else ()))
 
 
-def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg):
-  """dq ``[B, Sp, Hq, D]``; ``lse2`` and ``delta`` ``[B, Hq, Sp]`` float32 (see module doc)."""
+def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
+  """dq ``[B, Sp, Hq, D]`` in ``grad_dtype``; ``lse2`` and ``delta`` ``[B, Hq, Sp]`` float32
+  (see module doc)."""
   b, sp, hq, d = q.shape
   groups = hq // k.shape[2]
   rows, whole_kv, stats, seg_specs = _row_blocked_specs(plan, plan.dq.block_q, groups, d)
@@ -279,12 +280,13 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg):
   call = _call(kernel, plan.dq, plan, (sp // plan.dq.block_q, b, hq),
                [rows, whole_kv, whole_kv, rows, stats, stats]
                + (seg_specs if has_segments else []),
-               rows, jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")
+               rows, jax.ShapeDtypeStruct(q.shape, grad_dtype), "flash_attention_dq")
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))
 
 
-def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg):
-  """dk, dv ``[B, Sp, Hkv, D]``, each summed over the query heads that share the KV head."""
+def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
+  """dk, dv ``[B, Sp, Hkv, D]`` in ``grad_dtype``, each summed over the query heads that share
+  the KV head."""
   b, sp, hkv, d = k.shape
   groups = q.shape[2] // hkv
   block_kv, sq = plan.dkv.block_kv, pl.squeezed
@@ -300,6 +302,6 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg):
                [group_rows, kv_rows, kv_rows, group_rows, group_stats, group_stats]
                + (seg_specs if has_segments else []),
                [kv_rows, kv_rows],
-               [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+               [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
                "flash_attention_dkv")
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))

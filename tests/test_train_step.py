@@ -117,11 +117,13 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_counted(monkeypat
 
   monkeypatch.setattr(Llama, "loss", loss_inf_on_token_0)
   mesh = mesh_of(1, 1)
-  tx = train.optimizer(train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0,
-                                                  total_steps=4))  # lr > 0 from step 1
+  config = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4)
+  tx = train.optimizer(config)
+  schedule = train_step.learning_rate_schedule(config)
   graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),
                                                 tx)
-  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=SEQ_LEN)
+  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=SEQ_LEN,
+                                    schedule=schedule)
   bad, good = (packed_batch(i, 8, SEQ_LEN, CONFIG.vocab_size) for i in range(2))
   bad["tokens"][0, 0], good["tokens"][0, 0] = 0, 1
   before = tree_on_host(state)
@@ -137,6 +139,9 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_counted(monkeypat
   state, metrics = step(state, good)
   after_good = tree_on_host(state)
   assert np.isfinite(metrics["loss"])
+  # The skipped step did not advance the schedule: the good step is its step 0.
+  assert metrics["learning_rate"] == pytest.approx(float(schedule(0)))
+  assert float(schedule(0)) != pytest.approx(float(schedule(1)))
   assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after_good.params),
                                                       jax.tree.leaves(before.params)))
   assert (after_good.opt_state.notfinite_count, after_good.opt_state.total_notfinite) == (0, 1)

@@ -132,6 +132,14 @@ def _check_batch(batch, *, mesh, seq_len, accum_steps):
                      f"data axis ({mesh.shape[DATA]}); change one of them.")
 
 
+def _schedule_count(opt_state, *, default):
+  """The step the optimizer's learning-rate schedule is at: ``optax.apply_if_finite`` keeps
+  it (with the whole inner state) on skipped steps, so it can trail the step counter.
+  ``default`` for an optimizer without a schedule."""
+  in_schedule = lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"
+  return optax.tree_utils.tree_get(opt_state, "count", default, filtering=in_schedule)
+
+
 def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
                     tx: optax.GradientTransformation, *, mesh: Mesh, seq_len: int,
                     accum_steps: int = 1, z_loss_weight: float = 0.0,
@@ -207,6 +215,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
     opt_state = current.opt_state
     if offload_optimizer:
       opt_state = jax.device_put(opt_state, device_opt_shardings)
+    schedule_step = _schedule_count(opt_state, default=current.step)
     updates, opt_state = tx.update(grads, opt_state, current.params)
     if offload_optimizer:
       opt_state = jax.device_put(opt_state, shardings.opt_state)
@@ -215,7 +224,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
                "grad_norm": optax.tree.norm(grads), "tokens": sums.count}
     if schedule is not None:
-      metrics["learning_rate"] = jnp.asarray(schedule(current.step), jnp.float32)
+      metrics["learning_rate"] = jnp.asarray(schedule(schedule_step), jnp.float32)
     return TrainState(current.step + 1, params, opt_state), metrics
 
   shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer, rules=rules)

@@ -157,9 +157,9 @@ def remat_reference():
 
 
 @pytest.mark.parametrize("policy", [
-    "offload",
+    "offload", "full_offload",
     *(pytest.param(p, marks=pytest.mark.slow)
-      for p in llama.REMAT_POLICIES if p not in ("none", "offload"))])
+      for p in llama.REMAT_POLICIES if p not in ("none", "offload", "full_offload"))])
 def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
   config, state, batch, (loss, grads) = remat_reference
   model = model_on(config.replace(remat_policy=policy), mesh_of(1, 2), state)
@@ -170,9 +170,15 @@ def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
   capsys.readouterr()
   jax.ad_checkpoint.print_saved_residuals(
       lambda p: nnx.merge(graphdef, p).loss(batch["tokens"], batch["labels"]).mean(), params)
-  on_host = [line for line in capsys.readouterr().out.splitlines() if "<host>" in line]
-  # offload: q, k, v and the attention output of every layer live in pinned host memory.
-  assert len(on_host) == (4 if policy == "offload" else 0), on_host
+  saved = capsys.readouterr().out.splitlines()
+  on_host = [line for line in saved if "<host>" in line]
+  # offload: q, k, v and the attention output of every layer live in pinned host memory;
+  # full_offload: the layers' inputs do.
+  assert len(on_host) == {"offload": 4, "full_offload": 1}.get(policy, 0), on_host
+  if policy in ("full", "full_offload"):  # one residual per layer, its input [L, B, S, E]
+    [layer_inputs] = [line for line in saved
+                      if f"[{config.num_layers},2,16,{config.hidden_dim}]" in line]
+    assert ("<host>" in layer_inputs) == (policy == "full_offload"), saved
 
 
 def test_presets_have_published_parameter_counts():

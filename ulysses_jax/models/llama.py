@@ -25,6 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 
 from ulysses_jax import loss as loss_lib
@@ -38,7 +39,9 @@ from ulysses_jax.rope import RopeScaling
 _ACT_BSE = ("act_batch", "act_seq", "act_embed")
 _ACT_BS = ("act_batch", "act_seq")
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
+                  "full_offload")
+LAYER_INPUT = "layer_input"  # the residual stream entering a layer: what "full" remat keeps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +148,10 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
 
   ``save_names`` keeps the activations tagged ``names`` (``QKV``, ``ATTN_OUT``) on device;
   ``offload`` moves them to ``pinned_host`` memory in the forward pass and back in the
-  backward pass; everything else is recomputed.
+  backward pass; everything else is recomputed. ``full_offload`` recomputes like ``full``
+  but moves each layer's input (``LAYER_INPUT``, ``[B, S/P, E]`` per device, the one thing
+  ``full`` keeps per layer) to ``pinned_host``: no activation memory per layer on the device,
+  L·B·S/P·E in the compute dtype on the host, one transfer each way per layer.
   """
   policies = jax.checkpoint_policies
   table = {
@@ -156,6 +162,9 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
       "save_names": policies.save_only_these_names(*names),
       "offload": policies.save_and_offload_only_these_names(
           names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+          offload_src="device", offload_dst="pinned_host"),
+      "full_offload": policies.save_and_offload_only_these_names(
+          names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
           offload_src="device", offload_dst="pinned_host"),
   }
   if name not in table:
@@ -216,6 +225,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
+    x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
     x_BSE = constrain(x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS))
     return constrain(x_BSE + self.mlp(self.mlp_norm(x_BSE)))
 

@@ -74,7 +74,21 @@ def test_memory_terms_scale_as_documented():
   assert memory(data=1, seq=8, ring=4, remat="save_names")["saved"] > base["saved"]
   assert memory(data=1, seq=8, ring=4, remat="none")["total"] > 80e9
   assert base["state"] == pytest.approx(12 * model.params / 32)
+  assert base["host"] == 0
   assert 8.03e9 < model.params < 8.04e9
+  # Moments on the host: 4 of the 12 bytes per parameter stay, 8 go; the update brings them
+  # back, so the device never needs less than params + grads + moments.
+  host_opt = memory(data=1, seq=8, ring=4, offload_optimizer=True)
+  assert host_opt["state"] == pytest.approx(4 * model.params / 32)
+  assert host_opt["host"] == pytest.approx(8 * model.params / 32)
+  assert host_opt["total"] == pytest.approx(base["total"] - 8 * model.params / 32)
+  one_gpu = plan.predict_memory(model, plan.Layout(1, 1, 1, offload_optimizer=True), batch=1,
+                                seq_len=1024)
+  assert one_gpu["total"] == pytest.approx(16 * model.params)
+  # full_offload: the layer inputs (L x tokens per device x E, bf16) move to the host.
+  full_offload = memory(data=1, seq=8, ring=4, remat="full_offload")
+  assert full_offload["saved"] == 0
+  assert full_offload["host"] == base["saved"] == 32 * 2**15 * 4096 * 2
 
 
 def test_layouts_factorise_the_devices_and_divide_the_batch():
@@ -89,3 +103,8 @@ def test_command_line(capsys):
   assert "recommended: make_mesh(data=1, seq=" in out and best["layout"].ring > 1
   assert plan.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=2"]) is None
   assert "no layout fits" in capsys.readouterr().out
+  # One 80 GB GPU: float32 parameters, gradients and an optimizer temporary alone need 96 GB.
+  assert plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"]) is None
+  best = plan.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
+                    "--mlp-chunk=2048", "--param-dtype=bfloat16"])
+  assert (best["layout"].remat, best["layout"].offload_optimizer) == ("full_offload", True)

@@ -1,23 +1,31 @@
 """Layout planner: which (data, seq, ring, remat, offload) to train a model at a sequence length.
 
     python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
-        [--intra-node=8] [--batch=1] [--dtype=bfloat16]
+        [--intra-node=8] [--host-mem=2048] [--batch=1] [--dtype=bfloat16]
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
-innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``) and every activation
-policy, it predicts per-device memory (``predict_memory``) and the time of one training step
-(``predict_step``), drops the layouts that do not fit, and recommends the fastest.
+innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
+policy and the optimizer state on the device or the host (``offload_optimizer``), it predicts
+per-device memory on the device and on the host (``predict_memory``) and the time of one
+training step (``predict_step``), drops the layouts that do not fit, and recommends the
+fastest.
 
 Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
 the compute / parameter dtype; parameters, gradients and Adam moments FSDP-sharded over all
 N devices):
 
-  state      (p + 2p)·params/N           parameters and Adam moments (the step's arguments)
+  state      (p + 2p)·params/N           parameters and Adam moments (the step's arguments);
+                                         p·params/N with the moments on the host, which
+                                         the step copies to the device for the update: the
+                                         device then needs 4p·params/N at that point
   grads      2p·params/N                 gradients and one optimizer temporary
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
   saved      L·T·c·(E [+ (2Hq + 2Hkv)·D with save_names])   per-layer residuals kept for the
-                                         backward (``offload`` keeps the named ones on the host)
+                                         backward (``offload`` keeps the named ones on the host,
+                                         ``full_offload`` the E term: none left on the device)
+  host       what is offloaded: Adam moments, per-layer residuals; per device, against
+             ``Hardware.host_memory_gb`` shared by the devices of a node
   working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
              + 2·B'·H'·b²·4              two float32 score tiles of the XLA attention (b <= 512)
              + ring buffers              K/V in flight, float32 accumulators (ring > 1)
@@ -39,7 +47,7 @@ import dataclasses
 
 from ulysses_jax.attention.ulysses import plan_heads
 
-REMATS = ("full", "save_names", "offload", "none")
+REMATS = ("full", "full_offload", "save_names", "offload", "none")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GB = 1e9
 _XLA_BLOCK = 512
@@ -89,23 +97,24 @@ class Hardware:
   inter_bw: float = 45e9       # bytes/s per device across nodes
   hbm_bw: float = 3.0e12       # bytes/s
   flops: float = 400e12        # achieved dense bf16 FLOP/s (about 40% of the H100 peak)
+  host_memory_gb: float = 2048.0  # per node (a DGX H100 has 2 TB)
+  pcie_bw: float = 25e9        # bytes/s per device, device <-> pinned host
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """A mesh (``make_mesh(data, seq, ring)``) and ``LlamaConfig.remat_policy``.
+  """A mesh (``make_mesh(data, seq, ring)``), ``LlamaConfig.remat_policy`` and
+  ``make_train_step(offload_optimizer=...)``.
 
   ``remat="offload"`` is ``save_names`` with the named activations (q, k, v, attention
-  output) kept on the host instead of the device.
+  output) kept on the host instead of the device; ``"full_offload"`` is ``full`` with each
+  layer's input kept on the host.
   """
   data: int
   seq: int
   ring: int
   remat: str = "full"
-
-  @property
-  def offload(self):
-    return self.remat == "offload"
+  offload_optimizer: bool = False
 
 
 def _tokens(layout, batch, seq_len):
@@ -126,7 +135,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
   mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
   f_eff = f * mlp_tokens / t
-  saved_per_token = e
+  saved_per_token = 0 if layout.remat == "full_offload" else e
   if layout.remat == "save_names":
     saved_per_token += (2 * model.num_heads + 2 * model.num_kv_heads) * d
   elif layout.remat == "none":
@@ -137,15 +146,29 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   ring = 0
   if layout.ring > 1:  # K, V current and incoming; f32 out, dq, dk, dv accumulators
     ring = t * d * (4 * hkv * c + 2 * hq * 4 + 4 * hkv * 4)
+  moments = 2 * p * model.params / n
   terms = {
-      "state": 3 * p * model.params / n,
+      "state": p * model.params / n + (0 if layout.offload_optimizer else moments),
       "grads": 2 * p * model.params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": model.num_layers * t * saved_per_token * c,
       "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
   }
   terms["total"] = sum(terms.values())
+  if layout.offload_optimizer:  # the update brings the moments back to the device
+    terms["total"] = max(terms["total"], 4 * p * model.params / n)
+  terms["host"] = (moments * layout.offload_optimizer
+                   + model.num_layers * t * c * _offloaded_per_token(model, layout))
   return terms
+
+
+def _offloaded_per_token(model, layout):
+  """Elements per token per layer that the remat policy keeps on the host."""
+  if layout.remat == "full_offload":
+    return model.hidden_dim
+  if layout.remat == "offload":
+    return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+  return 0
 
 
 def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
@@ -170,28 +193,30 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   attn_flops = 2 * l * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
   forward = 2 * model.params * t + attn_flops
   projections = 2 * l * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
-  recompute = {"full": forward, "save_names": forward - projections,
+  recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
   compute = (3 * forward + recompute) / hardware.flops
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
   merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
-  offload = 0.0
-  if layout.offload:  # named activations to the host and back over PCIe (~25 GB/s)
-    offload = max(0.0, 2 * l * t * (2 * model.num_heads + 2 * model.num_kv_heads) * d * c
-                  / 25e9 - compute)
+  # Offloaded activations go to the host and back, overlapped with compute; the moments
+  # go to the device and back around the update, exposed.
+  offload = max(0.0, 2 * l * t * _offloaded_per_token(model, layout) * c / hardware.pcie_bw
+                - compute)
+  moments = 2 * 4 * model.params / n * layout.offload_optimizer
   times = {
       "compute_s": compute + merge,
       "all_to_all_s": a2a / bw(layout.seq),
       "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
       "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
       "offload_exposed_s": offload,
+      "optimizer_transfer_s": 2 * moments / hardware.pcie_bw,
   }
   return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
           "step_s": sum(times.values())}
 
 
-def layouts(devices: int, batch: int, *, remats=REMATS):
+def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False, True)):
   """Every ``Layout`` with data·seq·ring = devices and data dividing the batch."""
   for data in range(1, devices + 1):
     if devices % data or batch % data:
@@ -199,20 +224,24 @@ def layouts(devices: int, batch: int, *, remats=REMATS):
     for seq in range(1, devices // data + 1):
       if (devices // data) % seq == 0:
         for remat in remats:
-          yield Layout(data, seq, devices // data // seq, remat)
+          for opt in offload_optimizer:
+            yield Layout(data, seq, devices // data // seq, remat, opt)
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
-         dtype: str = "bfloat16") -> list[dict]:
+         dtype: str = "bfloat16", param_dtype: str = "float32") -> list[dict]:
   """Feasible layouts, fastest first; each row has ``layout``, ``memory`` and ``step``."""
   if seq_len < 1 or devices < 1 or batch < 1:
     raise ValueError(f"seq_len, devices and batch must be >= 1, got {seq_len}, {devices}, "
                      f"{batch}.")
   budget = hardware.memory_gb * _GB * hardware.usable
+  host_budget = hardware.host_memory_gb * _GB * hardware.usable / min(devices,
+                                                                      hardware.intra_node)
   rows = []
   for layout in layouts(devices, batch):
-    memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, dtype=dtype)
-    if memory["total"] <= budget:
+    memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, dtype=dtype,
+                            param_dtype=param_dtype)
+    if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
                           dtype=dtype)
       rows.append({"layout": layout, "memory": memory, "step": step})
@@ -220,15 +249,17 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
 
 
 def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>10} {'mem GB':>7} {'a2a GB':>7} "
-            f"{'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} {'step s':>8} {'tok/s':>9}")
+  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'opt':>6} {'mem GB':>7} "
+            f"{'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} "
+            f"{'step s':>8} {'tok/s':>9}")
   lines = [header]
   for r in rows:
     lay, mem, step = r["layout"], r["memory"], r["step"]
     comm = step["step_s"] - step["compute_s"]
     lines.append(
-        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>10} {mem['total'] / _GB:>7.1f} "
-        f"{step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
+        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} "
+        f"{'host' if lay.offload_optimizer else 'device':>6} {mem['total'] / _GB:>7.1f} "
+        f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
         f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
         f"{batch * seq_len / step['step_s']:>9.0f}")
   return "\n".join(lines)
@@ -242,26 +273,33 @@ def main(argv=None):
   parser.add_argument("--devices", type=int, required=True)
   parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB per device")
   parser.add_argument("--intra-node", type=int, default=8, help="devices per node")
+  parser.add_argument("--host-mem", type=float, default=Hardware.host_memory_gb,
+                      help="host GB per node")
   parser.add_argument("--batch", type=int, default=1, help="sequences per step")
   parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
+  parser.add_argument("--param-dtype", default="float32", choices=sorted(_DTYPE_BYTES),
+                      help="LlamaConfig.param_dtype (parameters, gradients, Adam moments)")
   parser.add_argument("--mlp-chunk", type=int, default=None, help="tokens per MLP tile")
   parser.add_argument("--top", type=int, default=12, help="rows to print")
   args = parser.parse_args(argv)
   overrides = {} if args.mlp_chunk is None else {"mlp_chunk": args.mlp_chunk}
   model = Model.from_config(llama.preset(args.model, **overrides))
-  hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node)
+  hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node,
+                      host_memory_gb=args.host_mem)
   rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
-              batch=args.batch, dtype=args.dtype)
+              batch=args.batch, dtype=args.dtype, param_dtype=args.param_dtype)
   print(f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x {args.seq_len} "
         f"tokens on {args.devices} devices of {args.gpu_mem:g} GB "
-        f"({hardware.usable:.0%} usable), {args.intra_node} per node")
+        f"({hardware.usable:.0%} usable), {args.intra_node} per node with {args.host_mem:g} GB "
+        f"of host memory")
   if not rows:
     print("no layout fits: add devices, lower --seq-len, or tile the MLP (--mlp-chunk).")
     return None
   print(_format(rows[:args.top], args.batch, args.seq_len))
   best = rows[0]["layout"]
   print(f"recommended: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}), "
-        f"remat_policy={best.remat!r}; {len(rows)} feasible layouts")
+        f"remat_policy={best.remat!r}, offload_optimizer={best.offload_optimizer}; {len(rows)} "
+        f"feasible layouts")
   return rows[0]
 
 

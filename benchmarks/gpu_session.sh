@@ -11,7 +11,11 @@
 #   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
 #   step-1b       llama3.2-1b training step at 64K tokens (MFU), Triton and cuDNN attention
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
-#   memory-8b     the same for llama3.1-8b (offload configurations; the 500K / 1M-token targets)
+#   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets); float32 parameters
+#                 (by ulysses_jax.plan nothing fits one 80 GB GPU), then bfloat16 parameters
+#                 The memory stages search by the GPU compiler's memory analysis against the
+#                 allocator's limit (one real step at 500K tokens of an 8B model takes longer
+#                 than a command may run) and time real steps up to --time-max-tokens.
 #   peers         ulysses_jax vs transformers + PyTorch, llama3.2-1b, with --find-max
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
@@ -44,12 +48,18 @@ case $stage in
     done ;;
   memory-1b)
     run max_seqlen_1b python3 -m benchmarks.max_seqlen --preset llama3.2-1b \
-      --configs none,full,full+opt,offload+opt+mlp2048 --json "$out/max_seqlen_1b.json" \
-      --plot "$out/max_seqlen_1b.png" ;;
+      --criterion compiled --granularity 16384 --time-max-tokens 131072 \
+      --configs none,full,full+opt,offload+opt+mlp2048,full_offload+opt+mlp2048 \
+      --json "$out/max_seqlen_1b.json" --plot "$out/max_seqlen_1b.png" ;;
   memory-8b)
     run max_seqlen_8b python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
-      --configs full+opt,offload+opt+mlp2048 --max-len 2097152 --json "$out/max_seqlen_8b.json" \
-      --plot "$out/max_seqlen_8b.png" ;;
+      --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
+      --configs full+opt,full_offload+opt+mlp2048 \
+      --json "$out/max_seqlen_8b.json" --plot "$out/max_seqlen_8b.png"
+    run max_seqlen_8b_bf16 python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
+      --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
+      --param-dtype bfloat16 --configs full_offload+opt+mlp2048 \
+      --json "$out/max_seqlen_8b_bf16.json" --plot "$out/max_seqlen_8b_bf16.png" ;;
   peers)
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \

@@ -11,18 +11,23 @@ A memory configuration is ``POLICY[+opt][+mlpN]``: the per-layer remat policy (o
 
 The search doubles S from ``--granularity`` (rounded up to a multiple of the seq axis) while
 the step fits, then bisects between the last fit and the first failure down to one
-granularity step. "Fits" means:
+granularity step. "Fits" means (``--criterion``):
 
-* GPU: one real step (forward, backward, AdamW) runs without XLA's RESOURCE_EXHAUSTED. Each
-  try runs in a fresh child process, so a failed try leaves nothing behind and the
-  allocator's ``peak_bytes_in_use`` (``device.memory_stats()``) is that step's alone.
-* CPU (and other backends): the compiled step's per-device memory ``argument + output +
-  temp - alias`` bytes (``compiled.memory_analysis()``; optimizer state in host memory not
-  counted when the compiler does not report it apart) is at most ``--budget-gib``. The step
-  is compiled on abstract inputs (``ShapeDtypeStruct``), so nothing is allocated.
+* ``run`` (the default on GPU): one real step (forward, backward, AdamW) runs without XLA's
+  RESOURCE_EXHAUSTED. Each try runs in a fresh child process, so a failed try leaves nothing
+  behind and the allocator's ``peak_bytes_in_use`` (``device.memory_stats()``) is that
+  step's alone.
+* ``compiled`` (the default elsewhere): the compiled step's per-device memory ``argument +
+  output + temp - alias`` bytes (``compiled.memory_analysis()``; optimizer state in host
+  memory not counted when the compiler does not report it apart) is at most
+  ``--budget-gib`` (on GPU by default the allocator's limit). The step is compiled on
+  abstract inputs (``ShapeDtypeStruct``), so nothing is allocated or run: on GPU, the way
+  to search lengths whose one step takes longer than a benchmark can wait (an 8B model at
+  500K tokens).
 
-At the S found, a few timed steps give step time, tokens/s and MFU (on CPU only when S is at
-most ``--time-max-tokens``). MFU formula: see ``benchmarks.train_step``.
+At the S found, a few timed steps give step time, tokens/s and MFU, when S is at most
+``--time-max-tokens`` (default: any on GPU, 4096 elsewhere). MFU formula: see
+``benchmarks.train_step``.
 """
 
 import argparse
@@ -77,17 +82,19 @@ def parse_config(spec: str) -> MemoryConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """What every try shares: model preset, dtype, mesh shape and batch size."""
+  """What every try shares: model preset, dtypes, mesh shape and batch size."""
   preset: str
   dtype: str
   data: int
   seq: int
   batch: int
   loss_chunk: int = 1024
+  param_dtype: str = "float32"
 
   def model_config(self, memory: MemoryConfig) -> llama.LlamaConfig:
-    return llama.preset(self.preset, dtype=self.dtype, remat_policy=memory.remat,
-                        mlp_chunk=memory.mlp_chunk, loss_chunk=self.loss_chunk)
+    return llama.preset(self.preset, dtype=self.dtype, param_dtype=self.param_dtype,
+                        remat_policy=memory.remat, mlp_chunk=memory.mlp_chunk,
+                        loss_chunk=self.loss_chunk)
 
 
 def search(fits, granularity: int, max_len: int) -> tuple[int, int]:
@@ -205,11 +212,11 @@ def run_in_child(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -
 
 
 def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: int,
-            budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
+            criterion: str, budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
             peak_flops: float) -> dict:
   """Searches the longest fitting S for one memory configuration and times a step there."""
   step = math.lcm(granularity, setup.seq)
-  if on_gpu:
+  if criterion == "run":
     fits = lambda s: run_in_child(setup, memory, s, 1)["fits"]  # noqa: E731
   else:
     fits = lambda s: compiled_bytes(setup, memory, s) <= budget_gib * GIB  # noqa: E731
@@ -220,7 +227,7 @@ def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: in
   if not best:
     return row
   row["est_GiB"] = compiled_bytes(setup, memory, best) / GIB
-  if on_gpu or best <= time_max_tokens:
+  if best <= time_max_tokens:
     timed = (run_in_child if on_gpu else run_steps)(setup, memory, best, steps)
     if timed["fits"]:
       tokens_per_s = setup.batch * best / timed["step_s"]
@@ -256,29 +263,40 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--seq", type=int, default=-1, help="seq axis (default: devices/data)")
   parser.add_argument("--batch", type=int, default=0, help="global batch (default: data axis)")
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
+  parser.add_argument("--param-dtype", default="float32",
+                      help="parameters, gradients and Adam moments (bfloat16: no float32 copy)")
   parser.add_argument("--loss-chunk", type=int, default=1024)
   parser.add_argument("--granularity", type=int, default=1024 if on_gpu else 128)
   parser.add_argument("--max-len", type=int, default=2**20)
-  parser.add_argument("--budget-gib", type=float, default=1.0,
-                      help="per-device budget of the compiled-analysis criterion (not GPU)")
+  parser.add_argument("--criterion", choices=("run", "compiled"),
+                      default="run" if on_gpu else "compiled")
+  parser.add_argument("--budget-gib", type=float, default=None,
+                      help="per-device budget of the compiled criterion (default: the GPU "
+                           "allocator's limit, 1 GiB elsewhere)")
   parser.add_argument("--steps", type=int, default=3)
-  parser.add_argument("--time-max-tokens", type=int, default=4096,
-                      help="off GPU, time the step only up to this S")
+  parser.add_argument("--time-max-tokens", type=int, default=2**62 if on_gpu else 4096,
+                      help="time the step only up to this S")
   parser.add_argument("--json", default="")
   parser.add_argument("--plot", default="", help="PNG path")
   args = parser.parse_args(argv)
 
+  if args.criterion == "run" and not on_gpu:
+    parser.error("--criterion run needs a GPU (off GPU nothing reports running out of memory).")
+  if args.budget_gib is None:
+    args.budget_gib = jax.devices()[0].memory_stats()["bytes_limit"] / GIB if on_gpu else 1.0
   seq_axis = jax.device_count() // args.data if args.seq == -1 else args.seq
   setup = Setup(args.preset, args.dtype, args.data, seq_axis, args.batch or args.data,
-                args.loss_chunk)
+                args.loss_chunk, args.param_dtype)
   peak_flops = metrics.measure_peak_flops(args.dtype)
   rows = [measure(setup, parse_config(spec), granularity=args.granularity,
-                  max_len=args.max_len, budget_gib=args.budget_gib, steps=args.steps,
+                  max_len=args.max_len, criterion=args.criterion,
+                  budget_gib=args.budget_gib, steps=args.steps,
                   time_max_tokens=args.time_max_tokens, on_gpu=on_gpu, peak_flops=peak_flops)
           for spec in args.configs.split(",")]
-  criterion = ("a real step without RESOURCE_EXHAUSTED" if on_gpu else
-               f"compiled memory analysis <= {args.budget_gib} GiB per device")
-  print(f"{args.preset}, mesh {args.data}x{seq_axis}, batch {setup.batch}, {args.dtype}; "
+  criterion = ("a real step without RESOURCE_EXHAUSTED" if args.criterion == "run" else
+               f"compiled memory analysis <= {args.budget_gib:.3g} GiB per device")
+  print(f"{args.preset}, mesh {args.data}x{seq_axis}, batch {setup.batch}, {args.dtype} "
+        f"compute, {args.param_dtype} parameters; "
         f"fits = {criterion}")
   print("est = compiled args + out + temp - alias per device; peak = allocator peak (GPU)")
   print(FORMULA)

@@ -172,9 +172,10 @@ def _offloaded_per_token(model, layout):
 
 
 def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
-                 hardware: Hardware, dtype: str = "bfloat16") -> dict:
+                 hardware: Hardware, dtype: str = "bfloat16",
+                 param_dtype: str = "float32") -> dict:
   """Per-device communication bytes and predicted seconds of one training step."""
-  c = _DTYPE_BYTES[dtype]
+  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
   n = layout.data * layout.seq * layout.ring
   _, _, t = _tokens(layout, batch, seq_len)
   heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
@@ -189,7 +190,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   ring = 0
   if layout.ring > 1:  # K/V rotate in each pass; float32 dK/dV travel home in the backward
     ring = l * (passes * 2 * (layout.ring - 1) * kv_block * c + 2 * layout.ring * kv_block * 4)
-  fsdp = (2 * c + 4) * model.params * (n - 1) / n  # gather twice (c), reduce-scatter (fp32)
+  fsdp = (2 * c + p) * model.params * (n - 1) / n  # gather twice (c), reduce-scatter (p)
   attn_flops = 2 * l * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
   forward = 2 * model.params * t + attn_flops
   projections = 2 * l * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
@@ -203,7 +204,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   # go to the device and back around the update, exposed.
   offload = max(0.0, 2 * l * t * _offloaded_per_token(model, layout) * c / hardware.pcie_bw
                 - compute)
-  moments = 2 * 4 * model.params / n * layout.offload_optimizer
+  moments = 2 * p * model.params / n * layout.offload_optimizer
   times = {
       "compute_s": compute + merge,
       "all_to_all_s": a2a / bw(layout.seq),
@@ -243,7 +244,7 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
                             param_dtype=param_dtype)
     if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
-                          dtype=dtype)
+                          dtype=dtype, param_dtype=param_dtype)
       rows.append({"layout": layout, "memory": memory, "step": step})
   return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
 

@@ -37,7 +37,7 @@ def test_parse_config():
     max_seqlen.parse_config("most")
 
 
-def test_max_seqlen_respects_budget_and_remat_offload_fit_more():
+def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
   setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
   budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("none"), GRANULARITY)
   rows = max_seqlen.main(["--preset", "tiny", "--configs", "none,full+opt",
@@ -51,6 +51,9 @@ def test_max_seqlen_respects_budget_and_remat_offload_fit_more():
                                    2 * GRANULARITY) > budget
   assert offloaded["max_tokens"] > none["max_tokens"]
   assert offloaded["est_GiB"] * max_seqlen.GIB <= budget
+  with pytest.raises(SystemExit):
+    max_seqlen.main(["--preset", "tiny", "--criterion", "run"])
+  assert "--criterion run needs a GPU" in capsys.readouterr().err
 
 
 def test_same_first_loss_as_transformers():

@@ -45,8 +45,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.attention import backends, chunked
-from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
+from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.mesh import DATA, sequence_axes
 
 LAYOUTS = ("natural", "zigzag")

@@ -6,7 +6,8 @@
 # Usage, from the repository root on the GPU machine:
 #   benchmarks/gpu_session.sh STAGE [OUT_DIR]        (OUT_DIR defaults to benchmarks/results/gpu)
 # Stages:
-#   kernels       GPU tests of the Pallas kernels (Triton, and the Mosaic Hopper forward), then
+#   kernels       GPU tests (the Pallas kernels: Triton and the Mosaic Hopper forward; the
+#                 offloading remat policies), then
 #                 the kernel table at D=128, S=4K and 16K, all implementations incl. ours_mosaic
 #   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
 #   step-1b       llama3.2-1b training step at 64K tokens (MFU), Triton and cuDNN attention
@@ -33,7 +34,8 @@ run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
 
 case $stage in
   kernels)
-    run gpu_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_flash_attention.py -q -m gpu
+    run gpu_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_flash_attention.py \
+      tests/test_llama.py -q -m gpu
     run kernels_d128 python3 -m benchmarks.attention_kernels --head-dims 128 \
       --seq-lens 4096,16384 --json "$out/attention_kernels_d128.json" ;;
   kernels-more)

@@ -181,6 +181,25 @@ def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
     assert ("<host>" in layer_inputs) == (policy == "full_offload"), saved
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["offload", "full_offload"])
+def test_offload_policies_use_host_memory_on_gpu(policy):
+  """Compiled for the GPU, the offloading policies put buffers in host memory space (S(5))
+  and give the gradients of the step without remat."""
+  config = preset("tiny-gqa", remat_policy="none")
+  state, mesh = initial_state(config), mesh_of(1, 1)
+  batch = packed_batch(2, 2, 16, config.vocab_size)
+  loss, grads = loss_and_grads(model_on(config, mesh, state), batch)
+  model = model_on(config.replace(remat_policy=policy), mesh, state)
+  offload_loss, offload_grads = loss_and_grads(model, batch)
+  assert relative_error(offload_loss, loss) < 1e-6
+  assert_trees_close(offload_grads, grads)
+  graphdef, params = nnx.split(model)
+  gradient = jax.jit(jax.grad(
+      lambda p: nnx.merge(graphdef, p).loss(batch["tokens"], batch["labels"]).mean()))
+  assert "S(5)" in gradient.lower(params).compile().as_text()
+
+
 def test_presets_have_published_parameter_counts():
   # Hugging Face model cards / safetensors totals.
   assert llama.count_params(preset("llama3.2-1b")) == 1_235_814_400

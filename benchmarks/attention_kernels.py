@@ -11,8 +11,9 @@ Run on a GPU (one H100/H200 run of the default grid takes a few minutes):
   python -m benchmarks.attention_kernels [--seq-lens 4096,16384,65536] [--head-dims 64,128]
       [--impls ours,ours_mosaic,cudnn,pallas_triton,pallas_mgpu,xla,xla_chunked] [--sweep]
       [--json PATH]
-"ours" is our flash attention with the Triton-lowered forward, "ours_mosaic" the same with the
-Hopper forward of ``ulysses_jax.kernels.flash_hopper``; both use the Triton backward.
+"ours" is our flash attention with the Triton-lowered kernels, "ours_mosaic" the same with the
+Hopper kernels of ``ulysses_jax.kernels.flash_hopper`` (forward) and ``flash_hopper_backward``
+(dq, dk/dv; head dims 64 and 128). A row's bwd column is the backward kernel's.
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
@@ -40,15 +41,15 @@ def implementations(causal, head_dim, *, interpret, sweep):
   """name -> factory; a factory returns ``fn(q, k, v) -> out`` or raises (the skip reason)."""
   scale = head_dim ** -0.5
 
-  def ours(block_q=None, block_kv=None, forward_kernel="triton"):
+  def ours(block_q=None, block_kv=None, kernel="triton"):
     return functools.partial(flash_attention, causal=causal, block_q=block_q,
-                             block_kv=block_kv, interpret=interpret,
-                             forward_kernel=forward_kernel)
+                             block_kv=block_kv, interpret=interpret, forward_kernel=kernel,
+                             backward_kernel=kernel)
 
   def ours_mosaic():
-    if interpret:  # GPU interpret mode runs it in the tests; far too slow for a benchmark
-      raise RuntimeError("the Mosaic GPU forward needs a Hopper GPU")
-    return ours(forward_kernel="mosaic")
+    if interpret:  # GPU interpret mode runs them in the tests; far too slow for a benchmark
+      raise RuntimeError("the Mosaic GPU kernels need a Hopper GPU")
+    return ours(kernel="mosaic")
 
   def cudnn():
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,

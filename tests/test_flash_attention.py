@@ -8,10 +8,11 @@ most lengths are not a multiple of the block size.
 Tolerances: relative L2 error (``attention_cases``) below 1e-5 for float32 and 2e-2 for
 bfloat16 / float16 inputs; lse below 1e-5 absolute-or-relative for float32.
 
-The Hopper forward (``forward_kernel="mosaic"``) runs in Pallas' GPU interpret mode, which
-simulates the three warpgroups, the slot barriers and the TMA copies (its buffers also start as
-NaN); it needs several host devices (conftest sets 8): with one, its simulated warpgroups block
-XLA's few CPU threads and a run can hang. Its wgmma forms are checked by lowering for CUDA.
+The Hopper kernels (``forward_kernel="mosaic"``, ``backward_kernel="mosaic"``) run in Pallas'
+GPU interpret mode, which simulates the three warpgroups, the slot barriers and the TMA copies
+(its buffers also start as NaN); it needs several host devices (conftest sets 8): with one, its
+simulated warpgroups block XLA's few CPU threads and a run can hang. Their wgmma forms are
+checked by lowering for CUDA.
 """
 
 import jax
@@ -25,7 +26,7 @@ from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_o
                              random_inputs, relative_error)
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
 from ulysses_jax.kernels.flash_attention import flash_attention, make_plan
 
 
@@ -215,10 +216,19 @@ def test_block_plan_per_head_dim_and_generation():
     (dict(block_q=48), r"block_q must be a power of two >= 16, got 48"),
     (dict(block_kv=8), r"block_kv must be a power of two >= 16, got 8"),
     (dict(forward_kernel="cutlass"), r"forward_kernel must be one of \('triton', 'mosaic'\)"),
+    (dict(backward_kernel="cuda"), r"backward_kernel must be one of \('triton', 'mosaic'\)"),
     (dict(forward_kernel="mosaic"), r"'mosaic' needs bfloat16 or float16 inputs .* float32"),
     (dict(q=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
           v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), forward_kernel="mosaic", block_q=64),
      r"'mosaic' needs block_q a multiple of 128 and block_kv a multiple of 64, got 64"),
+    (dict(q=jnp.zeros((1, 8, 2, 256), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 256), jnp.bfloat16),
+          v=jnp.zeros((1, 8, 2, 256), jnp.bfloat16), backward_kernel="mosaic"),
+     r"backward_kernel='mosaic' needs .* head dim in \(64, 128\), got bfloat16 and 256; use "
+     r"backward_kernel='triton'"),
+    (dict(q=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+          v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), backward_kernel="mosaic", block_kv=64),
+     r"backward_kernel='mosaic' needs block_q a multiple of 128 and block_kv a multiple of 128, "
+     r"got None and 64"),
 ])
 def test_invalid_inputs_raise_clear_errors(change, message):
   args = dict(q=jnp.zeros((1, 8, 2, 64)), k=jnp.zeros((1, 8, 2, 64)), v=jnp.zeros((1, 8, 2, 64)))
@@ -227,62 +237,88 @@ def test_invalid_inputs_raise_clear_errors(change, message):
     flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
-# The Hopper forward: S = 300 spans three 128-row tiles (the last mostly padding) and three key
-# blocks; segments cross tiles; the backward that consumes its lse is the Triton one.
+# The Hopper kernels: S = 200 spans two 128-row tiles (the last partly padding) and more key
+# and query blocks of 64 than pipeline slots; segments cross tiles.
+# CI runs the causal cases; the full mask meets the Mosaic backward in the test after this one.
 @pytest.mark.parametrize("causal,heads,head_dim,segments", [
-    (True, (2, 1), 64, True), (False, (2, 1), 64, True), (True, (2, 2), 128, False)],
-    ids=["causal-gqa-packed", "full-gqa-packed", "causal-d128"])
-def test_mosaic_forward_matches_reference(causal, heads, head_dim, segments):
-  q, k, v, d_out, segment_ids = random_inputs(9, 1, 300, *heads, head_dim,
+    pytest.param(True, (2, 1), 64, True, id="causal-gqa-packed"),
+    pytest.param(False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(True, (2, 2), 128, False, id="causal-d128")])
+def test_mosaic_kernels_match_reference(causal, heads, head_dim, segments):
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, 200, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   _check_against_reference(q, k, v, d_out, causal=causal,
                            segment_ids=segment_ids if segments else None, tol=BF16_TOL,
-                           forward_kernel="mosaic")
+                           forward_kernel="mosaic", backward_kernel="mosaic")
 
 
-def test_mosaic_forward_rows_with_no_visible_key_give_zero():
+# Rows that see no key (lse -inf) through either backward after the Mosaic forward.
+@pytest.mark.parametrize("backward_kernel", [pytest.param("triton", marks=pytest.mark.slow),
+                                             "mosaic"])
+def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
   q, k, v, d_out, _ = random_inputs(3, 1, 200, 2, 1, 64, dtype=jnp.bfloat16)
   q_ids = jnp.array([[0] * 50 + [1] * 100 + [2] * 50], jnp.int32)
   kv_ids = jnp.array([[0] * 50 + [3] * 100 + [2] * 50], jnp.int32)
-  out, lse, *_ = _check_against_reference(q, k, v, d_out, causal=False, segment_ids=q_ids,
-                                          kv_segment_ids=kv_ids, tol=BF16_TOL,
-                                          forward_kernel="mosaic")
+  out, lse, dq, _, _ = _check_against_reference(
+      q, k, v, d_out, causal=False, segment_ids=q_ids, kv_segment_ids=kv_ids, tol=BF16_TOL,
+      forward_kernel="mosaic", backward_kernel=backward_kernel)
   assert np.all(np.asarray(out[:, 50:150], np.float32) == 0.0)
   assert np.all(np.isneginf(np.asarray(lse[:, :, 50:150])))
+  assert np.all(np.asarray(dq[:, 50:150], np.float32) == 0.0)
 
 
 @pytest.mark.parametrize("head_dim,causal,segments", [
     (64, True, True), (128, True, False), (128, False, True), (256, False, False)])
-def test_mosaic_forward_lowers_for_hopper(head_dim, causal, segments):
-  """The hardware path (wgmma from registers, register layouts) through Mosaic GPU's lowering,
-  which rejects layouts it cannot realise; compiling and running it needs an H100/H200."""
-  plan = make_plan(1000, head_dim, causal=causal, scale=head_dim ** -0.5, interpret=False,
-                   generation="sm90", forward_kernel="mosaic")
-  q = jax.ShapeDtypeStruct((2, plan.padded_len, 4, head_dim), jnp.bfloat16)
-  kv = jax.ShapeDtypeStruct((2, plan.padded_len, 2, head_dim), jnp.bfloat16)
-  ids = jax.ShapeDtypeStruct((2, plan.padded_len), jnp.int32) if segments else None
-  forward = jax.jit(lambda *args: flash_hopper.forward(plan, *args))
-  lowered = forward.trace(q, kv, kv, ids, ids).lower(lowering_platforms=("cuda",))
-  assert "mosaic_gpu" in lowered.as_text()
+def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):
+  """The hardware path (wgmma from registers, register layouts) of the forward and (head dims
+  64, 128) both backward kernels through Mosaic GPU's lowering, which rejects layouts it cannot
+  realise; compiling and running it needs an H100/H200."""
+  backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+  q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if segments else None
+
+  def loss(q, k, v, ids):
+    out = flash_attention(q, k, v, causal=causal, segment_ids=ids, interpret=False,
+                          forward_kernel="mosaic", backward_kernel=backward)
+    return out.astype(jnp.float32).sum()
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
+      lowering_platforms=("cuda",))
+  kernels = lowered.as_text().count("mosaic_gpu")
+  assert kernels >= (3 if backward == "mosaic" else 1), kernels
 
 
 def test_mosaic_plan():
   plan = make_plan(16384, 128, causal=True, scale=1.0, generation="sm90",
-                   forward_kernel="mosaic")
+                   forward_kernel="mosaic", backward_kernel="mosaic")
   assert (plan.forward.block_q, plan.forward.block_kv, plan.forward.num_stages) == (128, 128, 2)
-  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic")
+  assert (plan.dq.block_q, plan.dq.block_kv, plan.dkv.block_q, plan.dkv.block_kv) == (
+      128, 64, 64, 128)
+  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic",
+                    backward_kernel="mosaic")
   assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (128, 64, 128)
+  assert (short.dq.block_q, short.dq.block_kv, short.dkv.block_q, short.dkv.block_kv) == (
+      128, 64, 64, 128)
+
+
+# (forward, backward) kernels on the GPU; the Mosaic ones need Hopper, the Mosaic backward head
+# dims 64 or 128.
+GPU_KERNELS = [("triton", "triton"), ("mosaic", "triton"), ("mosaic", "mosaic")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("forward_kernel", ["triton", "mosaic"])
+@pytest.mark.parametrize("kernels", GPU_KERNELS, ids=["+".join(k) for k in GPU_KERNELS])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_compiled_gpu_kernels_match_reference(forward_kernel, head_dim, causal):
-  """The kernels compiled for the GPU (the Mosaic forward needs Hopper), default blocks, ragged
-  length, GQA, with and without segments."""
+def test_compiled_gpu_kernels_match_reference(kernels, head_dim, causal):
+  """The kernels compiled for the GPU, default blocks, ragged length, GQA, with and without
+  segments."""
+  forward_kernel, backward_kernel = kernels
+  if backward_kernel == "mosaic" and head_dim not in flash_hopper_backward.HEAD_DIMS:
+    pytest.skip(f"the Mosaic backward takes head dims {flash_hopper_backward.HEAD_DIMS}")
   q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   for ids in (None, segment_ids):
     _check_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
-                             interpret=False, forward_kernel=forward_kernel)
+                             interpret=False, forward_kernel=forward_kernel,
+                             backward_kernel=backward_kernel)

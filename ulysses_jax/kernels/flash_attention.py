@@ -9,10 +9,11 @@ share it, so GQA/MQA never repeats K/V in memory and needs no atomics).
 On GPU the kernels go through the Pallas Triton lowering (one code path for Ampere and Hopper;
 Triton picks the tensor-core instructions of the generation); block sizes, warps and pipeline
 stages come from a table per head dim and GPU generation (``make_plan``). On Hopper the forward
-can instead run ``flash_hopper`` (Pallas Mosaic GPU: TMA, wgmma, a copy warpgroup feeding two
-compute warpgroups) with ``forward_kernel="mosaic"``; the backward is the Triton one either way.
-Elsewhere the same kernels run in Pallas interpret mode (slow; for tests), the Mosaic one in
-Pallas' GPU interpret mode.
+and the backward can instead run Pallas Mosaic GPU kernels (TMA, wgmma, a copy warpgroup
+feeding two compute warpgroups): ``forward_kernel="mosaic"`` (``flash_hopper``) and
+``backward_kernel="mosaic"`` (``flash_hopper_backward``), in any combination. Elsewhere the
+same kernels run in Pallas interpret mode (slow; for tests), the Mosaic ones in Pallas' GPU
+interpret mode.
 
 Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
@@ -26,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from ulysses_jax.kernels import flash_hopper, flash_kernels
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
 from ulysses_jax.kernels.flash_kernels import LOG2E, Plan, Tile
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -51,13 +52,20 @@ _TILES = {
 # The Mosaic forward per head dim: (CTA query rows, keys per slot, warps = 3 warpgroups, slots).
 # Shared memory: rows*D + 2*slots*block_kv*D 16-bit elements, at most 192 KiB (D = 256).
 _MOSAIC_TILES = {64: (128, 128, 12, 3), 128: (128, 128, 12, 2), 256: (128, 64, 12, 2)}
+# The Mosaic dq and dk/dv kernels: dq (CTA query rows, keys per slot, 12, slots), dk/dv (queries
+# per slot, CTA keys, 12, slots). Shared memory at D = 128: 2 x 128 owned rows x D + 2 x slots x
+# 64 x D 16-bit elements, 128 KiB. Registers bound the slot width (dk and dv accumulators of 64
+# keys x D float32, plus two 64 x 64 float32 tiles per warpgroup).
+_MOSAIC_BACKWARD_TILES = {64: ((128, 64, 12, 3), (64, 128, 12, 3)),
+                          128: ((128, 64, 12, 2), (64, 128, 12, 2))}
 _MOSAIC_MIN_ROWS = flash_hopper.COMPUTE_WARPGROUPS * flash_hopper.WGMMA_ROWS
-FORWARD_KERNELS = ("triton", "mosaic")
+KERNELS = ("triton", "mosaic")
 
 
 def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
                     kv_segment_ids=None, scale=None, block_q=None, block_kv=None,
-                    interpret=None, return_lse=False, forward_kernel="triton"):
+                    interpret=None, return_lse=False, forward_kernel="triton",
+                    backward_kernel="triton"):
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
   Args:
@@ -76,13 +84,17 @@ def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
     forward_kernel: ``"triton"``, or ``"mosaic"`` for the Hopper kernel of ``flash_hopper``
       (bfloat16 / float16, head dims 64 / 128 / 256; ``block_q`` a multiple of 128 and
       ``block_kv`` of 64 when given).
+    backward_kernel: ``"triton"``, or ``"mosaic"`` for the Hopper kernels of
+      ``flash_hopper_backward`` (bfloat16 / float16, head dims 64 / 128; ``block_q`` and
+      ``block_kv`` multiples of 128 when given).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
-  _validate_forward_kernel(forward_kernel, q_BSHD, block_q, block_kv)
-  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel)
+  _validate_kernels(forward_kernel, backward_kernel, q_BSHD, block_q, block_kv)
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel,
+                   backward_kernel)
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   out, lse = _flash(plan, *(_pad(plan, x) for x in (q_BSHD, k_BSKD, v_BSKD)), q_seg, kv_seg)
   s = plan.seq_len
@@ -99,10 +111,11 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
   float32 and the output cotangent ``d_out_BSHD``. With the output and lse of a larger
   attention over more keys (ring attention passes the global ones), ``exp(scores - lse)`` are
   the true probabilities of these keys, so summing the results over key blocks gives the
-  exact gradient. Returns float32 ``dq`` ``[B, S, Hq, D]`` and ``dk``, ``dv`` ``[B, S, Hkv, D]``.
+  exact gradient. Returns float32 ``dq`` ``[B, S, Hq, D]`` and ``dk``, ``dv`` ``[B, S, Hkv, D]``
+  (from the Triton kernels: the Mosaic ones write only the inputs' dtype).
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
-  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton")
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton", "triton")
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   pad = functools.partial(_pad, plan)
   lse = jnp.pad(lse_BHS, [(0, 0), (0, 0), (0, plan.padded_len - plan.seq_len)])
@@ -111,13 +124,14 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
   return tuple(g[:, :plan.seq_len] for g in grads)
 
 
-def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel):
+def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, backward_kernel):
   d = q.shape[3]
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   return make_plan(q.shape[1], d, causal=causal,
                    scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
-                   block_kv=block_kv, interpret=bool(interpret), forward_kernel=forward_kernel)
+                   block_kv=block_kv, interpret=bool(interpret), forward_kernel=forward_kernel,
+                   backward_kernel=backward_kernel)
 
 
 def _pad(plan, x_BS):
@@ -135,7 +149,8 @@ def _padded_segment_ids(plan, segment_ids, kv_segment_ids):
 
 
 def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
-              interpret=False, generation=None, forward_kernel="triton"):
+              interpret=False, generation=None, forward_kernel="triton",
+              backward_kernel="triton"):
   """Block sizes and launch parameters of the three kernels for one problem shape.
 
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default it is read from
@@ -146,18 +161,24 @@ def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
   table = list(_TILES[generation][max(64, head_dim)])
   if forward_kernel == "mosaic":
     table[0] = _MOSAIC_TILES[head_dim]
+  if backward_kernel == "mosaic":
+    table[1:] = _MOSAIC_BACKWARD_TILES[head_dim]
   # Blocks never exceed the (power-of-two rounded) sequence, so short sequences pad little.
   cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
   tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
            for bq, bk, warps, stages in table]
-  if forward_kernel == "mosaic":  # wgmma: at least 64 rows per compute warpgroup, 64 keys
-    tiles[0] = dataclasses.replace(tiles[0], block_q=max(tiles[0].block_q, _MOSAIC_MIN_ROWS),
-                                   block_kv=max(tiles[0].block_kv, 64))
+  # Mosaic kernels: at least 64 rows per compute warpgroup, 64 rows per streamed block.
+  at_least = lambda tile, block_q, block_kv: dataclasses.replace(
+      tile, block_q=max(tile.block_q, block_q), block_kv=max(tile.block_kv, block_kv))
+  if forward_kernel == "mosaic":
+    tiles[0] = at_least(tiles[0], _MOSAIC_MIN_ROWS, 64)
+  if backward_kernel == "mosaic":
+    tiles[1:] = at_least(tiles[1], _MOSAIC_MIN_ROWS, 64), at_least(tiles[2], 64, _MOSAIC_MIN_ROWS)
   largest = max(max(t.block_q, t.block_kv) for t in tiles)
   padded_len = -(-seq_len // largest) * largest
   return Plan(causal=bool(causal), scale=float(scale), seq_len=seq_len, padded_len=padded_len,
               interpret=interpret, forward=tiles[0], dq=tiles[1], dkv=tiles[2],
-              forward_kernel=forward_kernel)
+              forward_kernel=forward_kernel, backward_kernel=backward_kernel)
 
 
 def _gpu_generation():
@@ -202,22 +223,25 @@ def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
                        f"{block}; try 64 or 128, or None for the tuned default.")
 
 
-def _validate_forward_kernel(forward_kernel, q, block_q, block_kv):
-  if forward_kernel not in FORWARD_KERNELS:
-    raise ValueError(f"flash_attention: forward_kernel must be one of {FORWARD_KERNELS}, got "
-                     f"{forward_kernel!r}.")
-  if forward_kernel == "triton":
-    return
+def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv):
+  for name, kernel in (("forward_kernel", forward_kernel), ("backward_kernel", backward_kernel)):
+    if kernel not in KERNELS:
+      raise ValueError(f"flash_attention: {name} must be one of {KERNELS}, got {kernel!r}.")
   d = q.shape[3]
-  if q.dtype not in flash_hopper.DTYPES or d not in flash_hopper.HEAD_DIMS:
-    raise ValueError(f"flash_attention: forward_kernel='mosaic' needs bfloat16 or float16 inputs "
-                     f"and head dim in {flash_hopper.HEAD_DIMS}, got {q.dtype} and {d}; use "
-                     f"forward_kernel='triton'.")
-  if ((block_q is not None and block_q % _MOSAIC_MIN_ROWS)
-      or (block_kv is not None and block_kv % 64)):
-    raise ValueError(f"flash_attention: forward_kernel='mosaic' needs block_q a multiple of "
-                     f"{_MOSAIC_MIN_ROWS} and block_kv a multiple of 64, got {block_q} and "
-                     f"{block_kv}; pass None for the default.")
+  # (argument, head dims, required multiple of block_q, of block_kv) of each Mosaic kernel
+  mosaic = [("forward_kernel", flash_hopper.HEAD_DIMS, _MOSAIC_MIN_ROWS, 64)] * (
+      forward_kernel == "mosaic")
+  mosaic += [("backward_kernel", flash_hopper_backward.HEAD_DIMS, _MOSAIC_MIN_ROWS,
+              _MOSAIC_MIN_ROWS)] * (backward_kernel == "mosaic")
+  for name, head_dims, q_multiple, kv_multiple in mosaic:
+    if q.dtype not in flash_hopper.DTYPES or d not in head_dims:
+      raise ValueError(f"flash_attention: {name}='mosaic' needs bfloat16 or float16 inputs "
+                       f"and head dim in {head_dims}, got {q.dtype} and {d}; use "
+                       f"{name}='triton'.")
+    if (block_q or 0) % q_multiple or (block_kv or 0) % kv_multiple:
+      raise ValueError(f"flash_attention: {name}='mosaic' needs block_q a multiple of "
+                       f"{q_multiple} and block_kv a multiple of {kv_multiple}, got {block_q} "
+                       f"and {block_kv}; pass None for the default.")
 
 
 def _forward(plan, q, k, v, q_seg, kv_seg):
@@ -248,9 +272,9 @@ def _backward(plan, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, grad_dtype):
   delta = delta - d_lse
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
   d_out = d_out.astype(q.dtype)
-  dq = flash_kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
-  dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
-                                      grad_dtype)
+  kernels = flash_hopper_backward if plan.backward_kernel == "mosaic" else flash_kernels
+  dq = kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
+  dk, dv = kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
   return dq, dk, dv
 
 

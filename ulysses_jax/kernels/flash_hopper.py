@@ -1,24 +1,26 @@
-"""Hopper (sm90) forward kernel of flash attention in Pallas Mosaic GPU: TMA copies, wgmma,
-warp specialisation.
+"""Hopper (sm90) flash attention in Pallas Mosaic GPU: the forward kernel, and the pieces that
+the backward kernels of ``flash_hopper_backward`` share with it.
 
-One CTA computes a tile of ``Tile.block_q`` query rows of one (batch, query head). Three
-warpgroups share it: two compute warpgroups own half of the rows each and run the online
-softmax with wgmma matmuls; the third only issues TMA copies of the K and V blocks (and key
-segment ids) into a ring of ``Tile.num_stages`` shared-memory slots, running ahead of the
-compute warpgroups by up to that many blocks. Per slot, a ``*_ready`` barrier says the copy
-landed and a ``*_free`` barrier (two arrivals, one per compute warpgroup) says the slot may be
-overwritten.
+Every kernel here is a CTA of three warpgroups. Two compute warpgroups own half of the CTA's
+rows each (64 query rows, or 64 key rows in the dk/dv kernel) and run wgmma matmuls on them;
+the third only issues TMA copies (``produce``): it streams blocks of the other side (key
+blocks here and in dq, query blocks in dk/dv) into a ring of ``Tile.num_stages``
+shared-memory slots, running ahead of the compute warpgroups by up to that many blocks. Each
+streamed operand has a ``<name>_ready`` barrier per slot (its copy landed); groups of operands
+share a ``<name>_free`` barrier per slot (two arrivals, one per compute warpgroup), after which
+the producer may overwrite them. Both compute warpgroups visit the same blocks, so producer and
+consumers follow one schedule and no warpgroup waits on a slot the other never frees.
 
-Both compute warpgroups visit the same key blocks, those visible to some row of the tile
-(``flash_kernels.kv_ranges`` of the whole tile), so producer and consumers follow one schedule
-and no warpgroup waits on a slot the other never frees. The price under a causal mask is at
-most one fully masked block for the first warpgroup's rows (none when ``block_kv`` equals the
-tile's rows, the default for head dims 64 and 128).
+The forward: one CTA computes ``Tile.block_q`` query rows of one (batch, query head) with an
+online softmax, against the key blocks visible to some row of the tile
+(``flash_kernels.kv_ranges`` of the whole tile). The price under a causal mask is at most one
+fully masked block for the first warpgroup's rows (none when ``block_kv`` equals the tile's
+rows, the default for head dims 64 and 128).
 
 Inputs and outputs follow ``flash_kernels.forward`` (padded ``[B, Sp, H, D]`` arrays read in
 place by strided TMA windows; lse ``[B, Hq, Sp]`` natural log, ``-inf`` for a row that sees no
-key), so the Triton backward kernels consume its residuals unchanged. 16-bit inputs only
-(wgmma); head dims 64, 128, 256.
+key), so either backward (Triton or Mosaic) consumes its residuals unchanged. 16-bit inputs
+only (wgmma); head dims 64, 128, 256.
 """
 
 import functools
@@ -36,27 +38,25 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 COMPUTE_WARPGROUPS = 2
 WGMMA_ROWS = 64  # one warpgroup's wgmma covers 64 rows: a compute warpgroup's share is a multiple
 # 128-byte swizzle over tiles of 64 16-bit elements: a layout wgmma reads without bank conflicts.
-_SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def forward(plan, q, k, v, q_seg, kv_seg):
-  """Same contract as ``flash_kernels.forward``; ``plan.forward`` is the CTA's tile:
-  ``block_q`` rows (split over the compute warpgroups), ``block_kv`` keys per pipeline slot,
-  ``num_stages`` slots."""
-  b, sp, hq, d = q.shape
-  tile = plan.forward
-  has_segments = q_seg is not None
-  kernel = functools.partial(_kernel, plan=plan, groups=hq // k.shape[2],
-                             has_segments=has_segments)
-  call = plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)),
-      grid=(sp // tile.block_q, b, hq), grid_names=("tile", "batch", "head"),
+# --- Shared by the forward and the backward kernels -----------------------------------------
+
+def unpack_refs(refs, has_segments, num_inputs, num_outputs):
+  """``(inputs, q_seg_ref, kv_seg_ref, outputs)`` of a kernel called with ``(*inputs, [q_seg,
+  kv_seg])`` and ``num_outputs`` outputs."""
+  segments = refs[num_inputs:num_inputs + 2] if has_segments else (None, None)
+  return refs[:num_inputs], *segments, refs[len(refs) - num_outputs:]
+
+
+def launch(kernel, out_type, grid, plan):
+  """``plgpu.kernel`` over grid ``("tile", "batch", "head")`` with three warpgroups."""
+  return plgpu.kernel(
+      kernel, out_type=out_type, grid=grid, grid_names=("tile", "batch", "head"),
       num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params() if plan.interpret else None)
-  return call(q, k, v, *((q_seg, kv_seg) if has_segments else ()))
 
 
 def interpret_params():
@@ -66,122 +66,254 @@ def interpret_params():
   return InterpretGPUParams()
 
 
-def _kernel(*refs, plan, groups, has_segments):
+def smem_tile(shape, dtype):
+  """A shared-memory buffer; 2-D (or stacked 2-D) 16-bit tiles get wgmma's swizzled layout."""
+  swizzled = len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2
+  return plgpu.SMEM(shape, dtype, transforms=SMEM_TRANSFORMS if swizzled else ())
+
+
+def own_buffers(operands):
+  """Per compute warpgroup, one buffer per ``{name: (shape, dtype)}`` and a barrier per copy."""
+  buffers = {name: smem_tile((COMPUTE_WARPGROUPS, *shape), dtype)
+             for name, (shape, dtype) in operands.items()}
+  buffers["own_ready"] = plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS * len(operands))
+  return buffers
+
+
+def ring_buffers(stages, operands, free_groups):
+  """The producer's ring: ``stages`` slots of each ``{name: (shape, dtype)}``, a ``<name>_ready``
+  barrier per operand and slot, and a ``<group>_free`` barrier per group name and slot."""
+  buffers = {}
+  for name, (shape, dtype) in operands.items():
+    buffers[name] = smem_tile((stages, *shape), dtype)
+    buffers[f"{name}_ready"] = plgpu.Barrier(num_barriers=stages)
+  for group in free_groups:
+    buffers[f"{group}_free"] = plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
+                                             num_barriers=stages)
+  return buffers
+
+
+def with_shared_memory(buffers, body):
+  """Allocates ``buffers`` (a dict) for all warpgroups and runs ``body(dict of refs)``."""
+  names = list(buffers)
+  pl.run_scoped(lambda *allocated: body(dict(zip(names, allocated))), *buffers.values(),
+                collective_axes="wg")
+
+
+def load_own(smem, w, windows):
+  """Compute warpgroup ``w`` copies ``{name: gmem window}`` into its own buffers and waits."""
+  for i, (name, window) in enumerate(windows.items()):
+    plgpu.copy_gmem_to_smem(window, smem[name].at[w], smem["own_ready"].at[w * len(windows) + i])
+  for i in range(len(windows)):
+    plgpu.barrier_wait(smem["own_ready"].at[w * len(windows) + i])
+  return {name: smem[name].at[w] for name in windows}
+
+
+def produce(smem, stages, num_steps, groups_of_step):
+  """The copy warpgroup: fills slot ``t % stages`` for steps ``t`` in ``[0, num_steps)``.
+
+  ``groups_of_step(t)`` lists ``(group, {name: gmem window})`` in the order the consumers free
+  the groups; before refilling a slot the producer waits until both consumers freed the group.
+  """
+  plgpu.set_max_registers(40, action="decrease")
+
+  @pl.loop(0, num_steps)
+  def _(t):
+    slot = lax.rem(t, stages)
+    refill = t >= stages  # the slot held step t - stages
+    for group, windows in groups_of_step(t):
+      pl.when(refill)(lambda: plgpu.barrier_wait(smem[f"{group}_free"].at[slot]))
+      for name, window in windows.items():
+        plgpu.copy_gmem_to_smem(window, smem[name].at[slot], smem[f"{name}_ready"].at[slot])
+
+  # Exit only once the consumers released the last slots: every phase of every barrier is
+  # observed, so none is left pending when the shared memory goes away.
+  @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+  def _(t):
+    for group, _ in groups_of_step(t):
+      plgpu.barrier_wait(smem[f"{group}_free"].at[lax.rem(t, stages)])
+
+
+def wait_ready(smem, name, slot):
+  plgpu.barrier_wait(smem[f"{name}_ready"].at[slot])
+  return smem[name].at[slot]
+
+
+def release(smem, group, slot):
+  plgpu.barrier_arrive(smem[f"{group}_free"].at[slot])
+
+
+def store_own(pairs):
+  """Writes ``[(registers, own smem buffer, gmem window)]`` out through shared memory by TMA."""
+  for value, buffer, _ in pairs:
+    buffer[...] = value.astype(buffer.dtype)
+  plgpu.commit_smem()
+  for _, buffer, window in pairs:
+    plgpu.copy_smem_to_gmem(buffer, window)
+  plgpu.wait_smem_to_gmem(0)
+
+
+class TileLayout:
+  """Register values of a ``[rows, cols]`` tile in wgmma's accumulator layout (or, in GPU
+  interpret mode, which has no register layouts, plain arrays)."""
+
+  def __init__(self, shape, *, interpret):
+    self.shape, self.interpret = shape, interpret
+
+  def cast(self, x, layout):
+    # GPU interpret mode has no lowering for layout_cast: a no-op there.
+    return x if self.interpret else plgpu.layout_cast(x, layout)
+
+  def zeros(self, shape=None):
+    return self.cast(jnp.zeros(shape or self.shape, jnp.float32), plgpu.Layout.WGMMA)
+
+  def iota(self, dim):
+    return self.cast(lax.broadcasted_iota(jnp.int32, self.shape, dim), plgpu.Layout.WGMMA)
+
+  def per_row(self, vector):
+    """A ``[rows]`` vector in the tile's row layout, broadcast along the columns."""
+    return lax.broadcast_in_dim(vector, self.shape, [0])
+
+  def rows_of(self, vector_ref):
+    """A ``[rows]`` shared-memory vector, one value per row of the tile."""
+    return self.per_row(self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(1)))
+
+  def cols_of(self, vector_ref):
+    """A ``[cols]`` shared-memory vector, one value per column of the tile."""
+    vector = self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(vector, self.shape, [1])
+
+
+# GPU interpret mode (JAX 0.10) cannot run these wgmma forms (transposed B operand, register A
+# operand, initialised accumulator), so there both matmuls are plain dots of the same
+# shared-memory tiles; everything around them (TMA windows, barriers, masks, softmax) is shared.
+
+def a_times_bt(a_smem, b_smem, *, interpret):
+  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``."""
+  if interpret:
+    return dot(a_smem[...], b_smem[...], 1, 1)
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+    return acc_ref[...]
+  return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+def plus_a_times_b(acc, a, b_smem, *, interpret):
+  """``acc + a @ b``: wgmma reads ``a`` ``[m, k]`` from registers, ``b`` ``[k, n]`` from shared
+  memory, and accumulates into ``acc`` in place."""
+  if interpret:
+    return acc + dot(a, b_smem[...], 1, 0)
+
+  def accumulate(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+# --- The forward ------------------------------------------------------------------------------
+
+def forward(plan, q, k, v, q_seg, kv_seg):
+  """Same contract as ``flash_kernels.forward``; ``plan.forward`` is the CTA's tile:
+  ``block_q`` rows (split over the compute warpgroups), ``block_kv`` keys per pipeline slot,
+  ``num_stages`` slots."""
+  b, sp, hq, _ = q.shape
+  kernel = functools.partial(_forward_kernel, plan=plan, groups=hq // k.shape[2],
+                             has_segments=q_seg is not None)
+  call = launch(kernel, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                         jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)),
+                (sp // plan.forward.block_q, b, hq), plan)
+  return call(q, k, v, *((q_seg, kv_seg) if q_seg is not None else ()))
+
+
+def key_ring(tile, head_dim, dtype, has_segments):
+  """Ring buffers of key blocks (K, V and the keys' segment ids) for ``stream_keys``."""
+  operands = dict(k=((tile.block_kv, head_dim), dtype), v=((tile.block_kv, head_dim), dtype))
   if has_segments:
-    q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
-  else:
-    (q_ref, k_ref, v_ref, o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
+    operands["kv_seg"] = ((tile.block_kv,), jnp.int32)
+  return ring_buffers(tile.num_stages, operands, ("k", "v"))
+
+
+def stream_keys(tile, gmem, smem, batch, kv_head, num_blocks):
+  """Producer of key blocks ``[0, num_blocks)``. Consumers free K, then V; they read the keys'
+  segment ids before they free V."""
+  def groups_of_step(j):
+    keys = pl.ds(pl.multiple_of(j * tile.block_kv, tile.block_kv), tile.block_kv)
+    v_group = dict(v=gmem["v"].at[batch, keys, kv_head])
+    if gmem["kv_seg"] is not None:
+      v_group["kv_seg"] = gmem["kv_seg"].at[batch, keys]
+    return [("k", dict(k=gmem["k"].at[batch, keys, kv_head])), ("v", v_group)]
+  produce(smem, tile.num_stages, num_blocks, groups_of_step)
+
+
+def _forward_kernel(*refs, plan, groups, has_segments):
+  (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = unpack_refs(
+      refs, has_segments, 3, 2)
   tile = plan.forward
   rows, d, dtype = tile.block_q // COMPUTE_WARPGROUPS, q_ref.shape[-1], q_ref.dtype
-  kv_shape = (tile.num_stages, tile.block_kv, d)
-  buffers = dict(
-      q=plgpu.SMEM((COMPUTE_WARPGROUPS, rows, d), dtype, transforms=_SMEM_TRANSFORMS),
-      k=plgpu.SMEM(kv_shape, dtype, transforms=_SMEM_TRANSFORMS),
-      v=plgpu.SMEM(kv_shape, dtype, transforms=_SMEM_TRANSFORMS),
-      lse=plgpu.SMEM((COMPUTE_WARPGROUPS, rows), jnp.float32),
-      q_ready=plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-      k_ready=plgpu.Barrier(num_barriers=tile.num_stages),
-      v_ready=plgpu.Barrier(num_barriers=tile.num_stages),
-      k_free=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=tile.num_stages),
-      v_free=plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=tile.num_stages))
+  own = dict(q=((rows, d), dtype))
   if has_segments:
-    buffers.update(
-        q_seg=plgpu.SMEM((COMPUTE_WARPGROUPS, rows), jnp.int32),
-        kv_seg=plgpu.SMEM((tile.num_stages, tile.block_kv), jnp.int32),
-        q_seg_ready=plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-        kv_seg_ready=plgpu.Barrier(num_barriers=tile.num_stages))
-  names = list(buffers)
+    own["q_seg"] = ((rows,), jnp.int32)
+  buffers = dict(**own_buffers(own), lse=smem_tile((COMPUTE_WARPGROUPS, rows), jnp.float32),
+                 **key_ring(tile, d, dtype, has_segments))
+  gmem = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, lse=lse_ref, q_seg=q_seg_ref,
+              kv_seg=kv_seg_ref)
 
-  def scoped(*allocated):
-    smem = dict(zip(names, allocated))
+  run_query_tile(plan, tile, buffers, gmem, groups,
+                 functools.partial(_forward_compute, plan, gmem))
+
+
+def run_query_tile(plan, tile, buffers, gmem, groups, compute):
+  """A CTA that owns ``tile.block_q`` query rows of one (batch, query head) and streams the
+  key blocks some row of them sees: each compute warpgroup ``w`` runs ``compute(smem, w, batch,
+  head, first_row, n_plain, n_visible)`` on its rows, the copy warpgroup ``stream_keys``."""
+  def body(smem):
     num_tiles = plan.padded_len // tile.block_q
     tile_index = lax.axis_index("tile")
     # Causal: the last tiles do the most work, so they are launched first.
     tile_index = num_tiles - 1 - tile_index if plan.causal else tile_index
     n_plain, n_visible = kv_ranges(plan, tile_index, tile.block_q, tile.block_kv,
                                    plan.padded_len // tile.block_kv)
-    if has_segments:
+    if gmem["q_seg"] is not None:
       n_plain = 0  # every block needs the segment mask
-    gmem = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, lse=lse_ref, q_seg=q_seg_ref,
-                kv_seg=kv_seg_ref)
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
+    rows = tile.block_q // COMPUTE_WARPGROUPS
     for w in range(COMPUTE_WARPGROUPS):
       first_row = tile_index * tile.block_q + w * rows
-      pl.when(wg == w)(functools.partial(
-          _compute, plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible))
+      pl.when(wg == w)(functools.partial(compute, smem, w, batch, head, first_row, n_plain,
+                                         n_visible))
     pl.when(wg == COMPUTE_WARPGROUPS)(functools.partial(
-        _produce, plan, gmem, smem, batch, lax.div(head, groups), n_visible))
+        stream_keys, tile, gmem, smem, batch, lax.div(head, groups), n_visible))
 
-  pl.run_scoped(scoped, *buffers.values(), collective_axes="wg")
-
-
-def _produce(plan, gmem, smem, batch, kv_head, n_visible):
-  """The copy warpgroup: streams key blocks ``[0, n_visible)`` through the slots."""
-  plgpu.set_max_registers(40, action="decrease")
-  block_kv, stages = plan.forward.block_kv, plan.forward.num_stages
-
-  @pl.loop(0, n_visible)
-  def _(j):
-    slot = lax.rem(j, stages)
-    keys = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-    refill = j >= stages  # the slot held block j - stages: wait until both consumers freed it
-    pl.when(refill)(lambda: plgpu.barrier_wait(smem["k_free"].at[slot]))
-    plgpu.copy_gmem_to_smem(gmem["k"].at[batch, keys, kv_head], smem["k"].at[slot],
-                            smem["k_ready"].at[slot])
-    pl.when(refill)(lambda: plgpu.barrier_wait(smem["v_free"].at[slot]))
-    plgpu.copy_gmem_to_smem(gmem["v"].at[batch, keys, kv_head], smem["v"].at[slot],
-                            smem["v_ready"].at[slot])
-    if gmem["kv_seg"] is not None:  # consumers read these ids before they free V
-      plgpu.copy_gmem_to_smem(gmem["kv_seg"].at[batch, keys], smem["kv_seg"].at[slot],
-                              smem["kv_seg_ready"].at[slot])
-
-  # Exit only once the consumers released the last slots: every phase of every barrier is
-  # observed, so none is left pending when the shared memory goes away.
-  @pl.loop(jnp.maximum(n_visible - stages, 0), n_visible)
-  def _(j):
-    slot = lax.rem(j, stages)
-    plgpu.barrier_wait(smem["k_free"].at[slot])
-    plgpu.barrier_wait(smem["v_free"].at[slot])
+  with_shared_memory(buffers, body)
 
 
-def _compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
+def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
   """One compute warpgroup: ``rows`` query rows against key blocks ``[0, n_visible)``."""
   plgpu.set_max_registers(232, action="increase")
   tile = plan.forward
   rows, block_kv, stages = tile.block_q // COMPUTE_WARPGROUPS, tile.block_kv, tile.num_stages
   has_segments = gmem["q_seg"] is not None
-  q_smem = smem["q"].at[w]
   query_rows = pl.ds(first_row, rows)
-  plgpu.copy_gmem_to_smem(gmem["q"].at[batch, query_rows, head], q_smem, smem["q_ready"].at[w])
-  layout, row_layout, col_layout = (plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(1),
-                                    plgpu.Layout.WGMMA.reduce(0))
-  cast = functools.partial(_layout_cast, interpret=plan.interpret)
-  to_tile = lambda x, dim: lax.broadcast_in_dim(x, (rows, block_kv), [dim])
-  iota = lambda dim: cast(lax.broadcasted_iota(jnp.int32, (rows, block_kv), dim), layout)
-  q_seg = None
+  windows = dict(q=gmem["q"].at[batch, query_rows, head])
   if has_segments:
-    plgpu.copy_gmem_to_smem(gmem["q_seg"].at[batch, query_rows], smem["q_seg"].at[w],
-                            smem["q_seg_ready"].at[w])
-    plgpu.barrier_wait(smem["q_seg_ready"].at[w])
-    q_seg = to_tile(cast(smem["q_seg"].at[w][...], row_layout), 0)
-  q_pos = first_row + iota(0)
+    windows["q_seg"] = gmem["q_seg"].at[batch, query_rows]
+  own = load_own(smem, w, windows)
+  scores_tile = TileLayout((rows, block_kv), interpret=plan.interpret)
+  q_seg = scores_tile.rows_of(own["q_seg"]) if has_segments else None
+  q_pos = first_row + scores_tile.iota(0)
   qk_scale = plan.scale * LOG2E
-  plgpu.barrier_wait(smem["q_ready"].at[w])
+  matmul = functools.partial(a_times_bt, interpret=plan.interpret)
+  accumulate = functools.partial(plus_a_times_b, interpret=plan.interpret)
 
   def visit(masked, j, carry):
     acc, row_max, denom = carry
     slot = lax.rem(j, stages)
-    plgpu.barrier_wait(smem["k_ready"].at[slot])
-
-    scores = _q_times_kt(q_smem, smem["k"].at[slot], interpret=plan.interpret) * qk_scale
-    plgpu.barrier_arrive(smem["k_free"].at[slot])
-    kv_seg = None
-    if has_segments:
-      plgpu.barrier_wait(smem["kv_seg_ready"].at[slot])
-      kv_seg = to_tile(cast(smem["kv_seg"].at[slot][...], col_layout), 1)
-    kv_pos = j * block_kv + iota(1)
-    mask = visible(q_pos, kv_pos, q_seg, kv_seg, causal=masked and plan.causal,
+    scores = matmul(own["q"], wait_ready(smem, "k", slot)) * qk_scale
+    release(smem, "k", slot)
+    kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", slot)) if has_segments else None
+    mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
+                   causal=masked and plan.causal,
                    kv_len=plan.seq_len if masked and plan.ragged else None)
     if mask is not None:
       scores = jnp.where(mask, scores, -jnp.inf)
@@ -189,59 +321,23 @@ def _compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
     # A row that has seen no visible key yet keeps max -inf; subtract 0 instead of -inf.
     ref_max = new_max if mask is None else jnp.where(new_max == -jnp.inf, 0.0, new_max)
     correction = jnp.exp2(row_max - ref_max)
-    probs = jnp.exp2(scores - to_tile(ref_max, 0))
+    probs = jnp.exp2(scores - scores_tile.per_row(ref_max))
     denom = denom * correction + probs.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-    plgpu.barrier_wait(smem["v_ready"].at[slot])
-    acc = _plus_p_times_v(acc, probs.astype(q_smem.dtype), smem["v"].at[slot],
-                          interpret=plan.interpret)
-    plgpu.barrier_arrive(smem["v_free"].at[slot])
+    acc = accumulate(acc, probs.astype(own["q"].dtype), wait_ready(smem, "v", slot))
+    release(smem, "v", slot)
     return acc, new_max, denom
 
-  d = q_smem.shape[-1]
-  init = (cast(jnp.zeros((rows, d), jnp.float32), layout),
-          cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
-          cast(jnp.zeros((rows,), jnp.float32), row_layout))
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  init = (scores_tile.zeros((rows, own["q"].shape[-1])),
+          scores_tile.cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
+          scores_tile.cast(jnp.zeros((rows,), jnp.float32), row_layout))
   carry = lax.fori_loop(0, n_plain, functools.partial(visit, False), init)
   acc, row_max, denom = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
 
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)
-  q_smem[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(q_smem.dtype)
-  smem["lse"].at[w][...] = jnp.where(empty, -jnp.inf, row_max / LOG2E + jnp.log(denom))
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(q_smem, gmem["o"].at[batch, query_rows, head])
-  plgpu.copy_smem_to_gmem(smem["lse"].at[w], gmem["lse"].at[batch, head, query_rows])
-  plgpu.wait_smem_to_gmem(0)
-
-
-def _layout_cast(x, layout, *, interpret):
-  """``plgpu.layout_cast``: which register layout ``x`` takes (wgmma's, or a row or column of
-  it). GPU interpret mode has no register layouts and no lowering for the cast: a no-op there."""
-  return x if interpret else plgpu.layout_cast(x, layout)
-
-
-
-# GPU interpret mode (JAX 0.10) cannot run these wgmma forms (transposed B operand, register A
-# operand, initialised accumulator), so there both matmuls are plain dots of the same
-# shared-memory tiles; everything around them (TMA windows, barriers, masks, softmax) is shared.
-
-def _q_times_kt(q_smem, k_smem, *, interpret):
-  """Scores ``q @ k.T`` ``[rows, block_kv]`` float32 from the two shared-memory tiles."""
-  if interpret:
-    return dot(q_smem[...], k_smem[...], 1, 1)
-
-  def product(acc_ref):
-    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
-    return acc_ref[...]
-  return pl.run_scoped(product, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32))
-
-
-def _plus_p_times_v(acc, probs, v_smem, *, interpret):
-  """``acc + probs @ v``: wgmma reads ``probs`` from registers, accumulates into ``acc``."""
-  if interpret:
-    return acc + dot(probs, v_smem[...], 1, 0)
-
-  def accumulate(acc_ref):
-    plgpu.wgmma(acc_ref, probs, v_smem)
-  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+  lse = jnp.where(empty, -jnp.inf, row_max / LOG2E + jnp.log(denom))
+  store_own([(acc / lax.broadcast_in_dim(denom, acc.shape, [0]), own["q"],
+              gmem["o"].at[batch, query_rows, head]),
+             (lse, smem["lse"].at[w], gmem["lse"].at[batch, head, query_rows])])

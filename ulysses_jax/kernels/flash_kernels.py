@@ -31,9 +31,10 @@ LOG2E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-  """Block sizes and launch parameters of one kernel. For the Mosaic forward
-  (``flash_hopper``): ``block_q`` rows per CTA, ``num_warps`` 12 (three warpgroups),
-  ``num_stages`` K/V slots in shared memory."""
+  """Block sizes and launch parameters of one kernel. For the Mosaic kernels (``flash_hopper``,
+  ``flash_hopper_backward``) ``num_warps`` is 12 (three warpgroups) and ``num_stages`` the
+  slots of the streamed side in shared memory; the CTA owns ``block_q`` query rows (forward,
+  dq) or ``block_kv`` keys (dk/dv), and streams blocks of the other size."""
   block_q: int
   block_kv: int
   num_warps: int
@@ -52,6 +53,7 @@ class Plan:
   dq: Tile
   dkv: Tile
   forward_kernel: str = "triton"  # or "mosaic": flash_hopper.forward
+  backward_kernel: str = "triton"  # or "mosaic": flash_hopper_backward
 
   @property
   def ragged(self):

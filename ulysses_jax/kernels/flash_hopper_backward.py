@@ -1,0 +1,233 @@
+"""Hopper (sm90) backward kernels of flash attention in Pallas Mosaic GPU: dq, and dk/dv.
+
+Same contracts as ``flash_kernels.backward_dq`` / ``backward_dkv`` (padded inputs, ``lse2`` in
+base 2 with +inf for rows that see no key, ``delta = rowsum(dO * O) - dlse``), and the same
+CTA shape as the forward of ``flash_hopper``: two compute warpgroups of 64 rows each and a
+copy warpgroup streaming blocks of the other side through a ring of shared-memory slots.
+
+* dq: a CTA owns ``plan.dq.block_q`` query rows of one (batch, query head), with their q, dO,
+  lse2 and delta in shared memory, and streams the visible key blocks (K, V) exactly as the
+  forward does. Per block: ``P = exp2(q k^T - lse2)``, ``dP = dO v^T``,
+  ``dS = P (dP - delta)``, ``dq += dS k``; the last matmul reads dS from registers.
+* dk/dv: a CTA owns ``plan.dkv.block_kv`` keys of one (batch, KV head), with K and V in shared
+  memory, and streams ``(q, dO, lse2, delta)`` blocks of every query head that shares the KV
+  head, so GQA/MQA needs neither repeated K/V nor atomics. It works on transposed tiles
+  ``[keys, queries]``: ``P^T = exp2(k q^T - lse2)``, ``dv += P^T dO``, ``dP^T = v dO^T``,
+  ``dS^T = P^T (dP^T - delta)``, ``dk += dS^T q``.
+
+Causal: blocks that the mask hides from every row of the CTA are never streamed; only blocks
+on the diagonal (or all blocks, with segment ids) are masked. Padded query rows need no mask
+in dk/dv: their dO and delta are 0, so they add exactly 0. Gradients are written in the
+inputs' dtype through the CTA's own buffers (q for dq; K and V for dk and dv). Head dims 64 and
+128: at 256 the dk and dv accumulators of 64 keys alone would fill a warpgroup's registers.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ulysses_jax.kernels import flash_hopper as hopper
+from ulysses_jax.kernels.flash_kernels import LOG2E, visible
+
+HEAD_DIMS = (64, 128)
+_WGS = hopper.COMPUTE_WARPGROUPS
+
+
+def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
+  """dq ``[B, Sp, Hq, D]``; ``grad_dtype`` must be q's dtype."""
+  b, sp, hq, _ = q.shape
+  assert grad_dtype == q.dtype, (grad_dtype, q.dtype)
+  kernel = functools.partial(_dq_kernel, plan=plan, groups=hq // k.shape[2],
+                             has_segments=q_seg is not None)
+  call = hopper.launch(kernel, jax.ShapeDtypeStruct(q.shape, grad_dtype),
+                       (sp // plan.dq.block_q, b, hq), plan)
+  return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
+
+
+def _dq_kernel(*refs, plan, groups, has_segments):
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), q_seg_ref, kv_seg_ref, (dq_ref,) = (
+      hopper.unpack_refs(refs, has_segments, 6, 1))
+  tile = plan.dq
+  rows, d, dtype = tile.block_q // _WGS, q_ref.shape[-1], q_ref.dtype
+  own = dict(q=((rows, d), dtype), do=((rows, d), dtype), lse2=((rows,), jnp.float32),
+             delta=((rows,), jnp.float32))
+  if has_segments:
+    own["q_seg"] = ((rows,), jnp.int32)
+  buffers = dict(**hopper.own_buffers(own), **hopper.key_ring(tile, d, dtype, has_segments))
+  gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
+              q_seg=q_seg_ref, kv_seg=kv_seg_ref, dq=dq_ref)
+
+  hopper.run_query_tile(plan, tile, buffers, gmem, groups,
+                        functools.partial(_dq_compute, plan, gmem))
+
+
+def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
+  """One compute warpgroup: dq of ``rows`` query rows from key blocks ``[0, n_visible)``."""
+  plgpu.set_max_registers(232, action="increase")
+  tile = plan.dq
+  rows, block_kv, stages = tile.block_q // _WGS, tile.block_kv, tile.num_stages
+  has_segments = gmem["q_seg"] is not None
+  query_rows = pl.ds(first_row, rows)
+  windows = {name: gmem[name].at[batch, query_rows, head] for name in ("q", "do")}
+  windows.update({name: gmem[name].at[batch, head, query_rows] for name in ("lse2", "delta")})
+  if has_segments:
+    windows["q_seg"] = gmem["q_seg"].at[batch, query_rows]
+  own = hopper.load_own(smem, w, windows)
+  scores_tile = hopper.TileLayout((rows, block_kv), interpret=plan.interpret)
+  lse2, delta = scores_tile.rows_of(own["lse2"]), scores_tile.rows_of(own["delta"])
+  q_seg = scores_tile.rows_of(own["q_seg"]) if has_segments else None
+  q_pos = first_row + scores_tile.iota(0)
+  qk_scale = plan.scale * LOG2E
+  matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
+  accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
+
+  def visit(masked, j, dq):
+    slot = lax.rem(j, stages)
+    k = hopper.wait_ready(smem, "k", slot)
+    probs = jnp.exp2(matmul(own["q"], k) * qk_scale - lse2)
+    kv_seg = scores_tile.cols_of(hopper.wait_ready(smem, "kv_seg", slot)) if has_segments else None
+    mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
+                   causal=masked and plan.causal,
+                   kv_len=plan.seq_len if masked and plan.ragged else None)
+    if mask is not None:
+      probs = jnp.where(mask, probs, 0.0)
+    d_probs = matmul(own["do"], hopper.wait_ready(smem, "v", slot))
+    hopper.release(smem, "v", slot)
+    d_scores = probs * (d_probs - delta)
+    dq = accumulate(dq, d_scores.astype(k.dtype), k)
+    hopper.release(smem, "k", slot)
+    return dq
+
+  dq = scores_tile.zeros((rows, own["q"].shape[-1]))
+  dq = lax.fori_loop(0, n_plain, functools.partial(visit, False), dq)
+  dq = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), dq)
+  hopper.store_own([(dq * plan.scale, own["q"], gmem["dq"].at[batch, query_rows, head])])
+
+
+def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
+  """dk, dv ``[B, Sp, Hkv, D]``, each summed over the query heads that share the KV head;
+  ``grad_dtype`` must be the inputs' dtype."""
+  b, sp, hkv, _ = k.shape
+  assert grad_dtype == k.dtype, (grad_dtype, k.dtype)
+  kernel = functools.partial(_dkv_kernel, plan=plan, groups=q.shape[2] // hkv,
+                             has_segments=q_seg is not None)
+  call = hopper.launch(kernel, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
+                       (sp // plan.dkv.block_kv, b, hkv), plan)
+  return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
+
+
+def query_blocks(plan, first_key, num_keys, block_q):
+  """``(lo, mid, hi)``: query blocks ``[lo, mid)`` need the causal mask against keys
+  ``[first_key, first_key + num_keys)``, ``[mid, hi)`` see all of them, the rest none (or are
+  padding only)."""
+  hi = -(-plan.seq_len // block_q)
+  if not plan.causal:
+    return 0, 0, hi
+  lo = jnp.minimum(lax.div(first_key, block_q), hi)
+  mid = jnp.clip(lax.div(first_key + num_keys - 1 + block_q - 1, block_q), lo, hi)
+  return lo, mid, hi
+
+
+def _dkv_kernel(*refs, plan, groups, has_segments):
+  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = (
+      hopper.unpack_refs(refs, has_segments, 6, 2))
+  tile = plan.dkv
+  keys, d, dtype = tile.block_kv // _WGS, k_ref.shape[-1], k_ref.dtype
+  own = dict(k=((keys, d), dtype), v=((keys, d), dtype))
+  if has_segments:
+    own["kv_seg"] = ((keys,), jnp.int32)
+  streamed = dict(q=((tile.block_q, d), dtype), do=((tile.block_q, d), dtype),
+                  lse2=((tile.block_q,), jnp.float32), delta=((tile.block_q,), jnp.float32))
+  if has_segments:
+    streamed["q_seg"] = ((tile.block_q,), jnp.int32)
+  buffers = dict(**hopper.own_buffers(own),
+                 **hopper.ring_buffers(tile.num_stages, streamed, ("q", "do")))
+  gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
+              q_seg=q_seg_ref, kv_seg=kv_seg_ref, dk=dk_ref, dv=dv_ref)
+
+  def body(smem):
+    first_key = lax.axis_index("tile") * tile.block_kv  # causal: the first tiles work longest
+    lo, mid, hi = query_blocks(plan, first_key, tile.block_kv, tile.block_q)
+    if has_segments:
+      mid = hi  # every block needs the segment mask
+    wg = lax.axis_index("wg")
+    batch, kv_head = lax.axis_index("batch"), lax.axis_index("head")
+    for w in range(_WGS):
+      pl.when(wg == w)(functools.partial(
+          _dkv_compute, plan, gmem, smem, w, batch, kv_head, groups, first_key + w * keys,
+          lo, mid, hi))
+    pl.when(wg == _WGS)(functools.partial(
+        _stream_queries, plan, gmem, smem, batch, kv_head, groups, lo, hi))
+
+  hopper.with_shared_memory(buffers, body)
+
+
+def _stream_queries(plan, gmem, smem, batch, kv_head, groups, lo, hi):
+  """Producer of query blocks ``[lo, hi)`` of each query head of the group, head by head.
+  Consumers free q last; they read lse2, delta and the segment ids before they free dO."""
+  block_q, num_blocks = plan.dkv.block_q, hi - lo
+
+  def groups_of_step(t):
+    head = kv_head * groups + lax.div(t, num_blocks)
+    first = (lo + lax.rem(t, num_blocks)) * block_q
+    rows = pl.ds(pl.multiple_of(first, block_q), block_q)
+    late = dict(do=gmem["do"].at[batch, rows, head], lse2=gmem["lse2"].at[batch, head, rows],
+                delta=gmem["delta"].at[batch, head, rows])
+    if gmem["q_seg"] is not None:
+      late["q_seg"] = gmem["q_seg"].at[batch, rows]
+    return [("q", dict(q=gmem["q"].at[batch, rows, head])), ("do", late)]
+  hopper.produce(smem, plan.dkv.num_stages, groups * num_blocks, groups_of_step)
+
+
+def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid, hi):
+  """One compute warpgroup: dk, dv of ``keys`` keys from query blocks ``[lo, hi)`` of each
+  query head of the group."""
+  plgpu.set_max_registers(232, action="increase")
+  tile = plan.dkv
+  keys, block_q, stages = tile.block_kv // _WGS, tile.block_q, tile.num_stages
+  has_segments = gmem["q_seg"] is not None
+  key_rows = pl.ds(first_key, keys)
+  windows = {name: gmem[name].at[batch, key_rows, kv_head] for name in ("k", "v")}
+  if has_segments:
+    windows["kv_seg"] = gmem["kv_seg"].at[batch, key_rows]
+  own = hopper.load_own(smem, w, windows)
+  scores_tile = hopper.TileLayout((keys, block_q), interpret=plan.interpret)
+  kv_pos = first_key + scores_tile.iota(0)
+  kv_seg = scores_tile.rows_of(own["kv_seg"]) if has_segments else None
+  qk_scale = plan.scale * LOG2E
+  matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
+  accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
+
+  def visit(masked, g, i, carry):
+    dk, dv = carry
+    slot = lax.rem(g * (hi - lo) + i - lo, stages)  # the producer's step t
+    q = hopper.wait_ready(smem, "q", slot)
+    lse2 = scores_tile.cols_of(hopper.wait_ready(smem, "lse2", slot))
+    probs_t = jnp.exp2(matmul(own["k"], q) * qk_scale - lse2)
+    q_seg = scores_tile.cols_of(hopper.wait_ready(smem, "q_seg", slot)) if has_segments else None
+    mask = visible(i * block_q + scores_tile.iota(1), kv_pos, q_seg, kv_seg,
+                   causal=masked and plan.causal, kv_len=None)
+    if mask is not None:
+      probs_t = jnp.where(mask, probs_t, 0.0)
+    d_out = hopper.wait_ready(smem, "do", slot)
+    dv = accumulate(dv, probs_t.astype(d_out.dtype), d_out)
+    d_probs_t = matmul(own["v"], d_out)
+    delta = scores_tile.cols_of(hopper.wait_ready(smem, "delta", slot))
+    hopper.release(smem, "do", slot)
+    d_scores_t = probs_t * (d_probs_t - delta)
+    dk = accumulate(dk, d_scores_t.astype(q.dtype), q)
+    hopper.release(smem, "q", slot)
+    return dk, dv
+
+  def one_head(g, carry):
+    carry = lax.fori_loop(lo, mid, functools.partial(visit, True, g), carry)
+    return lax.fori_loop(mid, hi, functools.partial(visit, False, g), carry)
+
+  zeros = scores_tile.zeros((keys, own["k"].shape[-1]))
+  dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
+  hopper.store_own([(dk * plan.scale, own["k"], gmem["dk"].at[batch, key_rows, kv_head]),
+                    (dv, own["v"], gmem["dv"].at[batch, key_rows, kv_head])])

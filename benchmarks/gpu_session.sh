@@ -6,11 +6,12 @@
 # Usage, from the repository root on the GPU machine:
 #   benchmarks/gpu_session.sh STAGE [OUT_DIR]        (OUT_DIR defaults to benchmarks/results/gpu)
 # Stages:
-#   kernels       GPU tests (the Pallas kernels: Triton and the Mosaic Hopper forward; the
-#                 offloading remat policies), then
+#   kernels       GPU tests (the Pallas kernels: Triton, and the Mosaic Hopper forward and
+#                 backward; the offloading remat policies), then
 #                 the kernel table at D=128, S=4K and 16K, all implementations incl. ours_mosaic
 #   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
-#   step-1b       llama3.2-1b training step at 64K tokens (MFU), Triton and cuDNN attention
+#   step-1b       llama3.2-1b training step at 64K tokens (MFU), attention by our Triton
+#                 kernels, our Mosaic kernels and cuDNN
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
 #   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets); float32 parameters
 #                 (by ulysses_jax.plan nothing fits one 80 GB GPU), then bfloat16 parameters
@@ -44,7 +45,7 @@ case $stage in
     run kernels_d64 python3 -m benchmarks.attention_kernels --head-dims 64 \
       --seq-lens 4096,16384,65536 --json "$out/attention_kernels_d64.json" ;;
   step-1b)
-    for backend in pallas cudnn; do
+    for backend in pallas pallas_mosaic cudnn; do
       run "step_1b_64k_$backend" python3 -m benchmarks.train_step --preset llama3.2-1b \
         --seq-len 65536 --backend "$backend" --json "$out/train_step_1b_64k_$backend.json"
     done ;;

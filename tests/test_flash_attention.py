@@ -267,6 +267,24 @@ def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
   assert np.all(np.asarray(dq[:, 50:150], np.float32) == 0.0)
 
 
+def test_pallas_mosaic_backend_runs_the_mosaic_kernels_in_ulysses_attention():
+  """The wiring only: in GPU interpret mode, eight devices that each simulate three
+  warpgroups outnumber the CPU threads XLA runs callbacks on, and the run deadlocks, so the
+  8-device check is of the trace. The Ulysses wrapper around any backend is checked against
+  the dense reference with backend="pallas" and "xla"; the kernels themselves above."""
+  mesh = mesh_of(2, 4)
+  q, k, v, _, segment_ids = random_inputs(10, 2, 256, 4, 2, 64, dtype=jnp.bfloat16,
+                                          num_segments=3)
+
+  def loss(q, k, v):
+    out = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                            backend="pallas_mosaic")
+    return out.astype(jnp.float32).sum()
+  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  # Each Mosaic kernel is a grid of three warpgroups: the forward, dq and dk/dv.
+  assert trace.count("num_threads=3, thread_name='wg'") == 3
+
+
 @pytest.mark.parametrize("head_dim,causal,segments", [
     (64, True, True), (128, True, False), (128, False, True), (256, False, False)])
 def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):

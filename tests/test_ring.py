@@ -194,8 +194,12 @@ def test_mesh_axes():
 @pytest.mark.parametrize("call,message", [
     (lambda q, m: ring_attention(q, q, q, mesh=m, backend="cudnn"),
      r"ring attention supports backend 'auto', 'xla' or 'pallas', got 'cudnn'"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="pallas_mosaic"),
+     r"ring attention supports backend 'auto', 'xla' or 'pallas', got 'pallas_mosaic': its "
+     r"backward sums float32 gradients"),
     (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="flash"),
-     r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn'\), got 'flash'"),
+     r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn', 'pallas_mosaic'\), got "
+     r"'flash'"),
     (lambda q, m: ulysses_attention(q, q, q, mesh=m, layout="diagonal"),
      r"layout must be one of \('natural', 'zigzag'\)"),
     (lambda q, m: ulysses_attention(q[:, :12], q[:, :12], q[:, :12], mesh=m, layout="zigzag"),

@@ -158,8 +158,11 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
     (dict(segment_dtype=jnp.float32), r"segment_ids must be integers"),
     (dict(q_shape=(3, 16, 4, 8), k_shape=(3, 16, 2, 8)), r"batch \(3\) must be divisible by "
      r"the mesh's data axis \(2\)"),
-    (dict(backend="flash"), r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn'\)"),
+    (dict(backend="flash"), r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn', "
+     r"'pallas_mosaic'\)"),
     (dict(backend="cudnn"), r"backend='cudnn' needs a CUDA GPU"),
+    (dict(backend="pallas_mosaic"), r"backend='pallas_mosaic' needs float16 or bfloat16 inputs "
+     r"and head dim in \(64, 128\), got float32 and 8; use backend='pallas'"),
     (dict(scale=-1.0), r"scale must be a positive number"),
     (dict(mesh="bad"), r"mesh must be a jax.sharding.Mesh"),
     (dict(mesh="no_seq"), r"lack \['seq'\]"),

@@ -7,6 +7,9 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
   runs everywhere, supports every feature.
 * ``"pallas"``: our Pallas flash-attention kernel (``ulysses_jax.kernels``); GPU, or Pallas
   interpret mode elsewhere (slow: for tests).
+* ``"pallas_mosaic"``: the same with its Hopper kernels (Pallas Mosaic GPU) for the forward and
+  the backward; H100/H200, float16 or bfloat16, head dims 64 and 128 (GPU interpret mode
+  elsewhere: for tests).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU only, float16 or
   bfloat16 only, no ``segment_ids``.
 * ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
@@ -16,14 +19,14 @@ import jax
 
 from ulysses_jax.attention.chunked import chunked_attention
 
-BACKENDS = ("auto", "xla", "pallas", "cudnn")
+BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
 
 
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def resolve_backend(backend: str, *, dtype, segment_ids_given: bool) -> str:
+def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool) -> str:
   """Checks ``backend`` against the inputs and returns a concrete backend name."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
@@ -39,6 +42,13 @@ def resolve_backend(backend: str, *, dtype, segment_ids_given: bool) -> str:
     if jax.numpy.dtype(dtype).name not in ("float16", "bfloat16"):
       raise ValueError(f"backend='cudnn' needs float16 or bfloat16 inputs, got {dtype}; "
                        "cast q/k/v or use backend='pallas' or 'xla'.")
+  if backend == "pallas_mosaic":
+    from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
+    if (jax.numpy.dtype(dtype) not in flash_hopper.DTYPES
+        or head_dim not in flash_hopper_backward.HEAD_DIMS):
+      raise ValueError(f"backend='pallas_mosaic' needs float16 or bfloat16 inputs and head dim "
+                       f"in {flash_hopper_backward.HEAD_DIMS}, got {dtype} and {head_dim}; "
+                       "use backend='pallas'.")
   return backend
 
 
@@ -51,10 +61,11 @@ def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids
   if backend == "xla":
     return chunked_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=segment_ids,
                              kv_segment_ids=segment_ids, scale=scale)
-  if backend == "pallas":
+  if backend in ("pallas", "pallas_mosaic"):
     from ulysses_jax.kernels.flash_attention import flash_attention
+    kernel = "mosaic" if backend == "pallas_mosaic" else "triton"
     return flash_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                           scale=scale)
+                           scale=scale, forward_kernel=kernel, backward_kernel=kernel)
   if backend == "cudnn":
     return jax.nn.dot_product_attention(q_BSHD, k_BSKD, v_BSKD, scale=scale, is_causal=causal,
                                         implementation="cudnn")

@@ -113,13 +113,17 @@ def check_layout(layout, seq_len, ring_size, inner=1):
         f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
 
 
-def resolve_backend(backend, *, dtype, segment_ids_given):
+def resolve_backend(backend, *, dtype, head_dim, segment_ids_given):
   """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: pallas on GPU)."""
-  if backend == "cudnn":
-    raise ValueError("ring attention supports backend 'auto', 'xla' or 'pallas', got 'cudnn': "
-                     "it merges partial results by log-sum-exp, which cuDNN's attention does "
-                     "not return.")
-  return backends.resolve_backend(backend, dtype=dtype, segment_ids_given=segment_ids_given)
+  why_not = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
+                      "not return",
+             "pallas_mosaic": "its backward sums float32 gradients over ring steps, which the "
+                              "Mosaic kernels do not write"}
+  if backend in why_not:
+    raise ValueError(f"ring attention supports backend 'auto', 'xla' or 'pallas', got "
+                     f"{backend!r}: {why_not[backend]}.")
+  return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
+                                  segment_ids_given=segment_ids_given)
 
 
 def _chunk_positions(index, ring_size, chunk, zigzag):
@@ -394,7 +398,8 @@ def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="aut
     ``padded_length(S, R)`` (natural layout) and the padding masked.
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
-  backend = resolve_backend(backend, dtype=q.dtype, segment_ids_given=segment_ids is not None)
+  backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
+                            segment_ids_given=segment_ids is not None)
   axes = sequence_axes(mesh)
   check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,

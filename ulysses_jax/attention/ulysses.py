@@ -184,7 +184,7 @@ def ulysses_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="
     segment_ids: int ``[B, S]`` (>= 0), or None; tokens attend only within their segment.
       Segments may cross shard boundaries.
     backend: local attention, one of ``backends.BACKENDS``; the hybrid takes all but
-      ``"cudnn"`` (``ring.resolve_backend``).
+      ``"cudnn"`` and ``"pallas_mosaic"`` (``ring.resolve_backend``).
     scale: score scale, default ``1/sqrt(D)``.
     layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``ring.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
@@ -199,7 +199,8 @@ def ulysses_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
   ring.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
   resolve = ring.resolve_backend if ring_size(mesh) > 1 else backends.resolve_backend
-  backend = resolve(backend, dtype=q.dtype, segment_ids_given=segment_ids is not None)
+  backend = resolve(backend, dtype=q.dtype, head_dim=q.shape[3],
+                    segment_ids_given=segment_ids is not None)
   return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
                             scale=None if scale is None else float(scale), layout=layout)
 

@@ -1,13 +1,14 @@
-"""The max-sequence-length search, the transformers comparison and the communication
-volume, on tiny shapes (CPU)."""
+"""The max-sequence-length search, the transformers comparison, the communication volume and
+the offline kernel-resource report, on tiny shapes (CPU)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import comm_volume, max_seqlen
+from benchmarks import comm_volume, kernel_resources, max_seqlen
 from ulysses_jax import hlo, make_mesh
 from ulysses_jax.attention.baselines import ring_attention
+from ulysses_jax.kernels import flash_kernels
 
 GRANULARITY = 512
 
@@ -85,3 +86,27 @@ def test_executed_collective_bytes_weights_a_loop_body_by_its_trip_count():
   assert hlo.collective_bytes(text)["collective-permute"] == kv_shard_bytes
   assert hlo.executed_collective_bytes(text) == {
       **dict.fromkeys(hlo.COLLECTIVES, 0), "collective-permute": (shards - 1) * kv_shard_bytes}
+
+
+@pytest.mark.parametrize("kernel", kernel_resources.KERNELS)
+def test_kernel_resources_lowers_each_triton_kernel_for_hopper(kernel):
+  tile = flash_kernels.Tile(64, 32, 4, 2)
+  text = kernel_resources.triton_ir(kernel, 64, tile, segments=True)
+  assert f"tt.func public @flash_attention_{kernel}" in text
+  assert "tt.dot" in text
+  # The hook is gone afterwards: lowering again captures nothing by accident.
+  with kernel_resources._capture_triton_modules() as modules:
+    pass
+  assert modules == []
+
+
+def test_kernel_resources_compiles_for_hopper(tmp_path):
+  pytest.importorskip("triton", reason="pip install -e '.[kernel-tools]'")
+  tile = flash_kernels.Tile(64, 64, 4, 2)
+  small = kernel_resources.compile_for_hopper(
+      kernel_resources.triton_ir("dq", 64, tile, segments=False), tile, str(tmp_path))
+  large = flash_kernels.Tile(128, 128, 4, 2)
+  big = kernel_resources.compile_for_hopper(
+      kernel_resources.triton_ir("dq", 64, large, segments=False), large, str(tmp_path))
+  assert 0 < small["registers"] <= 255 and small["spill_bytes"] >= 0
+  assert big["smem_KiB"] > small["smem_KiB"] > 0

@@ -1,0 +1,176 @@
+"""What do our Pallas Triton kernels need on Hopper? Registers, spills, shared memory: no GPU.
+
+Pallas lowers each kernel (forward, dq, dk/dv) to Triton IR for sm_90 on any machine; the
+`triton` package (``pip install -e '.[kernel-tools]'``) then compiles that IR for sm_90a and its
+ptxas reports registers per thread and spill bytes. A tile that needs more shared memory than
+a Hopper block may have (227 KiB) fails here as it would on the GPU. This prunes the tiles
+worth timing on a GPU; which of the rest is fastest only a GPU shows
+(``benchmarks.attention_kernels --sweep``).
+
+The `triton` package is not the Triton inside jaxlib that compiles these kernels on a GPU, so
+the figures are those of the package's version (recorded in the JSON): close, not identical.
+Its own IR passes run first, as jaxlib's do.
+
+  python -m benchmarks.kernel_resources [--head-dims 64,128,256] [--sweep] [--json PATH]
+
+Without ``--sweep`` it compiles the tiles of ``flash_attention.make_plan``'s sm90 table; with
+it, every (block_q, block_kv, warps, stages) of ``SWEEP`` as well.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import os
+import re
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import print_table, write_json
+from ulysses_jax.kernels import flash_kernels
+from ulysses_jax.kernels.flash_attention import make_plan
+from ulysses_jax.kernels.flash_kernels import Tile
+
+KERNELS = ("forward", "dq", "dkv")
+HOPPER_SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+SWEEP = dict(blocks=tuple(itertools.product((32, 64, 128), repeat=2)), warps=(4, 8), stages=(2, 3))
+# Shapes the kernels are lowered for; the resources depend on the tile, not on these.
+SEQ_LEN, Q_HEADS, KV_HEADS = 4096, 8, 2
+
+
+@contextlib.contextmanager
+def _capture_triton_modules():
+  """Collects the Triton IR text of every Pallas Triton kernel lowered inside the block."""
+  from jax._src.pallas.triton import pallas_call_registration  # no public hook exists
+  modules, lower = [], pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+
+  def capturing(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    modules.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+  pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capturing
+  try:
+    yield modules
+  finally:
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
+
+
+def triton_ir(kernel, head_dim, tile, *, segments):
+  """The Triton IR (text) that Pallas emits for one kernel and tile on sm_90."""
+  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=head_dim ** -0.5, generation="sm90")
+  plan = dataclasses.replace(plan, **{kernel: tile})
+  q = jax.ShapeDtypeStruct((1, SEQ_LEN, Q_HEADS, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, SEQ_LEN, KV_HEADS, head_dim), jnp.bfloat16)
+  stats = jax.ShapeDtypeStruct((1, Q_HEADS, SEQ_LEN), jnp.float32)
+  ids = jax.ShapeDtypeStruct((1, SEQ_LEN), jnp.int32) if segments else None
+  if kernel == "forward":
+    fn, args = lambda *a: flash_kernels.forward(plan, *a), (q, kv, kv, ids, ids)
+  else:
+    backward = getattr(flash_kernels, f"backward_{kernel}")
+    fn = lambda *a: backward(plan, *a, jnp.bfloat16)
+    args = (q, kv, kv, q, stats, stats, ids, ids)
+  with _capture_triton_modules() as modules:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  (module,) = modules
+  return module
+
+
+def compile_for_hopper(ir_text, tile, workdir):
+  """Compiles Triton IR for sm_90a; returns registers, spill and shared-memory bytes."""
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # fused multiply-adds, as jaxlib's
+  import triton  # noqa: PLC0415 - optional: only this tool needs it
+  from triton._C.libtriton import ir
+  from triton.backends.compiler import GPUTarget
+  target = GPUTarget("cuda", 90, 32)
+  backend = triton.compiler.make_backend(target)
+  options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
+  context = ir.context()
+  ir.load_dialects(context)
+  backend.load_dialects(context)
+  raw = os.path.join(workdir, "kernel.raw.ttir")
+  with open(raw, "w") as f:
+    f.write(ir_text)
+  module = ir.parse_mlir_module(raw, context)
+  module.context = context
+  backend.make_ttir(module, {}, backend.parse_options(options), 90)
+  optimized = os.path.join(workdir, "kernel.ttir")  # compile() starts after the TTIR passes
+  with open(optimized, "w") as f:
+    f.write(str(module))
+  compiled = triton.compile(optimized, target=target, options=options)
+  ptx = os.path.join(workdir, "kernel.ptx")
+  with open(ptx, "w") as f:
+    f.write(compiled.asm["ptx"])
+  report = subprocess.run(
+      [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(workdir, "kernel.cubin")],
+      capture_output=True, text=True, check=True).stderr
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+  return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+          "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+          "smem_KiB": compiled.metadata.shared / 1024, "triton": triton.__version__}
+
+
+def _ptxas():
+  """The newest ptxas bundled with the triton package (it emits PTX for that one)."""
+  import triton
+  folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  names = [n for n in ("ptxas-blackwell", "ptxas") if os.path.exists(os.path.join(folder, n))]
+  return os.path.join(folder, names[0])
+
+
+def tiles(kernel, head_dim, *, sweep):
+  """The table's tile for this kernel and head dim, then (with sweep) the alternatives."""
+  default = getattr(make_plan(SEQ_LEN, head_dim, causal=True, scale=1.0, generation="sm90"),
+                    kernel)
+  found = [default]
+  if sweep:
+    for (block_q, block_kv), warps, stages in itertools.product(*SWEEP.values()):
+      tile = Tile(block_q, block_kv, warps, stages)
+      if tile != default:
+        found.append(tile)
+  return default, found
+
+
+def measure(kernel, head_dim, tile, *, segments, default, workdir):
+  row = {"kernel": kernel, "D": head_dim, "segments": segments, "block_q": tile.block_q,
+         "block_kv": tile.block_kv, "warps": tile.num_warps, "stages": tile.num_stages,
+         "table": tile == default}
+  try:
+    row.update(compile_for_hopper(triton_ir(kernel, head_dim, tile, segments=segments), tile,
+                                  workdir))
+  except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
+    return {**row, "status": f"failed: {type(e).__name__}: {e}".replace("\n", " ")[:300]}
+  fits = row["smem_KiB"] * 1024 <= HOPPER_SMEM_LIMIT
+  return {**row, "status": "ok" if fits else "too much shared memory"}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--head-dims", default="64,128,256")
+  parser.add_argument("--kernels", default=",".join(KERNELS))
+  parser.add_argument("--sweep", action="store_true", help="also the tiles of SWEEP")
+  parser.add_argument("--json", default="benchmarks/results/kernel_resources.json")
+  args = parser.parse_args(argv)
+  rows = []
+  with tempfile.TemporaryDirectory() as workdir:
+    for kernel in args.kernels.split(","):
+      for head_dim in map(int, args.head_dims.split(",")):
+        default, candidates = tiles(kernel, head_dim, sweep=args.sweep)
+        for tile in candidates:
+          for segments in (False, True):
+            rows.append(measure(kernel, head_dim, tile, segments=segments, default=default,
+                                workdir=workdir))
+            print(f"{kernel} D={head_dim} {tile} segments={segments}: {rows[-1]['status']}",
+                  flush=True)
+  print(f"\nsm_90a, bf16, causal; Triton {rows[0].get('triton', '?')} (the triton package); "
+        f"shared memory limit {HOPPER_SMEM_LIMIT // 1024} KiB per block")
+  print_table(rows, ["kernel", "D", "segments", "block_q", "block_kv", "warps", "stages",
+                     "table", "registers", "spill_bytes", "smem_KiB", "status"])
+  write_json(args.json, rows, smem_limit_bytes=HOPPER_SMEM_LIMIT)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,20 +1,22 @@
-"""What do our Pallas Triton kernels need on Hopper? Registers, spills, shared memory: no GPU.
+"""What do our Pallas Triton kernels need on a GPU? Registers, spills, shared memory: no GPU.
 
-Pallas lowers each kernel (forward, dq, dk/dv) to Triton IR for sm_90 on any machine; the
-`triton` package (``pip install -e '.[kernel-tools]'``) then compiles that IR for sm_90a and its
-ptxas reports registers per thread and spill bytes. A tile that needs more shared memory than
-a Hopper block may have (227 KiB) fails here as it would on the GPU. This prunes the tiles
-worth timing on a GPU; which of the rest is fastest only a GPU shows
-(``benchmarks.attention_kernels --sweep``).
+Pallas lowers each kernel (forward, dq, dk/dv) to Triton IR on any machine; the `triton`
+package (``pip install -e '.[kernel-tools]'``) then compiles that IR for the chosen compute
+capability (default 90: sm_90a, H100/H200) and its ptxas reports registers per thread and spill
+bytes. A tile that needs more shared memory than a block may have there (``SMEM_LIMIT_KIB``)
+fails here as it would on the GPU. This prunes the tiles worth timing on a GPU; which of the
+rest is fastest only a GPU shows (``benchmarks.attention_kernels --sweep``).
 
 The `triton` package is not the Triton inside jaxlib that compiles these kernels on a GPU, so
 the figures are those of the package's version (recorded in the JSON): close, not identical.
 Its own IR passes run first, as jaxlib's do.
 
-  python -m benchmarks.kernel_resources [--head-dims 64,128,256] [--sweep] [--json PATH]
+  python -m benchmarks.kernel_resources [--capability 90] [--head-dims 64,128,256] [--sweep]
+      [--json PATH]
 
-Without ``--sweep`` it compiles the tiles of ``flash_attention.make_plan``'s sm90 table; with
-it, every (block_q, block_kv, warps, stages) of ``SWEEP`` as well.
+Without ``--sweep`` it compiles the tiles of ``flash_attention.make_plan``'s table for that
+generation (``"sm90"``, or ``"other"`` below 90); with it, every (block_q, block_kv, warps,
+stages) of ``SWEEP`` as well.
 """
 
 import argparse
@@ -35,7 +37,9 @@ from ulysses_jax.kernels.flash_attention import make_plan
 from ulysses_jax.kernels.flash_kernels import Tile
 
 KERNELS = ("forward", "dq", "dkv")
-HOPPER_SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+# Shared memory one block may use, by compute capability (CUDA programming guide, "Technical
+# Specifications per Compute Capability"): A100, A10/RTX 30, L4/RTX 40, H100/H200.
+SMEM_LIMIT_KIB = {80: 163, 86: 99, 89: 99, 90: 227}
 SWEEP = dict(blocks=tuple(itertools.product((32, 64, 128), repeat=2)), warps=(4, 8), stages=(2, 3))
 # Shapes the kernels are lowered for; the resources depend on the tile, not on these.
 SEQ_LEN, Q_HEADS, KV_HEADS = 4096, 8, 2
@@ -58,9 +62,14 @@ def _capture_triton_modules():
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = lower
 
 
-def triton_ir(kernel, head_dim, tile, *, segments):
-  """The Triton IR (text) that Pallas emits for one kernel and tile on sm_90."""
-  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=head_dim ** -0.5, generation="sm90")
+def _generation(capability):
+  return "sm90" if capability >= 90 else "other"
+
+
+def triton_ir(kernel, head_dim, tile, *, segments, capability=90):
+  """The Triton IR (text) that Pallas emits for one kernel and tile."""
+  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=head_dim ** -0.5,
+                   generation=_generation(capability))
   plan = dataclasses.replace(plan, **{kernel: tile})
   q = jax.ShapeDtypeStruct((1, SEQ_LEN, Q_HEADS, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, SEQ_LEN, KV_HEADS, head_dim), jnp.bfloat16)
@@ -78,13 +87,14 @@ def triton_ir(kernel, head_dim, tile, *, segments):
   return module
 
 
-def compile_for_hopper(ir_text, tile, workdir):
-  """Compiles Triton IR for sm_90a; returns registers, spill and shared-memory bytes."""
+def compile_for_gpu(ir_text, tile, workdir, capability=90):
+  """Compiles Triton IR for ``sm_<capability>`` (sm_90a for 90); returns registers, spill bytes
+  and shared memory."""
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # fused multiply-adds, as jaxlib's
   import triton  # noqa: PLC0415 - optional: only this tool needs it
   from triton._C.libtriton import ir
   from triton.backends.compiler import GPUTarget
-  target = GPUTarget("cuda", 90, 32)
+  target = GPUTarget("cuda", capability, 32)
   backend = triton.compiler.make_backend(target)
   options = dict(num_warps=tile.num_warps, num_stages=tile.num_stages)
   context = ir.context()
@@ -95,7 +105,7 @@ def compile_for_hopper(ir_text, tile, workdir):
     f.write(ir_text)
   module = ir.parse_mlir_module(raw, context)
   module.context = context
-  backend.make_ttir(module, {}, backend.parse_options(options), 90)
+  backend.make_ttir(module, {}, backend.parse_options(options), capability)
   optimized = os.path.join(workdir, "kernel.ttir")  # compile() starts after the TTIR passes
   with open(optimized, "w") as f:
     f.write(str(module))
@@ -104,7 +114,8 @@ def compile_for_hopper(ir_text, tile, workdir):
   with open(ptx, "w") as f:
     f.write(compiled.asm["ptx"])
   report = subprocess.run(
-      [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(workdir, "kernel.cubin")],
+      [_ptxas(), f"-arch=sm_{capability}{'a' if capability == 90 else ''}", "-v", ptx, "-o",
+       os.path.join(workdir, "kernel.cubin")],
       capture_output=True, text=True, check=True).stderr
   spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
   return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
@@ -120,10 +131,11 @@ def _ptxas():
   return os.path.join(folder, names[0])
 
 
-def tiles(kernel, head_dim, *, sweep):
+def tiles(kernel, head_dim, *, sweep, capability=90):
   """The table's tile for this kernel and head dim, then (with sweep) the alternatives."""
-  default = getattr(make_plan(SEQ_LEN, head_dim, causal=True, scale=1.0, generation="sm90"),
-                    kernel)
+  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=1.0,
+                   generation=_generation(capability))
+  default = getattr(plan, kernel)
   found = [default]
   if sweep:
     for (block_q, block_kv), warps, stages in itertools.product(*SWEEP.values()):
@@ -133,21 +145,22 @@ def tiles(kernel, head_dim, *, sweep):
   return default, found
 
 
-def measure(kernel, head_dim, tile, *, segments, default, workdir):
+def measure(kernel, head_dim, tile, *, segments, default, workdir, capability):
   row = {"kernel": kernel, "D": head_dim, "segments": segments, "block_q": tile.block_q,
          "block_kv": tile.block_kv, "warps": tile.num_warps, "stages": tile.num_stages,
          "table": tile == default}
   try:
-    row.update(compile_for_hopper(triton_ir(kernel, head_dim, tile, segments=segments), tile,
-                                  workdir))
+    ir_text = triton_ir(kernel, head_dim, tile, segments=segments, capability=capability)
+    row.update(compile_for_gpu(ir_text, tile, workdir, capability))
   except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result
     return {**row, "status": f"failed: {type(e).__name__}: {e}".replace("\n", " ")[:300]}
-  fits = row["smem_KiB"] * 1024 <= HOPPER_SMEM_LIMIT
+  fits = row["smem_KiB"] <= SMEM_LIMIT_KIB[capability]
   return {**row, "status": "ok" if fits else "too much shared memory"}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--capability", type=int, default=90, choices=sorted(SMEM_LIMIT_KIB))
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--kernels", default=",".join(KERNELS))
   parser.add_argument("--sweep", action="store_true", help="also the tiles of SWEEP")
@@ -157,18 +170,20 @@ def main(argv=None):
   with tempfile.TemporaryDirectory() as workdir:
     for kernel in args.kernels.split(","):
       for head_dim in map(int, args.head_dims.split(",")):
-        default, candidates = tiles(kernel, head_dim, sweep=args.sweep)
+        default, candidates = tiles(kernel, head_dim, sweep=args.sweep,
+                                    capability=args.capability)
         for tile in candidates:
           for segments in (False, True):
             rows.append(measure(kernel, head_dim, tile, segments=segments, default=default,
-                                workdir=workdir))
+                                workdir=workdir, capability=args.capability))
             print(f"{kernel} D={head_dim} {tile} segments={segments}: {rows[-1]['status']}",
                   flush=True)
-  print(f"\nsm_90a, bf16, causal; Triton {rows[0].get('triton', '?')} (the triton package); "
-        f"shared memory limit {HOPPER_SMEM_LIMIT // 1024} KiB per block")
+  limit = SMEM_LIMIT_KIB[args.capability]
+  print(f"\nsm_{args.capability}, bf16, causal; Triton {rows[0].get('triton', '?')} (the triton "
+        f"package); shared memory limit {limit} KiB per block")
   print_table(rows, ["kernel", "D", "segments", "block_q", "block_kv", "warps", "stages",
                      "table", "registers", "spill_bytes", "smem_KiB", "status"])
-  write_json(args.json, rows, smem_limit_bytes=HOPPER_SMEM_LIMIT)
+  write_json(args.json, rows, capability=args.capability, smem_limit_kib=limit)
   return rows
 
 

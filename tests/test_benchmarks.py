@@ -100,13 +100,13 @@ def test_kernel_resources_lowers_each_triton_kernel_for_hopper(kernel):
   assert modules == []
 
 
-def test_kernel_resources_compiles_for_hopper(tmp_path):
+def test_kernel_resources_compiles_for_a_gpu(tmp_path):
   pytest.importorskip("triton", reason="pip install -e '.[kernel-tools]'")
   tile = flash_kernels.Tile(64, 64, 4, 2)
-  small = kernel_resources.compile_for_hopper(
+  small = kernel_resources.compile_for_gpu(
       kernel_resources.triton_ir("dq", 64, tile, segments=False), tile, str(tmp_path))
   large = flash_kernels.Tile(128, 128, 4, 2)
-  big = kernel_resources.compile_for_hopper(
+  big = kernel_resources.compile_for_gpu(
       kernel_resources.triton_ir("dq", 64, large, segments=False), large, str(tmp_path))
   assert 0 < small["registers"] <= 255 and small["spill_bytes"] >= 0
   assert big["smem_KiB"] > small["smem_KiB"] > 0

@@ -66,10 +66,10 @@ def main(argv=None):
                         attention_backend=args.backend)
   start = time.perf_counter()
   model = llama.init_llama(config, mesh)
-  tx = train_step.make_optimizer(train_step.OptimizerConfig())
-  graphdef, state = train_step.init_train_state(model, tx)
+  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  graphdef, state = train_step.init_train_state(model, optimizer)
   del model
-  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=args.seq_len)
+  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=args.seq_len)
   batch = synthetic_batch(batch_size, args.seq_len, config.vocab_size, args.doc_len)
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start

@@ -68,10 +68,10 @@ def run_ours(path: str, batch: dict, *, dtype: str, lr: float, steps: int) -> di
   seq_len = batch["tokens"].shape[1]
   mesh = make_mesh(data=1, seq=jax.device_count())
   model = load_llama(path, mesh, dtype=dtype, remat_policy=REMAT)
-  tx = train_step.make_optimizer(optimizer_config(lr, steps))
-  graphdef, state = train_step.init_train_state(model, tx)
+  optimizer = train_step.make_optimizer(optimizer_config(lr, steps))
+  graphdef, state = train_step.init_train_state(model, optimizer)
   del model
-  compiled = train_step.make_train_step(graphdef, state, tx, mesh=mesh,
+  compiled = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,
                                         seq_len=seq_len).lower(state, batch).compile()
   holder = {"state": state}
 

@@ -42,8 +42,8 @@ def sharded_state():
   config = preset("tiny-gqa")
   mesh = mesh_of(2, 4)
   model = init_llama(config, mesh, seed=0)
-  tx = train_step.make_optimizer(train_step.OptimizerConfig())
-  return config, model, train_step.init_train_state(model, tx)[1]
+  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  return config, model, train_step.init_train_state(model, optimizer)[1]
 
 
 def test_init_creates_parameters_sharded_with_single_device_values(sharded_state):
@@ -59,9 +59,9 @@ def test_init_creates_parameters_sharded_with_single_device_values(sharded_state
 
 def test_large_parameters_and_adam_moments_hold_one_eighth_per_device(sharded_state):
   _, _, state = sharded_state
-  adam = state.opt_state[1][0]  # chain(clip, adamw): adamw = (ScaleByAdamState, ...)
+  adam = [group.tx_state[0] for group in state.opt_state]  # adamw: (ScaleByAdamState, ...)
   checked = 0
-  for tree in (state.params, adam.mu, adam.nu):
+  for tree in (state.params, [a.mu for a in adam], [a.nu for a in adam]):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       name = jax.tree_util.keystr(path)
       if x.ndim >= 2 and "scale" not in name:  # every matrix; norm scales are [L, E] vectors
@@ -77,13 +77,13 @@ def test_compiled_step_arguments_are_one_eighth_of_single_device():
   config = preset("tiny-gqa")
   state = initial_state(config)
   batch = packed_batch(0, 8, 32, config.vocab_size)
-  tx = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
   argument_bytes, expected_bytes = {}, {}
   for shape in ((1, 1), (2, 4)):
     mesh = mesh_of(*shape)
     model = sharding.put_sharded(lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)), state, mesh)
-    graphdef, train_state = train_step.init_train_state(model, tx)
-    step = train_step.make_train_step(graphdef, train_state, tx, mesh=mesh, seq_len=32)
+    graphdef, train_state = train_step.init_train_state(model, optimizer)
+    step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh, seq_len=32)
     memory = step.lower(train_state, batch).compile().memory_analysis()
     argument_bytes[shape] = memory.argument_size_in_bytes
     expected_bytes[shape] = (

@@ -93,7 +93,7 @@ def _restore_params(checkpoints, params, mesh, step, tmp_path):
   """Parameters of checkpoint ``step`` (copied aside) restored onto ``mesh``."""
   train.parse_gin([TINY], params)
   _, abstract = train.abstract_train_state(train.LlamaConfig(), mesh,
-                                           train.optimizer(train.OptimizerConfig()))
+                                           train.make_optimizer(train.OptimizerConfig()))
   directory = tmp_path / f"restore-{step}-{mesh.shape['data']}x{mesh.shape['seq']}"
   shutil.copytree(os.path.join(checkpoints, str(step)), directory / str(step))
   with Checkpointer(directory) as ckpt:
@@ -150,6 +150,8 @@ def test_train_config_values_are_checked():
      "with 8"),
     ("OptimizerConfig.warmup_steps = 40", "need 0 <= warmup_steps < total_steps, got "
      "warmup_steps=40, total_steps=30"),
+    ("TrainConfig.master_weights = True", "master_weights=True keeps a float32 copy of "
+     "lower-precision parameters, but the parameters are float32 already"),
 ])
 def test_bad_runs_fail_before_training(tmp_path, param, message):
   train.parse_gin([TINY], FAST + ["STEPS = 30", param])
@@ -294,6 +296,24 @@ def test_host_offloaded_optimizer_gives_the_same_losses(reference, cache_dir, tm
   got, want = _losses(workdir), _losses(reference[0])
   assert sorted(got) == list(range(1, 9))
   np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+
+
+def test_bfloat16_parameters_with_host_master_weights_train_and_resume(reference, cache_dir,
+                                                                       tmp_path):
+  """bfloat16 parameters, float32 master weights and moments in host memory (streamed update):
+  the losses follow the float32 run's within bfloat16 rounding, and a run resumed from its
+  step-5 checkpoint repeats them exactly (the master weights were restored, not re-derived)."""
+  params = REFERENCE + ["LlamaConfig.param_dtype = 'bfloat16'", "TrainConfig.steps = 8",
+                        "TrainConfig.master_weights = True", "TrainConfig.offload_optimizer = True"]
+  first, resumed = str(tmp_path / "first"), str(tmp_path / "resumed")
+  _run(first, params, cache_dir)
+  got, want = _losses(first), _losses(reference[0])
+  assert sorted(got) == list(range(1, 9))
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-2)
+  shutil.copytree(first, resumed)
+  shutil.rmtree(os.path.join(resumed, "checkpoints", "8"))
+  assert "resuming at step 5" in _run(resumed, params, cache_dir).stderr
+  assert _losses(resumed) == got
 
 
 def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_path):

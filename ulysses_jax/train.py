@@ -29,7 +29,6 @@ import time
 
 import gin
 import jax
-import optax
 from flax import nnx
 from tqdm import tqdm
 
@@ -40,8 +39,8 @@ from ulysses_jax.data import DataConfig, RetrievalTask, make_datasets, retrieval
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import LlamaConfig, count_params, init_llama
 from ulysses_jax.rope import RopeScaling
-from ulysses_jax.train_step import (OptimizerConfig, init_train_state, learning_rate_schedule,
-                                    make_optimizer, make_train_step, state_shardings)
+from ulysses_jax.train_step import (OptimizerConfig, init_train_state, make_optimizer,
+                                    make_train_step, state_shardings)
 
 _log = logging.getLogger("ulysses_jax.train")
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +63,10 @@ class TrainConfig:
   accum_steps: micro-batches per step (gradient accumulation).
   z_loss_weight: weight of the z-loss term.
   max_bad_steps: consecutive non-finite steps that stop training.
-  offload_optimizer: keep the Adam moments in pinned host memory between steps.
+  offload_optimizer: keep the optimizer state (Adam moments, master weights) in pinned host
+    memory; the update streams it through the device one layer at a time.
+  master_weights: with LlamaConfig.param_dtype="bfloat16", the optimizer updates a float32
+    copy of the parameters (moments float32 too) and the model gets it rounded.
   platform: "" (JAX's default), "cpu", "gpu" or "tpu".
   cpu_devices: virtual CPU devices per process (0: JAX's default).
   peak_flops: per-device peak FLOP/s for MFU (0: measure at start; see ``metrics``).
@@ -84,6 +86,7 @@ class TrainConfig:
   z_loss_weight: float = 0.0
   max_bad_steps: int = 20
   offload_optimizer: bool = False
+  master_weights: bool = False
   platform: str = ""
   cpu_devices: int = 0
   peak_flops: float = 0.0
@@ -131,20 +134,15 @@ def parse_gin(files: list[str], params: list[str]):
 
 # ----------------------------------------------------------------------------- setup
 
-def abstract_train_state(model_config, mesh, tx, seed=0, offload_optimizer=False):
+def abstract_train_state(model_config, mesh, optimizer, seed=0, offload_optimizer=False,
+                         master_weights=False):
   """(graphdef, train state as ShapeDtypeStructs carrying their target shardings)."""
   graphdef, shapes = jax.eval_shape(
-      lambda: init_train_state(init_llama(model_config, mesh, seed=seed), tx))
+      lambda: init_train_state(init_llama(model_config, mesh, seed=seed), optimizer,
+                               master_weights=master_weights))
   shardings = state_shardings(shapes, mesh, offload_optimizer=offload_optimizer)
   return graphdef, jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-
-
-def optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-  """``train_step.make_optimizer`` that never applies an update with a non-finite gradient
-  (it keeps the parameters and moments and counts the step; we stop at max_bad_steps). The
-  train step makes the gradients of a non-finite loss NaN, so such steps are skipped too."""
-  return optax.apply_if_finite(make_optimizer(config), max_consecutive_errors=2**31 - 1)
 
 
 def _check_fits(abstract_state):
@@ -226,9 +224,9 @@ def train(workdir: str, datasets=None) -> dict:
     opt_cfg, ckpt_cfg = OptimizerConfig(), CheckpointConfig()
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
-    tx = optimizer(opt_cfg)
-    graphdef, abstract = abstract_train_state(model_cfg, mesh, tx, cfg.seed,
-                                              cfg.offload_optimizer)
+    optimizer = make_optimizer(opt_cfg)
+    graphdef, abstract = abstract_train_state(model_cfg, mesh, optimizer, cfg.seed,
+                                              cfg.offload_optimizer, cfg.master_weights)
     _check_fits(abstract)
     train_ds, eval_ds = datasets or make_datasets(data_cfg, mesh,
                                                   vocab_size=model_cfg.vocab_size)
@@ -241,14 +239,15 @@ def train(workdir: str, datasets=None) -> dict:
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_cfg)
   restored = ckpt.restore(abstract)
   if restored is None:
-    start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), tx,
-                                       offload_optimizer=cfg.offload_optimizer)[1]
+    start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), optimizer,
+                                       offload_optimizer=cfg.offload_optimizer,
+                                       master_weights=cfg.master_weights)[1]
   else:
     start, state = restored.step, restored.state
     train_ds.set_state(restored.data_state)
-  step_fn = make_train_step(graphdef, abstract, tx, mesh=mesh, seq_len=data_cfg.seq_len,
-                            accum_steps=cfg.accum_steps, z_loss_weight=cfg.z_loss_weight,
-                            schedule=learning_rate_schedule(opt_cfg),
+  step_fn = make_train_step(graphdef, abstract, optimizer, mesh=mesh,
+                            seq_len=data_cfg.seq_len, accum_steps=cfg.accum_steps,
+                            z_loss_weight=cfg.z_loss_weight,
                             offload_optimizer=cfg.offload_optimizer)
   eval_step = _make_eval_step(graphdef, data_cfg.source == "retrieval")
   flops = metrics_lib.flops_per_token(model_cfg, data_cfg.seq_len)
@@ -278,8 +277,8 @@ def train(workdir: str, datasets=None) -> dict:
         data_state = train_ds.get_state()
         if step < cfg.steps:
           batch = next(train_ds)  # host work while the device runs the step
-        m, bad, skipped = jax.device_get((step_metrics, state.opt_state.notfinite_count,
-                                          state.opt_state.total_notfinite))
+        m, bad, skipped = jax.device_get((step_metrics, state.nonfinite_in_a_row,
+                                          state.nonfinite_steps))
         dt = time.perf_counter() - t0
         interval_time, interval_steps = interval_time + dt, interval_steps + 1
         if step > start + 1:

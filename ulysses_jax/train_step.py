@@ -1,23 +1,36 @@
-"""One optimizer step: AdamW, warmup + cosine schedule, global-norm clipping, accumulation.
+"""One optimizer step: AdamW, warmup + cosine schedule, global-norm clipping, accumulation,
+non-finite steps skipped; optionally float32 master weights and the optimizer state in host
+memory, updated one layer at a time.
 
     model = init_llama(config, mesh)
-    tx = make_optimizer(OptimizerConfig(...))
-    graphdef, state = init_train_state(model, tx)
-    step = make_train_step(graphdef, state, tx, mesh=mesh, seq_len=S)
+    optimizer = make_optimizer(OptimizerConfig(...))
+    graphdef, state = init_train_state(model, optimizer)
+    step = make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=S)
     state, metrics = step(state, batch)     # state is donated: use the returned one
 
-The state is a ``TrainState`` pytree (step counter, parameters, optax state); parameters,
-gradients and Adam moments are all sharded like the parameters (``ulysses_jax.sharding``:
-FSDP over every device), the step is jitted with explicit in/out shardings, and the
-incoming state's buffers are donated.
+Parameters, gradients and optimizer state are sharded like the parameters (FSDP over every
+device, ``ulysses_jax.sharding``); the step is jitted with explicit in/out shardings and
+donates the incoming state.
 
-With ``offload_optimizer=True`` the optax state (Adam's two moments: twice the parameter
-bytes) lives in ``pinned_host`` memory between steps; each step copies it to the device for
-the update and back. That trades two host<->device transfers of the moments per step for
-their device memory.
+The optimizer state comes in two groups (``OptimizerState``): the stacked layer parameters
+(leading ``[L]`` axis, logical name ``"layers"``), whose optax state is made by ``vmap`` over
+that axis, and the rest (embedding, head, final norm). So the update can run over all layers
+at once (``vmap``) or one layer at a time (``lax.map``) with the same state and arithmetic.
+
+Memory options (``init_train_state`` and ``make_train_step`` take the same flags):
+
+* ``master_weights``: parameters stored in a lower precision (``LlamaConfig.param_dtype=
+  "bfloat16"``) get a float32 copy that the optimizer updates (its moments are float32 too);
+  the model's parameters are that copy rounded after every step, so updates smaller than a
+  bfloat16 step still accumulate.
+* ``offload_optimizer``: the optimizer state (master weights included) lives in
+  ``pinned_host`` memory. The update streams it: one layer's state comes to the device, is
+  updated and goes back before the next (``lax.map``), so the device holds one layer's state
+  at a time instead of all of it. The other parameters' state visits the device whole.
 """
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -32,6 +45,7 @@ from ulysses_jax.mesh import DATA
 
 BATCH_KEYS = ("tokens", "labels", "positions", "segment_ids")
 _NO_DECAY = ("scale", "bias")
+LAYER_AXIS = "layers"  # logical name of the stacked-layer axis (models.llama)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +85,65 @@ def _decay_mask(params):
       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                      eps=config.eps, weight_decay=config.weight_decay, mask=_decay_mask)
-  if not config.clip_norm:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(config.clip_norm), adamw)
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """What the train step applies, in this order: gradients scaled down to global L2 norm
+  ``clip_norm`` when they exceed it (0 = no clipping), then ``tx``.
+
+  ``tx`` must be elementwise (each element's update depends on its own gradient, state and
+  parameter only, as in Adam): the step applies it to parameter groups and to single layers
+  separately. ``schedule`` (the learning rate by update count) is only reported.
+  """
+  tx: optax.GradientTransformation
+  clip_norm: float = 0.0
+  schedule: optax.Schedule | None = None
+
+
+def make_optimizer(config: OptimizerConfig) -> Optimizer:
+  """AdamW as ``config`` says; norm scales and biases get no weight decay."""
+  schedule = learning_rate_schedule(config)
+  tx = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                   weight_decay=config.weight_decay, mask=_decay_mask)
+  return Optimizer(tx, config.clip_norm, schedule)
+
+
+class ParamGroup(NamedTuple):
+  """The optimizer state of one group of parameters."""
+  tx_state: optax.OptState
+  master: nnx.State | None  # float32 copy of the parameters (``master_weights``), else None
+
+
+class OptimizerState(NamedTuple):
+  layers: ParamGroup  # the stacked layer parameters; every leaf has a leading [L] axis
+  rest: ParamGroup    # the other parameters
 
 
 class TrainState(NamedTuple):
-  step: jax.Array           # int32 scalar, replicated
-  params: nnx.State         # model parameters (nnx.split(model)[1])
-  opt_state: optax.OptState
+  step: jax.Array                # int32 scalar, replicated: steps taken, skipped ones included
+  params: nnx.State              # model parameters (nnx.split(model)[1])
+  opt_state: OptimizerState
+  nonfinite_steps: jax.Array     # int32 scalar: steps skipped for a non-finite loss/gradient
+  nonfinite_in_a_row: jax.Array  # int32 scalar: how many of those came last, in a row
+
+
+def _is_layer_param(_, x) -> bool:
+  return (x.get_metadata().get("logical_axes") or (None,))[0] == LAYER_AXIS
+
+
+def split_layers(tree: nnx.State) -> tuple[nnx.State, nnx.State]:
+  """(stacked layer parameters, the rest) of a parameter (or gradient) state."""
+  return nnx.split_state(tree, _is_layer_param, ...)
+
+
+def _new_group(tx, params, master_weights) -> ParamGroup:
+  master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if master_weights else None
+  return ParamGroup(tx.init(params if master is None else master), master)
+
+
+def _init_optimizer_state(tx, params, master_weights) -> OptimizerState:
+  layers, rest = split_layers(params)
+  return OptimizerState(jax.vmap(lambda p: _new_group(tx, p, master_weights))(layers),
+                        _new_group(tx, rest, master_weights))
 
 
 def _on_host(shardings):
@@ -99,22 +160,34 @@ def state_shardings(state, mesh: Mesh, *, offload_optimizer: bool = False,
   return shardings
 
 
-def init_train_state(model: nnx.Module, tx: optax.GradientTransformation,
+def _check_master_weights(params, master_weights):
+  dtypes = {x.dtype.name for x in jax.tree.leaves(params)}
+  if master_weights and dtypes == {"float32"}:
+    raise ValueError("master_weights=True keeps a float32 copy of lower-precision "
+                     "parameters, but the parameters are float32 already; set "
+                     "LlamaConfig.param_dtype='bfloat16' or drop master_weights.")
+
+
+def init_train_state(model: nnx.Module, optimizer: Optimizer,
                      rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                     offload_optimizer: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+                     offload_optimizer: bool = False,
+                     master_weights: bool = False) -> tuple[nnx.GraphDef, TrainState]:
   """Splits a (sharded) model into its graphdef and a ``TrainState``.
 
-  The optimizer state is created directly in the parameters' sharding (in host memory with
-  ``offload_optimizer``). ``model`` must have a ``mesh`` attribute (``Llama`` does).
+  The optimizer state (and with ``master_weights`` the float32 copy of the parameters) is
+  created directly in the parameters' sharding, in host memory with ``offload_optimizer``.
+  ``model`` must have a ``mesh`` attribute (``Llama`` does).
   """
   graphdef, params = nnx.split(model)
+  _check_master_weights(params, master_weights)
   mesh = model.mesh
-  opt_shardings = sharding.tree_shardings(jax.eval_shape(tx.init, params), mesh, rules)
+  init = lambda p: _init_optimizer_state(optimizer.tx, p, master_weights)
+  opt_shardings = sharding.tree_shardings(jax.eval_shape(init, params), mesh, rules)
   if offload_optimizer:
     opt_shardings = _on_host(opt_shardings)
-  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-  step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-  return graphdef, TrainState(step, params, opt_state)
+  opt_state = jax.jit(init, out_shardings=opt_shardings)(params)
+  zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+  return graphdef, TrainState(zero(), params, opt_state, zero(), zero())
 
 
 def _check_batch(batch, *, mesh, seq_len, accum_steps):
@@ -132,18 +205,69 @@ def _check_batch(batch, *, mesh, seq_len, accum_steps):
                      f"data axis ({mesh.shape[DATA]}); change one of them.")
 
 
-def _schedule_count(opt_state, *, default):
-  """The step the optimizer's learning-rate schedule is at: ``optax.apply_if_finite`` keeps
-  it (with the whole inner state) on skipped steps, so it can trail the step counter.
-  ``default`` for an optimizer without a schedule."""
-  in_schedule = lambda path, _: getattr(path[-1], "tuple_name", None) == "ScaleByScheduleState"
-  return optax.tree_utils.tree_get(opt_state, "count", default, filtering=in_schedule)
+def _update_group(tx, grads, params, group: ParamGroup, *, scale, apply):
+  """One optimizer update of a parameter group (or of one layer of one): gradients times
+  ``scale`` (the clipping factor), then ``tx`` on the master weights if there are any, else on
+  the parameters. When ``apply`` is False, parameters and state come back unchanged."""
+  def update(grads, params, group):
+    weights = params if group.master is None else group.master
+    grads = jax.tree.map(lambda g, w: g.astype(w.dtype) * scale.astype(w.dtype), grads, weights)
+    updates, tx_state = tx.update(grads, group.tx_state, weights)
+    weights = optax.apply_updates(weights, updates)
+    if group.master is None:
+      return weights, ParamGroup(tx_state, None)
+    rounded = jax.tree.map(lambda w, p: w.astype(p.dtype), weights, params)
+    return rounded, ParamGroup(tx_state, weights)
+
+  # A conditional, not a select of new and old values: those would both be live at once.
+  return jax.lax.cond(apply, update, lambda _, params, group: (params, group), grads, params,
+                      group)
 
 
-def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
-                    tx: optax.GradientTransformation, *, mesh: Mesh, seq_len: int,
-                    accum_steps: int = 1, z_loss_weight: float = 0.0,
-                    schedule: optax.Schedule | None = None,
+def _layer_slice(shardings, memory_kind):
+  """Shardings of one layer of stacked arrays (the leading axis dropped), in ``memory_kind``."""
+  return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:]), memory_kind=memory_kind),
+                      shardings)
+
+
+def _update(tx, grads, params, opt_state: OptimizerState, *, scale, apply, device_shardings,
+            offload):
+  """Updated (params, opt_state). On the device: all layers at once (``vmap``). Offloaded:
+  one layer at a time, each layer's state copied to the device and back."""
+  update = functools.partial(_update_group, tx, scale=scale, apply=apply)
+  (grads_layers, grads_rest), (params_layers, params_rest) = map(split_layers, (grads, params))
+  layers, rest = opt_state
+  if offload:
+    to_device = _layer_slice(device_shardings.layers, "device")
+    to_host = _layer_slice(device_shardings.layers, "pinned_host")
+
+    # A loop that carries the stacked arrays and writes each layer back in place (a
+    # ``lax.map`` would build new stacked outputs beside the old ones).
+    def one_layer(i, carry):
+      params_layers, layers = carry
+      take = lambda tree: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False),
+                                       tree)
+      put = lambda tree, new: jax.tree.map(
+          lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+      p, group = update(take(grads_layers), take(params_layers),
+                        jax.device_put(take(layers), to_device))
+      return put(params_layers, p), put(layers, jax.device_put(group, to_host))
+
+    num_layers = jax.tree.leaves(params_layers)[0].shape[0]
+    # The loop's carry starts in host memory also when the step is traced from abstract shapes.
+    layers = jax.device_put(layers, _on_host(device_shardings.layers))
+    params_layers, layers = jax.lax.fori_loop(0, num_layers, one_layer, (params_layers, layers))
+    params_rest, rest = update(grads_rest, params_rest,
+                               jax.device_put(rest, device_shardings.rest))
+    rest = jax.device_put(rest, _on_host(device_shardings.rest))
+  else:
+    params_layers, layers = jax.vmap(update)(grads_layers, params_layers, layers)
+    params_rest, rest = update(grads_rest, params_rest, rest)
+  return nnx.merge_state(params_layers, params_rest), OptimizerState(layers, rest)
+
+
+def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimizer, *,
+                    mesh: Mesh, seq_len: int, accum_steps: int = 1, z_loss_weight: float = 0.0,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
                     offload_optimizer: bool = False):
   """The jitted ``step(state, batch) -> (state, metrics)``.
@@ -153,8 +277,8 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
       ``loss(tokens, labels, positions, segment_ids, z_loss_weight=...)`` method returning
       ``CrossEntropySums`` (``Llama`` does).
     state: a ``TrainState`` (or its ``jax.eval_shape``) fixing the tree structure and so
-      the shardings of the state argument and result.
-    tx: the optimizer.
+      the shardings of the state argument and result (master weights or not).
+    optimizer: from ``make_optimizer`` (the one ``init_train_state`` was given).
     mesh, seq_len: the batch is a dict of int32 ``[B, seq_len]`` arrays (``tokens``,
       ``labels`` and optionally ``positions``, ``segment_ids``; see ``ulysses_jax.data``),
       sharded ``sharding.batch_spec(mesh, seq_len)``.
@@ -162,16 +286,16 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
       micro-batches run one after another; the update uses the token-weighted mean over all
       of them, exactly as one big batch would.
     z_loss_weight: weight of the z-loss term added to the objective.
-    schedule: learning-rate schedule, only to report it in the metrics.
-    offload_optimizer: the optax state lives in host memory (``init_train_state`` with the
-      same flag); it visits the device only for the update.
+    offload_optimizer: the optimizer state lives in host memory (``init_train_state`` with
+      the same flag) and is updated one layer at a time.
 
-  A step whose loss is non-finite hands ``tx`` all-NaN gradients (wrap ``tx`` in
-  ``optax.apply_if_finite`` to skip such steps, as ``ulysses_jax.train`` does).
+  A step whose loss or gradient norm is not finite changes neither parameters nor optimizer
+  state; it counts in ``TrainState.nonfinite_steps`` (and ``nonfinite_in_a_row``) and does
+  not advance the learning-rate schedule.
 
   Metrics (replicated float32 scalars): ``loss`` (mean cross-entropy over valid tokens),
-  ``z_loss``, ``grad_norm`` (before clipping; NaN when the loss is non-finite), ``tokens``
-  (valid labels), and ``learning_rate`` when ``schedule`` is given.
+  ``z_loss``, ``grad_norm`` (before clipping), ``tokens`` (valid labels), and
+  ``learning_rate`` when the optimizer has a schedule.
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
@@ -207,25 +331,22 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState,
           jax.tree.map(jnp.zeros_like, current.params), param_shardings)
       zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
-    # The gradient of a non-finite loss means nothing even where it is finite: make it NaN,
-    # so the one finiteness check on gradients (``optax.apply_if_finite`` in
-    # ``ulysses_jax.train``) skips and counts both kinds of bad step.
-    loss_finite = jnp.isfinite(sums.loss + sums.z_loss)
-    grads = jax.tree.map(lambda g: jnp.where(loss_finite, g, jnp.nan), grads)
-    opt_state = current.opt_state
-    if offload_optimizer:
-      opt_state = jax.device_put(opt_state, device_opt_shardings)
-    schedule_step = _schedule_count(opt_state, default=current.step)
-    updates, opt_state = tx.update(grads, opt_state, current.params)
-    if offload_optimizer:
-      opt_state = jax.device_put(opt_state, shardings.opt_state)
-    params = optax.apply_updates(current.params, updates)
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    finite = jnp.isfinite(sums.loss + sums.z_loss) & jnp.isfinite(grad_norm)
+    scale = (jnp.minimum(1.0, optimizer.clip_norm / grad_norm) if optimizer.clip_norm
+             else jnp.ones((), jnp.float32))
+    params, opt_state = _update(optimizer.tx, grads, current.params, current.opt_state,
+                                scale=scale, apply=finite, device_shardings=device_opt_shardings,
+                                offload=offload_optimizer)
     count = jnp.maximum(sums.count, 1.0)
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
-               "grad_norm": optax.tree.norm(grads), "tokens": sums.count}
-    if schedule is not None:
-      metrics["learning_rate"] = jnp.asarray(schedule(schedule_step), jnp.float32)
-    return TrainState(current.step + 1, params, opt_state), metrics
+               "grad_norm": grad_norm, "tokens": sums.count}
+    if optimizer.schedule is not None:  # skipped steps did not advance it
+      updates_done = current.step - current.nonfinite_steps
+      metrics["learning_rate"] = jnp.asarray(optimizer.schedule(updates_done), jnp.float32)
+    skipped = jnp.logical_not(finite).astype(jnp.int32)
+    return TrainState(current.step + 1, params, opt_state, current.nonfinite_steps + skipped,
+                      (current.nonfinite_in_a_row + 1) * skipped), metrics
 
   shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer, rules=rules)
   device_opt_shardings = sharding.tree_shardings(state.opt_state, mesh, rules)

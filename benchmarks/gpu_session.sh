@@ -7,14 +7,16 @@
 #   benchmarks/gpu_session.sh STAGE [OUT_DIR]        (OUT_DIR defaults to benchmarks/results/gpu)
 # Stages:
 #   kernels       GPU tests (the Pallas kernels: Triton, and the Mosaic Hopper forward and
-#                 backward; the offloading remat policies), then
+#                 backward; the offloading remat policies; the streamed optimizer update), then
 #                 the kernel table at D=128, S=4K and 16K, all implementations incl. ours_mosaic
 #   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
 #   step-1b       llama3.2-1b training step at 64K tokens (MFU), attention by our Triton
 #                 kernels, our Mosaic kernels and cuDNN
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
-#   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets); float32 parameters
-#                 (by ulysses_jax.plan nothing fits one 80 GB GPU), then bfloat16 parameters
+#   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets), float32 parameters
+#                 (by ulysses_jax.plan nothing fits one 80 GB GPU, 160K tokens one H200)
+#   memory-8b-bf16  bfloat16 parameters, with bfloat16 moments and with float32 master
+#                 weights and moments (both on the host, streamed)
 #                 The memory stages search by the GPU compiler's memory analysis against the
 #                 allocator's limit (one real step at 500K tokens of an 8B model takes longer
 #                 than a command may run) and time real steps up to --time-max-tokens.
@@ -36,7 +38,7 @@ run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
 case $stage in
   kernels)
     run gpu_tests env JAX_PLATFORMS=cuda,cpu python3 -m pytest tests/test_flash_attention.py \
-      tests/test_llama.py -q -m gpu
+      tests/test_llama.py tests/test_train_step.py -q -m gpu
     run kernels_d128 python3 -m benchmarks.attention_kernels --head-dims 128 \
       --seq-lens 4096,16384 --json "$out/attention_kernels_d128.json" ;;
   kernels-more)
@@ -58,17 +60,18 @@ case $stage in
     run max_seqlen_8b python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
       --configs full+opt,full_offload+opt+mlp2048 \
-      --json "$out/max_seqlen_8b.json" --plot "$out/max_seqlen_8b.png"
+      --json "$out/max_seqlen_8b.json" --plot "$out/max_seqlen_8b.png" ;;
+  memory-8b-bf16)
     run max_seqlen_8b_bf16 python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
-      --param-dtype bfloat16 --configs full_offload+opt+mlp2048 \
+      --param-dtype bfloat16 --configs full_offload+opt+mlp2048,full+opt+master+mlp2048 \
       --json "$out/max_seqlen_8b_bf16.json" --plot "$out/max_seqlen_8b_bf16.png" ;;
   peers)
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
   *)
-    echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, memory-1b, memory-8b" \
-      "or peers" >&2
+    echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, memory-1b, memory-8b," \
+      "memory-8b-bf16 or peers" >&2
     exit 2 ;;
 esac

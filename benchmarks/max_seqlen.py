@@ -5,9 +5,11 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.max_seqlen \\
         --preset small --budget-gib 0.25 --configs none,full,full+opt
 
-A memory configuration is ``POLICY[+opt][+mlpN]``: the per-layer remat policy (one of
-``llama.REMAT_POLICIES``), ``+opt`` for the optimizer state in pinned host memory
-(``offload_optimizer``), ``+mlpN`` for the MLP tiled into chunks of N tokens per device.
+A memory configuration is ``POLICY[+opt][+master][+mlpN]``: the per-layer remat policy (one
+of ``llama.REMAT_POLICIES``), ``+opt`` for the optimizer state in pinned host memory, streamed
+through the device a layer at a time (``offload_optimizer``), ``+master`` for float32 master
+weights of lower-precision parameters (``master_weights``; with ``--param-dtype bfloat16``),
+``+mlpN`` for the MLP tiled into chunks of N tokens per device.
 
 The search doubles S from ``--granularity`` (rounded up to a multiple of the seq axis) while
 the step fits, then bisects between the last fit and the first failure down to one
@@ -52,29 +54,40 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  """Remat policy, optimizer state on the host or not, MLP tile (0 = untiled)."""
+  """Remat policy, optimizer state on the host or not, float32 master weights or not, MLP
+  tile (0 = untiled)."""
   remat: str = "full"
   offload_optimizer: bool = False
+  master_weights: bool = False
   mlp_chunk: int = 0
 
   @property
   def name(self) -> str:
     return "+".join([self.remat] + ["opt"] * self.offload_optimizer +
+                    ["master"] * self.master_weights +
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
+
+  @property
+  def state_flags(self) -> dict:
+    """The keyword arguments of ``train_step.init_train_state`` this config sets."""
+    return dict(offload_optimizer=self.offload_optimizer, master_weights=self.master_weights)
 
 
 def parse_config(spec: str) -> MemoryConfig:
-  """``"full+opt+mlp1024"`` -> ``MemoryConfig("full", True, 1024)``."""
+  """``"full+opt+mlp1024"`` -> ``MemoryConfig("full", offload_optimizer=True,
+  mlp_chunk=1024)``."""
   remat, *flags = spec.split("+")
   config = MemoryConfig(remat=remat)
   for flag in flags:
     if flag == "opt":
       config = dataclasses.replace(config, offload_optimizer=True)
+    elif flag == "master":
+      config = dataclasses.replace(config, master_weights=True)
     elif flag.startswith("mlp") and flag[3:].isdigit():
       config = dataclasses.replace(config, mlp_chunk=int(flag[3:]))
     else:
       raise ValueError(f"unknown flag {flag!r} in memory config {spec!r}: expected "
-                       f"POLICY[+opt][+mlpN], e.g. full+opt+mlp1024.")
+                       f"POLICY[+opt][+master][+mlpN], e.g. full+opt+mlp1024.")
   if remat not in llama.REMAT_POLICIES:
     raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES}.")
   return config
@@ -120,13 +133,13 @@ def search(fits, granularity: int, max_len: int) -> tuple[int, int]:
   return low, high
 
 
-def abstract_state(config: llama.LlamaConfig, mesh, tx, offload_optimizer: bool):
+def abstract_state(config: llama.LlamaConfig, mesh, optimizer, **state_flags):
   """``(graphdef, TrainState of ShapeDtypeStruct)``: shapes only, nothing allocated."""
   graphdefs = []
 
   def build():
-    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), tx,
-                                                  offload_optimizer=offload_optimizer)
+    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
+                                                  **state_flags)
     graphdefs.append(graphdef)
     return state
 
@@ -154,17 +167,17 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
   with ``abstract`` the state and batch are ShapeDtypeStructs."""
   mesh = make_mesh(data=setup.data, seq=setup.seq,
                    devices=jax.devices()[:setup.data * setup.seq])
-  tx = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
   config = setup.model_config(memory)
   if abstract:
-    graphdef, state = abstract_state(config, mesh, tx, memory.offload_optimizer)
+    graphdef, state = abstract_state(config, mesh, optimizer, **memory.state_flags)
     batch = {k: jax.ShapeDtypeStruct((setup.batch, seq_len), "int32")
              for k in ("tokens", "labels")}
   else:
-    graphdef, state = train_step.init_train_state(
-        llama.init_llama(config, mesh), tx, offload_optimizer=memory.offload_optimizer)
+    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
+                                                  **memory.state_flags)
     batch = synthetic_batch(setup.batch, seq_len, config.vocab_size, 0)
-  step = train_step.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=seq_len,
+  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=seq_len,
                                     offload_optimizer=memory.offload_optimizer)
   compiled = step.lower(state, batch).compile()
   host_state = None

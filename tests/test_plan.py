@@ -17,9 +17,9 @@ SMALL = llama.LlamaConfig(vocab_size=4096, hidden_dim=512, num_layers=4, num_hea
 def _compiled_peak_bytes(config, data, seq, batch, seq_len):
   """Arguments + outputs - aliased + temporaries of the compiled train step, per device."""
   mesh = make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
-  tx = train_step_lib.make_optimizer(train_step_lib.OptimizerConfig())
-  graphdef, state = train_step_lib.init_train_state(llama.init_llama(config, mesh), tx)
-  step = train_step_lib.make_train_step(graphdef, state, tx, mesh=mesh, seq_len=seq_len)
+  optimizer = train_step_lib.make_optimizer(train_step_lib.OptimizerConfig())
+  graphdef, state = train_step_lib.init_train_state(llama.init_llama(config, mesh), optimizer)
+  step = train_step_lib.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=seq_len)
   batch_arrays = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
                   for k in ("tokens", "labels")}
   stats = step.lower(state, batch_arrays).compile().memory_analysis()
@@ -76,15 +76,23 @@ def test_memory_terms_scale_as_documented():
   assert base["state"] == pytest.approx(12 * model.params / 32)
   assert base["host"] == 0
   assert 8.03e9 < model.params < 8.04e9
-  # Moments on the host: 4 of the 12 bytes per parameter stay, 8 go; the update brings them
-  # back, so the device never needs less than params + grads + moments.
+  # Moments on the host: 4 of the 12 bytes per parameter stay, 8 go, and so does the update's
+  # temporary (4 more); the update streams one layer's moments and the other parameters'.
   host_opt = memory(data=1, seq=8, ring=4, offload_optimizer=True)
   assert host_opt["state"] == pytest.approx(4 * model.params / 32)
   assert host_opt["host"] == pytest.approx(8 * model.params / 32)
-  assert host_opt["total"] == pytest.approx(base["total"] - 8 * model.params / 32)
+  assert host_opt["total"] == pytest.approx(base["total"] - 12 * model.params / 32)
   one_gpu = plan.predict_memory(model, plan.Layout(1, 1, 1, offload_optimizer=True), batch=1,
                                 seq_len=1024)
-  assert one_gpu["total"] == pytest.approx(16 * model.params)
+  outside_layers = model.params - model.num_layers * model.layer_params  # embedding, head
+  assert one_gpu["total"] == pytest.approx(
+      8 * model.params + 2 * 8 * (model.layer_params + outside_layers))
+  # bfloat16 parameters with float32 master weights: 2 + 2 bytes per parameter on the device
+  # (parameters, gradients), 12 on the host (master, two moments).
+  master = plan.predict_memory(model, plan.Layout(1, 8, 4, offload_optimizer=True), batch=1,
+                               seq_len=2**20, param_dtype="bfloat16", master_weights=True)
+  assert master["state"] + master["grads"] == pytest.approx(4 * model.params / 32)
+  assert master["host"] == pytest.approx(12 * model.params / 32)
   # full_offload: the layer inputs (L x tokens per device x E, bf16) move to the host.
   full_offload = memory(data=1, seq=8, ring=4, remat="full_offload")
   assert full_offload["saved"] == 0
@@ -108,3 +116,6 @@ def test_command_line(capsys):
   best = plan.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
                     "--mlp-chunk=2048", "--param-dtype=bfloat16"])
   assert (best["layout"].remat, best["layout"].offload_optimizer) == ("full_offload", True)
+  with pytest.raises(SystemExit):
+    plan.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights"])
+  assert "give param_dtype='bfloat16'" in capsys.readouterr().err

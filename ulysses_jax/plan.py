@@ -1,7 +1,8 @@
 """Layout planner: which (data, seq, ring, remat, offload) to train a model at a sequence length.
 
     python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
-        [--intra-node=8] [--host-mem=2048] [--batch=1] [--dtype=bfloat16]
+        [--intra-node=8] [--host-mem=2048] [--batch=1] [--dtype=bfloat16] \\
+        [--param-dtype=bfloat16 --master-weights]
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
@@ -11,20 +12,27 @@ training step (``predict_step``), drops the layouts that do not fit, and recomme
 fastest.
 
 Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
-the compute / parameter dtype; parameters, gradients and Adam moments FSDP-sharded over all
-N devices):
+the compute / parameter dtype, w bytes of the weights the optimizer updates: 4 with float32
+master weights (``master_weights``), else p; parameters, gradients and optimizer state
+FSDP-sharded over all N devices):
 
-  state      (p + 2p)·params/N           parameters and Adam moments (the step's arguments);
-                                         p·params/N with the moments on the host, which
-                                         the step copies to the device for the update: the
-                                         device then needs 4p·params/N at that point
-  grads      2p·params/N                 gradients and one optimizer temporary
+  state      (p + o)·params/N            parameters and optimizer state (the step's
+                                         arguments), o = 2w (Adam moments) + w with master
+                                         weights; p·params/N with the optimizer state on the
+                                         host
+  grads      (p + w)·params/N            gradients and the update's temporary; p·params/N
+                                         with the optimizer state on the host, whose update
+                                         streams it through the device a layer at a time:
+                                         then the device holds params + grads +
+                                         2·o·(layer_params + other_params)/N (one layer's state
+                                         in and out, the state of the parameters outside the
+                                         layers whole)
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
   saved      L·T·c·(E [+ (2Hq + 2Hkv)·D with save_names])   per-layer residuals kept for the
                                          backward (``offload`` keeps the named ones on the host,
                                          ``full_offload`` the E term: none left on the device)
-  host       what is offloaded: Adam moments, per-layer residuals; per device, against
+  host       what is offloaded: optimizer state, per-layer residuals; per device, against
              ``Hardware.host_memory_gb`` shared by the devices of a node
   working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
              + 2·B'·H'·b²·4              two float32 score tiles of the XLA attention (b <= 512)
@@ -124,10 +132,18 @@ def _tokens(layout, batch, seq_len):
   return seqs, per_seq, seqs * per_seq
 
 
+def _optimizer_bytes(param_dtype, master_weights):
+  """Bytes of optimizer state per parameter (``o``) and bytes of the updated weights (``w``)."""
+  w = 4 if master_weights else _DTYPE_BYTES[param_dtype]
+  return (3 if master_weights else 2) * w, w
+
+
 def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
-                   dtype: str = "bfloat16", param_dtype: str = "float32") -> dict:
+                   dtype: str = "bfloat16", param_dtype: str = "float32",
+                   master_weights: bool = False) -> dict:
   """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
   c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  o, w = _optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
   seqs, per_seq, t = _tokens(layout, batch, seq_len)
@@ -146,18 +162,20 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   ring = 0
   if layout.ring > 1:  # K, V current and incoming; f32 out, dq, dk, dv accumulators
     ring = t * d * (4 * hkv * c + 2 * hq * 4 + 4 * hkv * 4)
-  moments = 2 * p * model.params / n
+  offload = layout.offload_optimizer
+  optimizer = o * model.params / n
   terms = {
-      "state": p * model.params / n + (0 if layout.offload_optimizer else moments),
-      "grads": 2 * p * model.params / n,
+      "state": p * model.params / n + (0 if offload else optimizer),
+      "grads": (p + (0 if offload else w)) * model.params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": model.num_layers * t * saved_per_token * c,
       "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
   }
   terms["total"] = sum(terms.values())
-  if layout.offload_optimizer:  # the update brings the moments back to the device
-    terms["total"] = max(terms["total"], 4 * p * model.params / n)
-  terms["host"] = (moments * layout.offload_optimizer
+  if offload:  # the update streams one layer's state through, and the other parameters'
+    streamed = model.layer_params + model.params - model.num_layers * model.layer_params
+    terms["total"] = max(terms["total"], (2 * p * model.params + 2 * o * streamed) / n)
+  terms["host"] = (optimizer * offload
                    + model.num_layers * t * c * _offloaded_per_token(model, layout))
   return terms
 
@@ -173,9 +191,10 @@ def _offloaded_per_token(model, layout):
 
 def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
                  hardware: Hardware, dtype: str = "bfloat16",
-                 param_dtype: str = "float32") -> dict:
+                 param_dtype: str = "float32", master_weights: bool = False) -> dict:
   """Per-device communication bytes and predicted seconds of one training step."""
   c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  o, _ = _optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   _, _, t = _tokens(layout, batch, seq_len)
   heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
@@ -200,18 +219,18 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
   merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
-  # Offloaded activations go to the host and back, overlapped with compute; the moments
-  # go to the device and back around the update, exposed.
+  # Offloaded activations go to the host and back, overlapped with compute; the optimizer
+  # state goes to the device and back around the update, exposed.
   offload = max(0.0, 2 * l * t * _offloaded_per_token(model, layout) * c / hardware.pcie_bw
                 - compute)
-  moments = 2 * p * model.params / n * layout.offload_optimizer
+  optimizer = o * model.params / n * layout.offload_optimizer
   times = {
       "compute_s": compute + merge,
       "all_to_all_s": a2a / bw(layout.seq),
       "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
       "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
       "offload_exposed_s": offload,
-      "optimizer_transfer_s": 2 * moments / hardware.pcie_bw,
+      "optimizer_transfer_s": 2 * optimizer / hardware.pcie_bw,
   }
   return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
           "step_s": sum(times.values())}
@@ -230,21 +249,25 @@ def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
-         dtype: str = "bfloat16", param_dtype: str = "float32") -> list[dict]:
+         dtype: str = "bfloat16", param_dtype: str = "float32",
+         master_weights: bool = False) -> list[dict]:
   """Feasible layouts, fastest first; each row has ``layout``, ``memory`` and ``step``."""
   if seq_len < 1 or devices < 1 or batch < 1:
     raise ValueError(f"seq_len, devices and batch must be >= 1, got {seq_len}, {devices}, "
                      f"{batch}.")
+  if master_weights and param_dtype == "float32":
+    raise ValueError("master weights are a float32 copy of lower-precision parameters; with "
+                     "master_weights give param_dtype='bfloat16' (or 'float16').")
+  dtypes = dict(dtype=dtype, param_dtype=param_dtype, master_weights=master_weights)
   budget = hardware.memory_gb * _GB * hardware.usable
   host_budget = hardware.host_memory_gb * _GB * hardware.usable / min(devices,
                                                                       hardware.intra_node)
   rows = []
   for layout in layouts(devices, batch):
-    memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, dtype=dtype,
-                            param_dtype=param_dtype)
+    memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, **dtypes)
     if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
-                          dtype=dtype, param_dtype=param_dtype)
+                          **dtypes)
       rows.append({"layout": layout, "memory": memory, "step": step})
   return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
 
@@ -280,6 +303,8 @@ def main(argv=None):
   parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
   parser.add_argument("--param-dtype", default="float32", choices=sorted(_DTYPE_BYTES),
                       help="LlamaConfig.param_dtype (parameters, gradients, Adam moments)")
+  parser.add_argument("--master-weights", action="store_true",
+                      help="the optimizer updates a float32 copy of the parameters")
   parser.add_argument("--mlp-chunk", type=int, default=None, help="tokens per MLP tile")
   parser.add_argument("--top", type=int, default=12, help="rows to print")
   args = parser.parse_args(argv)
@@ -287,8 +312,12 @@ def main(argv=None):
   model = Model.from_config(llama.preset(args.model, **overrides))
   hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node,
                       host_memory_gb=args.host_mem)
-  rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
-              batch=args.batch, dtype=args.dtype, param_dtype=args.param_dtype)
+  try:
+    rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
+                batch=args.batch, dtype=args.dtype, param_dtype=args.param_dtype,
+                master_weights=args.master_weights)
+  except ValueError as e:
+    parser.error(str(e))
   print(f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x {args.seq_len} "
         f"tokens on {args.devices} devices of {args.gpu_mem:g} GB "
         f"({hardware.usable:.0%} usable), {args.intra_node} per node with {args.host_mem:g} GB "

@@ -13,10 +13,12 @@
 #   step-1b       llama3.2-1b training step at 64K tokens (MFU), attention by our Triton
 #                 kernels, our Mosaic kernels and cuDNN
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
-#   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets), float32 parameters
-#                 (by ulysses_jax.plan nothing fits one 80 GB GPU, 160K tokens one H200)
+#   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets), float32 parameters,
+#                 remat per layer and per group of 4 layers (by ulysses_jax.plan nothing
+#                 fits one 80 GB GPU; 164K / 492K tokens one H200)
 #   memory-8b-bf16  bfloat16 parameters, with bfloat16 moments and with float32 master
-#                 weights and moments (both on the host, streamed)
+#                 weights and moments (both on the host, streamed), the planner's best
+#                 remat groups
 #                 The memory stages search by the GPU compiler's memory analysis against the
 #                 allocator's limit (one real step at 500K tokens of an 8B model takes longer
 #                 than a command may run) and time real steps up to --time-max-tokens.
@@ -59,12 +61,13 @@ case $stage in
   memory-8b)
     run max_seqlen_8b python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
-      --configs full+opt,full_offload+opt+mlp2048 \
+      --configs full_offload+opt+mlp2048,full_offload+group4+opt+mlp2048 \
       --json "$out/max_seqlen_8b.json" --plot "$out/max_seqlen_8b.png" ;;
   memory-8b-bf16)
     run max_seqlen_8b_bf16 python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
-      --param-dtype bfloat16 --configs full_offload+opt+mlp2048,full+opt+master+mlp2048 \
+      --param-dtype bfloat16 \
+      --configs full_offload+group2+opt+mlp2048,full_offload+group4+opt+master+mlp2048 \
       --json "$out/max_seqlen_8b_bf16.json" --plot "$out/max_seqlen_8b_bf16.png" ;;
   peers)
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \

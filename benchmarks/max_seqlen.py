@@ -5,8 +5,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.max_seqlen \\
         --preset small --budget-gib 0.25 --configs none,full,full+opt
 
-A memory configuration is ``POLICY[+opt][+master][+mlpN]``: the per-layer remat policy (one
-of ``llama.REMAT_POLICIES``), ``+opt`` for the optimizer state in pinned host memory, streamed
+A memory configuration is ``POLICY[+groupK][+opt][+master][+mlpN]``: the per-layer remat
+policy (one of ``llama.REMAT_POLICIES``), ``+groupK`` for rematerialised groups of K layers
+(``LlamaConfig.remat_group``), ``+opt`` for the optimizer state in pinned host memory, streamed
 through the device a layer at a time (``offload_optimizer``), ``+master`` for float32 master
 weights of lower-precision parameters (``master_weights``; with ``--param-dtype bfloat16``),
 ``+mlpN`` for the MLP tiled into chunks of N tokens per device.
@@ -54,16 +55,18 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  """Remat policy, optimizer state on the host or not, float32 master weights or not, MLP
-  tile (0 = untiled)."""
+  """Remat policy and group, optimizer state on the host or not, float32 master weights or
+  not, MLP tile (0 = untiled)."""
   remat: str = "full"
+  remat_group: int = 1
   offload_optimizer: bool = False
   master_weights: bool = False
   mlp_chunk: int = 0
 
   @property
   def name(self) -> str:
-    return "+".join([self.remat] + ["opt"] * self.offload_optimizer +
+    return "+".join([self.remat] + [f"group{self.remat_group}"] * (self.remat_group > 1) +
+                    ["opt"] * self.offload_optimizer +
                     ["master"] * self.master_weights +
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
 
@@ -83,11 +86,13 @@ def parse_config(spec: str) -> MemoryConfig:
       config = dataclasses.replace(config, offload_optimizer=True)
     elif flag == "master":
       config = dataclasses.replace(config, master_weights=True)
+    elif flag.startswith("group") and flag[5:].isdigit():
+      config = dataclasses.replace(config, remat_group=int(flag[5:]))
     elif flag.startswith("mlp") and flag[3:].isdigit():
       config = dataclasses.replace(config, mlp_chunk=int(flag[3:]))
     else:
       raise ValueError(f"unknown flag {flag!r} in memory config {spec!r}: expected "
-                       f"POLICY[+opt][+master][+mlpN], e.g. full+opt+mlp1024.")
+                       f"POLICY[+groupK][+opt][+master][+mlpN], e.g. full+opt+mlp1024.")
   if remat not in llama.REMAT_POLICIES:
     raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES}.")
   return config
@@ -106,7 +111,8 @@ class Setup:
 
   def model_config(self, memory: MemoryConfig) -> llama.LlamaConfig:
     return llama.preset(self.preset, dtype=self.dtype, param_dtype=self.param_dtype,
-                        remat_policy=memory.remat, mlp_chunk=memory.mlp_chunk,
+                        remat_policy=memory.remat, remat_group=memory.remat_group,
+                        mlp_chunk=memory.mlp_chunk,
                         loss_chunk=self.loss_chunk)
 
 

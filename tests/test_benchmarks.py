@@ -31,8 +31,10 @@ def test_search_finds_the_last_multiple_that_fits(limit):
 def test_parse_config():
   assert max_seqlen.parse_config("offload+opt+mlp64") == max_seqlen.MemoryConfig(
       "offload", offload_optimizer=True, mlp_chunk=64)
-  assert max_seqlen.parse_config("full_offload+opt+master+mlp8").name == (
-      "full_offload+opt+master+mlp8")
+  assert max_seqlen.parse_config("full_offload+group4+opt+master+mlp8") == (
+      max_seqlen.MemoryConfig("full_offload", 4, True, True, 8))
+  assert max_seqlen.parse_config("full_offload+group4+opt+master+mlp8").name == (
+      "full_offload+group4+opt+master+mlp8")
   assert max_seqlen.parse_config("none").name == "none"
   with pytest.raises(ValueError, match="POLICY"):
     max_seqlen.parse_config("full+gpu")

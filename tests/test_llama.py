@@ -147,6 +147,15 @@ def test_tiled_mlp_matches_plain_mlp():
   assert_trees_close(tiled_grads, grads)
 
 
+def _saved_residuals(model, batch, capsys):
+  """The lines ``jax.ad_checkpoint.print_saved_residuals`` prints for the model's loss."""
+  graphdef, params = nnx.split(model)
+  capsys.readouterr()
+  jax.ad_checkpoint.print_saved_residuals(
+      lambda p: nnx.merge(graphdef, p).loss(batch["tokens"], batch["labels"]).mean(), params)
+  return capsys.readouterr().out.splitlines()
+
+
 @pytest.fixture(scope="module")
 def remat_reference():
   """Config, parameters, batch, and loss + gradients without remat, on a (1, 2) mesh."""
@@ -166,11 +175,7 @@ def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
   remat_loss, remat_grads = loss_and_grads(model, batch)
   assert relative_error(remat_loss, loss) < 1e-6
   assert_trees_close(remat_grads, grads)
-  graphdef, params = nnx.split(model)
-  capsys.readouterr()
-  jax.ad_checkpoint.print_saved_residuals(
-      lambda p: nnx.merge(graphdef, p).loss(batch["tokens"], batch["labels"]).mean(), params)
-  saved = capsys.readouterr().out.splitlines()
+  saved = _saved_residuals(model, batch, capsys)
   on_host = [line for line in saved if "<host>" in line]
   # offload: q, k, v and the attention output of every layer live in pinned host memory;
   # full_offload: the layers' inputs do.
@@ -179,6 +184,23 @@ def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
     [layer_inputs] = [line for line in saved
                       if f"[{config.num_layers},2,16,{config.hidden_dim}]" in line]
     assert ("<host>" in layer_inputs) == (policy == "full_offload"), saved
+
+
+@pytest.mark.parametrize("policy", ["full", "full_offload"])
+def test_remat_groups_give_same_gradients_and_keep_one_input_per_group(policy, capsys):
+  config = preset("tiny-gqa", num_layers=4, remat_policy="none")
+  state, mesh = initial_state(config), mesh_of(1, 2)
+  batch = packed_batch(2, 2, 16, config.vocab_size)
+  loss, grads = loss_and_grads(model_on(config, mesh, state), batch)
+  model = model_on(config.replace(remat_policy=policy, remat_group=2), mesh, state)
+  group_loss, group_grads = loss_and_grads(model, batch)
+  assert relative_error(group_loss, loss) < 1e-6
+  assert_trees_close(group_grads, grads)
+  saved = _saved_residuals(model, batch, capsys)
+  # The residual stream is kept once per group of 2 layers, [L/2, B, S, E], not per layer.
+  [group_inputs] = [line for line in saved if f"[2,2,16,{config.hidden_dim}]" in line]
+  assert ("<host>" in group_inputs) == (policy == "full_offload"), saved
+  assert not [line for line in saved if f"[4,2,16,{config.hidden_dim}]" in line], saved
 
 
 @pytest.mark.gpu
@@ -213,6 +235,9 @@ def test_config_errors_name_expected_and_actual():
     LlamaConfig(num_heads=6, num_kv_heads=4)
   with pytest.raises(ValueError, match="remat_policy must be one of"):
     LlamaConfig(remat_policy="some")
+  with pytest.raises(ValueError, match=r"num_layers \(32\) must be a multiple of remat_group "
+                                       r"\(5\)"):
+    LlamaConfig(remat_group=5)
   with pytest.raises(ValueError, match="unknown preset 'gpt5'"):
     preset("gpt5")
   with pytest.raises(ValueError, match="divisible by the 8 shards"):

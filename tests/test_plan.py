@@ -38,6 +38,8 @@ MEMORY_CASES = [
                  512, marks=pytest.mark.slow),
     pytest.param({"mlp_chunk": 16}, "full", (1, 8), 16, 512,
                  marks=pytest.mark.slow),
+    # 4 of 16 layer inputs kept, and the 4 of the group being recomputed (XLA needs fewer).
+    ({"num_layers": 16, "remat_group": 4}, "full", (1, 8), 16, 512),
 ]
 
 
@@ -47,7 +49,8 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
   config = SMALL.replace(remat_policy=remat, dtype="float32", **overrides)
   measured = _compiled_peak_bytes(config, *mesh_shape, batch, seq_len)
   predicted = plan.predict_memory(plan.Model.from_config(config),
-                                  plan.Layout(*mesh_shape, 1, remat), batch=batch,
+                                  plan.Layout(*mesh_shape, 1, remat,
+                                              remat_group=config.remat_group), batch=batch,
                                   seq_len=seq_len, dtype="float32")["total"]
   assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
@@ -97,6 +100,9 @@ def test_memory_terms_scale_as_documented():
   full_offload = memory(data=1, seq=8, ring=4, remat="full_offload")
   assert full_offload["saved"] == 0
   assert full_offload["host"] == base["saved"] == 32 * 2**15 * 4096 * 2
+  # Groups of 4 layers: 32/4 group inputs, and the 4 layer inputs of the group recomputed.
+  grouped = memory(data=1, seq=8, ring=4, remat="full_offload", remat_group=4)
+  assert grouped["host"] == full_offload["host"] * (8 + 4) / 32
 
 
 def test_layouts_factorise_the_devices_and_divide_the_batch():

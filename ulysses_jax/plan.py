@@ -29,9 +29,11 @@ FSDP-sharded over all N devices):
                                          layers whole)
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
-  saved      L·T·c·(E [+ (2Hq + 2Hkv)·D with save_names])   per-layer residuals kept for the
-                                         backward (``offload`` keeps the named ones on the host,
-                                         ``full_offload`` the E term: none left on the device)
+  saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
+                                         backward: L' layer inputs, L' = L, or L/k + k with
+                                         groups of k layers (``remat_group``; the k of the
+                                         group being recomputed); ``offload`` keeps the named
+                                         ones on the host, ``full_offload`` the inputs
   host       what is offloaded: optimizer state, per-layer residuals; per device, against
              ``Hardware.host_memory_gb`` shared by the devices of a node
   working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
@@ -47,15 +49,18 @@ Communication (per device per step; formulas of DESIGN.md, times at the given ba
 all-to-all over ``seq`` (2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass, ring K/V 2·(R-1)·Hkv'·D·T·c
 per forward (+ float32 dK/dV home in the backward), FSDP all-gather c·params and
 reduce-scatter p·params. ``seq`` within a node uses ``intra_bw``; anything wider ``inter_bw``.
-Compute: 6·params·T + 6·L·S·Hq·D·T FLOPs (causal), plus one forward when rematerialising.
+Compute: 6·params·T + 6·L·S·Hq·D·T FLOPs (causal), plus one forward when rematerialising,
+and one more with remat groups.
 """
 
 import argparse
 import dataclasses
+import itertools
 
 from ulysses_jax.attention.ulysses import plan_heads
 
 REMATS = ("full", "full_offload", "save_names", "offload", "none")
+REMAT_GROUPS = (1, 2, 4, 8)  # layers per rematerialised group that the planner tries
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GB = 1e9
 _XLA_BLOCK = 512
@@ -116,13 +121,15 @@ class Layout:
 
   ``remat="offload"`` is ``save_names`` with the named activations (q, k, v, attention
   output) kept on the host instead of the device; ``"full_offload"`` is ``full`` with each
-  layer's input kept on the host.
+  layer's input kept on the host. ``remat_group`` (``LlamaConfig.remat_group``, with
+  ``full`` and ``full_offload``) keeps one input per group of that many layers.
   """
   data: int
   seq: int
   ring: int
   remat: str = "full"
   offload_optimizer: bool = False
+  remat_group: int = 1
 
 
 def _tokens(layout, batch, seq_len):
@@ -151,11 +158,11 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
   mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
   f_eff = f * mlp_tokens / t
-  saved_per_token = 0 if layout.remat == "full_offload" else e
-  if layout.remat == "save_names":
-    saved_per_token += (2 * model.num_heads + 2 * model.num_kv_heads) * d
-  elif layout.remat == "none":
-    saved_per_token = _NONE_E * e + _NONE_F * f_eff + (2 * hq + 2 * hkv) * d
+  if layout.remat == "none":
+    saved = model.num_layers * t * c * (_NONE_E * e + _NONE_F * f_eff + (2 * hq + 2 * hkv) * d)
+  else:
+    saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
+             + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names"))
   attn_len = seq_len // layout.ring  # keys per step on each device
   block = min(_XLA_BLOCK, attn_len)
   tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
@@ -168,24 +175,35 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "state": p * model.params / n + (0 if offload else optimizer),
       "grads": (p + (0 if offload else w)) * model.params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
-      "saved": model.num_layers * t * saved_per_token * c,
+      "saved": saved,
       "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
     streamed = model.layer_params + model.params - model.num_layers * model.layer_params
     terms["total"] = max(terms["total"], (2 * p * model.params + 2 * o * streamed) / n)
-  terms["host"] = (optimizer * offload
-                   + model.num_layers * t * c * _offloaded_per_token(model, layout))
+  terms["host"] = optimizer * offload + _host_activation_bytes(model, layout, t, c)
   return terms
 
 
-def _offloaded_per_token(model, layout):
-  """Elements per token per layer that the remat policy keeps on the host."""
+def _kept_layer_inputs(model, layout):
+  """Layer inputs ``[T, E]`` the backward keeps: one per layer, or with groups of k layers one
+  per group plus the k of the group being recomputed."""
+  k = layout.remat_group
+  return model.num_layers if k == 1 else model.num_layers // k + k
+
+
+def _named_per_token(model):
+  """Elements per token per layer of q, k, v and the attention output (``remat_names``)."""
+  return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+
+
+def _host_activation_bytes(model, layout, t, c):
+  """Bytes of activations the remat policy keeps on the host, per device."""
   if layout.remat == "full_offload":
-    return model.hidden_dim
+    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim
   if layout.remat == "offload":
-    return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    return model.num_layers * t * c * _named_per_token(model)
   return 0
 
 
@@ -202,8 +220,10 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   l, e, d = model.num_layers, model.hidden_dim, model.head_dim
   bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
   # Attention passes: forward, backward, and the forward again unless nothing is recomputed
-  # (save_names keeps q, k, v but not the lse, so attention is recomputed).
-  passes = 2 if layout.remat == "none" else 3
+  # (save_names keeps q, k, v but not the lse, so attention is recomputed); remat groups
+  # recompute the forward once more.
+  regroup = layout.remat_group > 1
+  passes = (2 if layout.remat == "none" else 3) + regroup
   a2a = (2 * hq + 2 * hkv) * d * t * c * (layout.seq - 1) / layout.seq * l * passes
   kv_block = hkv * d * t  # one K (or V) block on each device
   ring = 0
@@ -215,14 +235,15 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   projections = 2 * l * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
-  compute = (3 * forward + recompute) / hardware.flops
+  compute = (3 * forward + recompute + forward * regroup) / hardware.flops
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
   merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
   # Offloaded activations go to the host and back, overlapped with compute; the optimizer
   # state goes to the device and back around the update, exposed.
-  offload = max(0.0, 2 * l * t * _offloaded_per_token(model, layout) * c / hardware.pcie_bw
-                - compute)
+  moved_inputs = l + (l // layout.remat_group if regroup else 0)  # layers', groups' inputs
+  moved = {"full_offload": moved_inputs * e, "offload": l * _named_per_token(model)}
+  offload = max(0.0, 2 * t * c * moved.get(layout.remat, 0) / hardware.pcie_bw - compute)
   optimizer = o * model.params / n * layout.offload_optimizer
   times = {
       "compute_s": compute + merge,
@@ -236,16 +257,19 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
           "step_s": sum(times.values())}
 
 
-def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False, True)):
-  """Every ``Layout`` with data·seq·ring = devices and data dividing the batch."""
+def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False, True),
+            remat_groups=(1,)):
+  """Every ``Layout`` with data·seq·ring = devices and data dividing the batch (remat groups
+  with the ``full`` policies only)."""
   for data in range(1, devices + 1):
     if devices % data or batch % data:
       continue
     for seq in range(1, devices // data + 1):
       if (devices // data) % seq == 0:
         for remat in remats:
-          for opt in offload_optimizer:
-            yield Layout(data, seq, devices // data // seq, remat, opt)
+          groups = remat_groups if remat in ("full", "full_offload") else (1,)
+          for opt, group in itertools.product(offload_optimizer, groups):
+            yield Layout(data, seq, devices // data // seq, remat, opt, group)
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
@@ -263,7 +287,8 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
   host_budget = hardware.host_memory_gb * _GB * hardware.usable / min(devices,
                                                                       hardware.intra_node)
   rows = []
-  for layout in layouts(devices, batch):
+  groups = tuple(k for k in REMAT_GROUPS if model.num_layers % k == 0)
+  for layout in layouts(devices, batch, remat_groups=groups):
     memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, **dtypes)
     if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
@@ -273,15 +298,15 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
 
 
 def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'opt':>6} {'mem GB':>7} "
-            f"{'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} "
+  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'opt':>6} "
+            f"{'mem GB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} "
             f"{'step s':>8} {'tok/s':>9}")
   lines = [header]
   for r in rows:
     lay, mem, step = r["layout"], r["memory"], r["step"]
     comm = step["step_s"] - step["compute_s"]
     lines.append(
-        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} "
+        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
         f"{'host' if lay.offload_optimizer else 'device':>6} {mem['total'] / _GB:>7.1f} "
         f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
         f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
@@ -328,8 +353,8 @@ def main(argv=None):
   print(_format(rows[:args.top], args.batch, args.seq_len))
   best = rows[0]["layout"]
   print(f"recommended: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}), "
-        f"remat_policy={best.remat!r}, offload_optimizer={best.offload_optimizer}; {len(rows)} "
-        f"feasible layouts")
+        f"remat_policy={best.remat!r}, remat_group={best.remat_group}, "
+        f"offload_optimizer={best.offload_optimizer}; {len(rows)} feasible layouts")
   return rows[0]
 
 

@@ -42,6 +42,7 @@ _ACT_BS = ("act_batch", "act_seq")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
 LAYER_INPUT = "layer_input"  # the residual stream entering a layer: what "full" remat keeps
+GROUP_INPUT = "group_input"  # the residual stream entering a group of remat_group layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,11 @@ class LlamaConfig:
   ``dtype`` is the compute dtype ("bfloat16" on GPU), ``param_dtype`` the storage dtype.
   Memory: ``remat_policy`` (one of ``REMAT_POLICIES``, applied per layer; ``remat_names``
   are the activations that ``save_names`` keeps and ``offload`` moves to host),
-  ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens per
-  device per cross-entropy chunk).
+  ``remat_group`` (layers per rematerialised group: the backward keeps one residual-stream
+  input per group, in host memory under ``full_offload``, and recomputes the group's forward
+  to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
+  pass), ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
+  per device per cross-entropy chunk).
   """
   vocab_size: int = 32_000
   hidden_dim: int = 4096
@@ -75,15 +79,19 @@ class LlamaConfig:
   attention_backend: str = "auto"
   remat_policy: str = "full"
   remat_names: tuple[str, ...] = (QKV, ATTN_OUT)
+  remat_group: int = 1
   mlp_chunk: int = 0
   loss_chunk: int = 1024
 
   def __post_init__(self):
     positive = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "mlp_dim", "loss_chunk")
+                "head_dim", "mlp_dim", "loss_chunk", "remat_group")
     bad = {k: getattr(self, k) for k in positive if getattr(self, k) < 1}
     if bad:
       raise ValueError(f"LlamaConfig sizes must be >= 1, got {bad}.")
+    if self.num_layers % self.remat_group:
+      raise ValueError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
+                       f"({self.remat_group}), the layers per rematerialised group.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads}).")
@@ -170,6 +178,16 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
   if name not in table:
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {name!r}.")
   return table[name]
+
+
+def _group_policy(layer_policy: str):
+  """What a group of layers keeps for the backward: its input only (recomputing the rest), in
+  host memory when the layers keep theirs there (``full_offload``)."""
+  if layer_policy == "full_offload":
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[GROUP_INPUT],
+        offload_src="device", offload_dst="pinned_host")
+  return jax.checkpoint_policies.nothing_saveable
 
 
 def _swiglu(x_BSE, gate_EF, up_EF, down_FE):
@@ -296,11 +314,20 @@ class Llama(nnx.Module):
     def layer(x_BSE, layer_state):
       return nnx.merge(graphdef, layer_state)(x_BSE, positions_BS, segment_ids_BS), None
 
-    policy_name = self.config.remat_policy
-    if policy_name != "none":
+    c = self.config
+    if c.remat_policy != "none":
       layer = jax.checkpoint(layer, prevent_cse=False,
-                             policy=remat_policy(policy_name, self.config.remat_names))
-    x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
+                             policy=remat_policy(c.remat_policy, c.remat_names))
+    if c.remat_group == 1:
+      x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
+      return self.final_norm(x_BSE)
+
+    def group(x_BSE, group_states):
+      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group_states)[0], None
+
+    group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))
+    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]), layer_states)
+    x_BSE, _ = jax.lax.scan(group, x_BSE, groups)
     return self.final_norm(x_BSE)
 
   def hidden_states(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:

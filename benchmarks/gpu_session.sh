@@ -12,6 +12,9 @@
 #   kernels-more  the kernel table at D=128 S=64K, and at D=64 S=4K,16K,64K
 #   step-1b       llama3.2-1b training step at 64K tokens (MFU), attention by our Triton
 #                 kernels, our Mosaic kernels and cuDNN
+#   step-1b-memory  the same step (Triton kernels) with the memory options: remat groups of 4;
+#                 bfloat16 parameters with float32 master weights, on the device and
+#                 streamed from the host (what each costs in step time)
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
 #   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets), float32 parameters,
 #                 remat per layer and per group of 4 layers (by ulysses_jax.plan nothing
@@ -53,6 +56,15 @@ case $stage in
       run "step_1b_64k_$backend" python3 -m benchmarks.train_step --preset llama3.2-1b \
         --seq-len 65536 --backend "$backend" --json "$out/train_step_1b_64k_$backend.json"
     done ;;
+  step-1b-memory)
+    common=(--preset llama3.2-1b --seq-len 65536 --backend pallas --steps 3)
+    run step_1b_64k_group4 python3 -m benchmarks.train_step "${common[@]}" --remat-group 4 \
+      --json "$out/train_step_1b_64k_group4.json"
+    run step_1b_64k_master python3 -m benchmarks.train_step "${common[@]}" \
+      --param-dtype bfloat16 --master-weights --json "$out/train_step_1b_64k_master.json"
+    run step_1b_64k_master_offload python3 -m benchmarks.train_step "${common[@]}" \
+      --param-dtype bfloat16 --master-weights --offload-optimizer \
+      --json "$out/train_step_1b_64k_master_offload.json" ;;
   memory-1b)
     run max_seqlen_1b python3 -m benchmarks.max_seqlen --preset llama3.2-1b \
       --criterion compiled --granularity 16384 --time-max-tokens 131072 \
@@ -74,7 +86,7 @@ case $stage in
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
   *)
-    echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, memory-1b, memory-8b," \
-      "memory-8b-bf16 or peers" >&2
+    echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
+      "memory-1b, memory-8b, memory-8b-bf16 or peers" >&2
     exit 2 ;;
 esac

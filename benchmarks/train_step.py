@@ -50,6 +50,12 @@ def main(argv=None):
   parser.add_argument("--seq", type=int, default=-1, help="seq axis (default: devices/data)")
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
   parser.add_argument("--remat", default="full", choices=llama.REMAT_POLICIES)
+  parser.add_argument("--remat-group", type=int, default=1, help="layers per remat group")
+  parser.add_argument("--param-dtype", default="float32")
+  parser.add_argument("--master-weights", action="store_true",
+                      help="float32 master weights (with --param-dtype bfloat16)")
+  parser.add_argument("--offload-optimizer", action="store_true",
+                      help="optimizer state in host memory, streamed a layer at a time")
   parser.add_argument("--mlp-chunk", type=int, default=0)
   parser.add_argument("--loss-chunk", type=int, default=1024)
   parser.add_argument("--backend", default="auto")
@@ -61,15 +67,19 @@ def main(argv=None):
   seq_axis = jax.device_count() // args.data if args.seq == -1 else args.seq
   mesh = make_mesh(data=args.data, seq=seq_axis)
   batch_size = args.batch or args.data
-  config = llama.preset(args.preset, dtype=args.dtype, remat_policy=args.remat,
+  config = llama.preset(args.preset, dtype=args.dtype, param_dtype=args.param_dtype,
+                        remat_policy=args.remat, remat_group=args.remat_group,
                         mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
                         attention_backend=args.backend)
+  flags = dict(offload_optimizer=args.offload_optimizer)
   start = time.perf_counter()
   model = llama.init_llama(config, mesh)
   optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
-  graphdef, state = train_step.init_train_state(model, optimizer)
+  graphdef, state = train_step.init_train_state(model, optimizer,
+                                                master_weights=args.master_weights, **flags)
   del model
-  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=args.seq_len)
+  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=args.seq_len,
+                                    **flags)
   batch = synthetic_batch(batch_size, args.seq_len, config.vocab_size, args.doc_len)
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
@@ -90,8 +100,10 @@ def main(argv=None):
   row = {
       "preset": args.preset, "params_M": llama.count_params(config) / 1e6,
       "mesh": f"{mesh.shape['data']}x{mesh.shape['seq']}", "batch": batch_size,
-      "seq_len": args.seq_len, "dtype": args.dtype, "remat": args.remat,
-      "mlp_chunk": args.mlp_chunk, "step_s": timing["median_s"], "tokens_per_s": tokens_per_s,
+      "seq_len": args.seq_len, "dtype": args.dtype, "param_dtype": args.param_dtype,
+      "master_weights": args.master_weights, "offload_optimizer": args.offload_optimizer,
+      "remat": args.remat, "remat_group": args.remat_group, "mlp_chunk": args.mlp_chunk,
+      "step_s": timing["median_s"], "tokens_per_s": tokens_per_s,
       "model_TFLOPs": model_flops / 1e12, "peak_TFLOPs": peak / 1e12,
       "MFU": model_flops / peak,
       "args_GiB": memory.argument_size_in_bytes * gib,

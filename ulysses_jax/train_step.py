@@ -15,7 +15,7 @@ donates the incoming state.
 The optimizer state comes in two groups (``OptimizerState``): the stacked layer parameters
 (leading ``[L]`` axis, logical name ``"layers"``), whose optax state is made by ``vmap`` over
 that axis, and the rest (embedding, head, final norm). So the update can run over all layers
-at once (``vmap``) or one layer at a time (``lax.map``) with the same state and arithmetic.
+at once (``vmap``) or one layer at a time (a loop) with the same state and arithmetic.
 
 Memory options (``init_train_state`` and ``make_train_step`` take the same flags):
 
@@ -25,8 +25,8 @@ Memory options (``init_train_state`` and ``make_train_step`` take the same flags
   bfloat16 step still accumulate.
 * ``offload_optimizer``: the optimizer state (master weights included) lives in
   ``pinned_host`` memory. The update streams it: one layer's state comes to the device, is
-  updated and goes back before the next (``lax.map``), so the device holds one layer's state
-  at a time instead of all of it. The other parameters' state visits the device whole.
+  updated and written back in place before the next (a ``fori_loop``), so the device holds
+  one layer's state at a time instead of all of it. The other parameters' state visits the device whole.
 """
 
 import dataclasses

@@ -360,6 +360,10 @@ def _tiny_model_accuracy(mesh, train, evals, *, shard_local, steps):
   opt_state = opt.init(params)
   for _ in range(steps):
     params, opt_state = step(params, opt_state, next(train))
+    # One step in flight, as in the trainer: with many 8-device steps queued, jaxlib 0.10.2's
+    # CPU runtime can leave one device's launch waiting for its in-flight slot while the
+    # other seven wait in the step's all-reduce, until XLA aborts the process.
+    jax.block_until_ready(params)
   accuracy = jax.jit(lambda p, b: data.retrieval_accuracy(logits_fn(p, b["tokens"]), b["labels"]))
   return float(np.mean([accuracy(params, evals.batch(i)) for i in range(evals.num_batches)]))
 

@@ -39,7 +39,8 @@ MEMORY_CASES = [
     pytest.param({"mlp_chunk": 16}, "full", (1, 8), 16, 512,
                  marks=pytest.mark.slow),
     # 4 of 16 layer inputs kept, and the 4 of the group being recomputed (XLA needs fewer).
-    ({"num_layers": 16, "remat_group": 4}, "full", (1, 8), 16, 512),
+    pytest.param({"num_layers": 16, "remat_group": 4}, "full", (1, 8), 16, 512,
+                 marks=pytest.mark.slow),
 ]
 
 
@@ -103,6 +104,13 @@ def test_memory_terms_scale_as_documented():
   # Groups of 4 layers: 32/4 group inputs, and the 4 layer inputs of the group recomputed.
   grouped = memory(data=1, seq=8, ring=4, remat="full_offload", remat_group=4)
   assert grouped["host"] == full_offload["host"] * (8 + 4) / 32
+  # Layer parameters and gradients on the host: the device keeps the others' and one layer's.
+  host_params = memory(data=1, seq=8, ring=4, offload_optimizer=True, offload_params=True)
+  moved = (model.num_layers - 1) * model.layer_params
+  assert host_params["state"] == pytest.approx(host_opt["state"] - 4 * moved / 32)
+  assert host_params["grads"] == pytest.approx(host_opt["grads"] - 4 * moved / 32)
+  assert host_params["host"] == pytest.approx(
+      host_opt["host"] + 8 * model.num_layers * model.layer_params / 32)
 
 
 def test_layouts_factorise_the_devices_and_divide_the_batch():
@@ -117,8 +125,12 @@ def test_command_line(capsys):
   assert "recommended: make_mesh(data=1, seq=" in out and best["layout"].ring > 1
   assert plan.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=2"]) is None
   assert "no layout fits" in capsys.readouterr().out
-  # One 80 GB GPU: float32 parameters, gradients and an optimizer temporary alone need 96 GB.
-  assert plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"]) is None
+  # One 80 GB GPU: float32 parameters, gradients and an optimizer temporary alone need 96 GB;
+  # with the layer parameters on the host (and 128 GB of the host's 2 TB) they fit.
+  best = plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"])
+  assert best["layout"].offload_params and best["memory"]["host"] > 128e9
+  assert plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1",
+                    "--host-mem=128"]) is None
   best = plan.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
                     "--mlp-chunk=2048", "--param-dtype=bfloat16"])
   assert (best["layout"].remat, best["layout"].offload_optimizer) == ("full_offload", True)

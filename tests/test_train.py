@@ -6,6 +6,7 @@ The subprocess runs share one JAX compilation cache, so only the first run of ea
 compiles. They use configs/tiny_cpu.gin shrunk by ``FAST`` to keep each run to seconds.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -128,6 +129,15 @@ def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
     train.main([f"--workdir={tmp_path}"])
 
 
+@pytest.mark.parametrize("gin_file", sorted(
+    os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "configs", "*.gin"))))
+def test_every_shipped_config_builds_its_configs(gin_file):
+  train.parse_gin([gin_file], [])
+  for config in (train.TrainConfig, train.LlamaConfig, train.DataConfig, train.OptimizerConfig,
+                 train.CheckpointConfig):
+    config()
+
+
 def test_train_config_values_are_checked():
   train.parse_gin([TINY], [])
   with pytest.raises(ValueError, match=r"out of range: \{'steps': 0\}"):
@@ -152,6 +162,8 @@ def test_train_config_values_are_checked():
      "warmup_steps=40, total_steps=30"),
     ("TrainConfig.master_weights = True", "master_weights=True keeps a float32 copy of "
      "lower-precision parameters, but the parameters are float32 already"),
+    ("TrainConfig.offload_params = True", "offload_params=True needs offload_optimizer=True "
+     "and accum_steps=1, got offload_optimizer=False"),
 ])
 def test_bad_runs_fail_before_training(tmp_path, param, message):
   train.parse_gin([TINY], FAST + ["STEPS = 30", param])
@@ -274,7 +286,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(reference, cache_d
   assert _losses(workdir) == _losses(reference[0])
 
 
-@pytest.mark.parametrize("data, seq", [(1, 8), pytest.param(8, 1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("data, seq", [(1, 8), (8, 1)])
 def test_resharding_restore_gives_the_same_parameters_and_next_loss(reference, cache_dir,
                                                                     tmp_path, data, seq):
   workdir = str(tmp_path / "run")
@@ -289,6 +302,7 @@ def test_resharding_restore_gives_the_same_parameters_and_next_loss(reference, c
   np.testing.assert_allclose(_losses(workdir)[26], _losses(reference[0])[26], rtol=2e-6)
 
 
+@pytest.mark.slow
 def test_host_offloaded_optimizer_gives_the_same_losses(reference, cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   _run(workdir, REFERENCE + ["TrainConfig.offload_optimizer = True", "TrainConfig.steps = 8"],
@@ -300,11 +314,13 @@ def test_host_offloaded_optimizer_gives_the_same_losses(reference, cache_dir, tm
 
 def test_bfloat16_parameters_with_host_master_weights_train_and_resume(reference, cache_dir,
                                                                        tmp_path):
-  """bfloat16 parameters, float32 master weights and moments in host memory (streamed update):
-  the losses follow the float32 run's within bfloat16 rounding, and a run resumed from its
-  step-5 checkpoint repeats them exactly (the master weights were restored, not re-derived)."""
+  """bfloat16 parameters, float32 master weights and moments in host memory (streamed update),
+  the layer parameters in host memory too: the losses follow the float32 run's within bfloat16
+  rounding, and a run resumed from its step-5 checkpoint repeats them exactly (the master
+  weights were restored, not re-derived)."""
   params = REFERENCE + ["LlamaConfig.param_dtype = 'bfloat16'", "TrainConfig.steps = 8",
-                        "TrainConfig.master_weights = True", "TrainConfig.offload_optimizer = True"]
+                        "TrainConfig.master_weights = True", "TrainConfig.offload_optimizer = True",
+                        "TrainConfig.offload_params = True"]
   first, resumed = str(tmp_path / "first"), str(tmp_path / "resumed")
   _run(first, params, cache_dir)
   got, want = _losses(first), _losses(reference[0])
@@ -316,6 +332,7 @@ def test_bfloat16_parameters_with_host_master_weights_train_and_resume(reference
   assert _losses(resumed) == got
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   params = FAST + ["STEPS = 10", "TrainConfig.log_every = 1", "TrainConfig.max_bad_steps = 3",

@@ -20,7 +20,7 @@ Z_LOSS = 1e-3
 
 
 def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMIZER,
-           accum_steps=1, offload_optimizer=False, master_weights=False):
+           accum_steps=1, offload_optimizer=False, offload_params=False, master_weights=False):
   """Runs one step per batch from parameters ``state``.
 
   Returns the final state and the metrics on the host, and whether the step donated (deleted)
@@ -28,7 +28,7 @@ def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMI
   """
   mesh = mesh_of(*mesh_shape)
   optimizer = train_step.make_optimizer(optimizer_config)
-  flags = dict(offload_optimizer=offload_optimizer)
+  flags = dict(offload_optimizer=offload_optimizer, offload_params=offload_params)
   graphdef, train_state = train_step.init_train_state(
       model_on(config, mesh, state), optimizer, master_weights=master_weights, **flags)
   step = train_step.make_train_step(
@@ -41,6 +41,10 @@ def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMI
     if offload_optimizer:  # the optimizer state stays in host memory between steps
       assert {x.sharding.memory_kind for x in jax.tree.leaves(train_state.opt_state)} == {
           "pinned_host"}
+    layers, rest = train_step.split_layers(train_state.params)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(layers)} == {
+        "pinned_host" if offload_params else "device"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(rest)} == {"device"}
     metrics.append({k: float(v) for k, v in m.items()})
   donated = all(x.is_deleted() for x in first_state)
   return tree_on_host(train_state), metrics, donated
@@ -77,6 +81,22 @@ def test_host_offloaded_optimizer_matches_on_device(three_steps_single_device):
   assert_trees_close(got_state.opt_state, want_state.opt_state)
 
 
+@pytest.mark.parametrize("remat_policy,remat_group", [("full", 1), ("full_offload", 2)])
+def test_host_offloaded_parameters_match_on_device(three_steps_single_device, remat_policy,
+                                                   remat_group):
+  """Layer parameters and gradients in host memory (brought to the device layer by layer in
+  the forward, backward, gradient norm and update) train exactly as on the device, also with
+  the layer inputs on the host and layers in remat groups (the single-GPU 8B layout)."""
+  state, batches, (want_state, want_metrics, _) = three_steps_single_device
+  config = CONFIG.replace(remat_policy=remat_policy, remat_group=remat_group)
+  got_state, got_metrics, _ = _train((2, 4), state, batches, offload_optimizer=True,
+                                     offload_params=True, config=config)
+  for got, want in zip(got_metrics, want_metrics):
+    assert relative_error(got["grad_norm"], want["grad_norm"]) < 1e-5, (got, want)
+  assert_trees_close(got_state.params, want_state.params)
+  assert_trees_close(got_state.opt_state, want_state.opt_state)
+
+
 def test_metrics_report_the_model_loss_and_the_loss_goes_down(three_steps_single_device):
   state, batches, (final_state, metrics, _) = three_steps_single_device
   graphdef, _ = nnx.split(model_on(CONFIG, mesh_of(1, 1), state))
@@ -90,6 +110,7 @@ def test_metrics_report_the_model_loss_and_the_loss_goes_down(three_steps_single
       [0.0, 1e-2, 1e-2 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi / 3)))])
 
 
+@pytest.mark.slow
 def test_host_offloaded_master_weights_take_the_float32_update(three_steps_single_device):
   """bfloat16 parameters with float32 master weights (host-offloaded, streamed) take the
   update that float32 training takes from the same values, and stay the master rounded."""
@@ -113,6 +134,40 @@ def test_host_offloaded_master_weights_take_the_float32_update(three_steps_singl
   # The master holds what bfloat16 cannot: most weights lie between two bfloat16 values.
   kernel = master["layers"]["mlp"]["up_proj"]["kernel"][...]
   assert np.mean(kernel != kernel.astype(jnp.bfloat16).astype(np.float32)) > 0.9
+
+
+def test_micro_batch_gradients_of_bfloat16_parameters_are_summed_in_float32():
+  """bfloat16 parameters, float32 master weights, 4 micro-batches: Adam's first moment after
+  one step is (1 - b1) x the float32 sum of the 4 bfloat16 micro-batch gradients. A bfloat16
+  running sum rounds at every add and misses it on most elements."""
+  config = CONFIG.replace(param_dtype="bfloat16")
+  state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), initial_state(CONFIG))
+  batch = packed_batch(0, 8, SEQ_LEN, CONFIG.vocab_size)
+  no_clip = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
+                                       clip_norm=0.0)
+  got, _, _ = _train((1, 1), state, [batch], config=config, optimizer_config=no_clip,
+                     accum_steps=4, master_weights=True)
+  mu = nnx.merge_state(*(optax.tree.get(group.tx_state, "mu") for group in got.opt_state))
+
+  graphdef, params = nnx.split(model_on(config, mesh_of(1, 1), state))
+  total = np.sum(batch["labels"] != -1)
+
+  @jax.jit
+  def micro_grads(params, micro):  # as the step computes them: bfloat16, over all tokens
+    def objective(params):
+      sums = nnx.merge(graphdef, params).loss(micro["tokens"], micro["labels"],
+                                              micro["positions"], micro["segment_ids"],
+                                              z_loss_weight=Z_LOSS)
+      return (sums.loss + sums.z_loss) / total
+    return jax.grad(objective)(params)
+
+  # Micro-batch i is rows i, i + 4 (see make_train_step).
+  grads = [micro_grads(params, {k: v[i::4] for k, v in batch.items()}) for i in range(4)]
+  want = jax.tree.map(lambda *g: sum(np.asarray(x, np.float32) for x in g), *grads)
+  got_leaves, want_leaves = jax.tree.leaves(mu), jax.tree.leaves(want)
+  close = [np.isclose(g, (1 - no_clip.b1) * w, rtol=1e-5, atol=1e-12)
+           for g, w in zip(got_leaves, want_leaves)]
+  assert np.mean(np.concatenate([c.ravel() for c in close])) > 0.99
 
 
 def test_optimizer_decays_everything_but_norms_and_biases():
@@ -196,6 +251,12 @@ def test_bad_batches_and_settings_raise_before_compiling():
   step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16)
   with pytest.raises(ValueError, match=r"missing \['labels'\], unknown \['mask'\]"):
     step.lower(state, {"tokens": batch["tokens"], "mask": batch["tokens"]})
+  with pytest.raises(ValueError, match=r"offload_params=True keeps the gradients in host "
+                                       r"memory.*use accum_steps=1 \(got 2\)"):
+    train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16, accum_steps=2,
+                               offload_optimizer=True, offload_params=True)
+  with pytest.raises(ValueError, match="offload_params=True needs offload_optimizer=True"):
+    train_step.init_train_state(model, optimizer, offload_params=True)
   with pytest.raises(ValueError, match="accum_steps must be >= 1"):
     train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16, accum_steps=0)
   with pytest.raises(ValueError, match="need 0 <= warmup_steps < total_steps"):
@@ -206,25 +267,27 @@ def test_bad_batches_and_settings_raise_before_compiling():
 
 
 @pytest.mark.gpu
-def test_streamed_update_keeps_the_optimizer_state_off_the_gpu():
+def test_streamed_update_keeps_the_optimizer_state_and_parameters_off_the_gpu():
   """Compiled for the GPU, the host-offloaded step keeps the optimizer state (float32 master
   weights and moments of bfloat16 parameters) in host memory and brings the layers' part to
-  the device one layer at a time: the step needs far less device memory than on-device."""
+  the device one layer at a time: the step needs far less device memory than on-device. With
+  ``offload_params`` the layer parameters and their gradients leave the device as well, also
+  in remat groups with the layer inputs on the host (the single-GPU 8B layout)."""
   config = preset("small", dtype="bfloat16", param_dtype="bfloat16", num_layers=8)
   mesh = mesh_of(1, 1)
   optimizer = train_step.make_optimizer(OPTIMIZER)
   batch = {k: jax.ShapeDtypeStruct((1, 512), jnp.int32) for k in ("tokens", "labels")}
 
-  def compiled_memory(offload):
-    flags = dict(offload_optimizer=offload)
+  def compiled_memory(config=config, **flags):
     graphdef, state = jax.eval_shape(lambda: train_step.init_train_state(
         init_llama(config, mesh), optimizer, master_weights=True, **flags))
     step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=512,
                                       **flags)
     return state, step.lower(state, batch).compile().memory_analysis()
 
-  state, on_device = compiled_memory(False)
-  _, offloaded = compiled_memory(True)
+  state, on_device = compiled_memory()
+  _, offloaded = compiled_memory(offload_optimizer=True)
+  _, params_offloaded = compiled_memory(offload_optimizer=True, offload_params=True)
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
   device = lambda m: (m.argument_size_in_bytes + m.output_size_in_bytes
                       - m.alias_size_in_bytes + m.temp_size_in_bytes)
@@ -232,3 +295,15 @@ def test_streamed_update_keeps_the_optimizer_state_off_the_gpu():
   # Streaming 8 layers should save nearly all of their state; ask for at least half.
   assert device(offloaded) < device(on_device) - nbytes(state.opt_state.layers) / 2, (
       offloaded, on_device)
+  layer_params = nbytes(train_step.split_layers(state.params)[0])
+  assert params_offloaded.host_argument_size_in_bytes >= (nbytes(state.opt_state)
+                                                          + layer_params)
+  # Parameters and gradients of 8 layers leave the device; ask for at least one copy's worth.
+  assert device(params_offloaded) < device(offloaded) - layer_params, (params_offloaded,
+                                                                       offloaded)
+  grouped = config.replace(remat_policy="full_offload", remat_group=2)
+  _, grouped_offloaded = compiled_memory(grouped, offload_optimizer=True)
+  _, grouped_params_offloaded = compiled_memory(grouped, offload_optimizer=True,
+                                                offload_params=True)
+  assert device(grouped_params_offloaded) < device(grouped_offloaded) - layer_params, (
+      grouped_params_offloaded, grouped_offloaded)

@@ -6,7 +6,8 @@
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
-policy and the optimizer state on the device or the host (``offload_optimizer``), it predicts
+policy, the optimizer state on the device or the host (``offload_optimizer``) and with it the
+layer parameters and gradients (``offload_params``), it predicts
 per-device memory on the device and on the host (``predict_memory``) and the time of one
 training step (``predict_step``), drops the layouts that do not fit, and recommends the
 fastest.
@@ -26,7 +27,9 @@ FSDP-sharded over all N devices):
                                          then the device holds params + grads +
                                          2·o·(layer_params + other_params)/N (one layer's state
                                          in and out, the state of the parameters outside the
-                                         layers whole)
+                                         layers whole). With the layer parameters on the host
+                                         too, "params" in state and grads counts other_params
+                                         and one layer's
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
@@ -34,7 +37,8 @@ FSDP-sharded over all N devices):
                                          groups of k layers (``remat_group``; the k of the
                                          group being recomputed); ``offload`` keeps the named
                                          ones on the host, ``full_offload`` the inputs
-  host       what is offloaded: optimizer state, per-layer residuals; per device, against
+  host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
+             residuals; per device, against
              ``Hardware.host_memory_gb`` shared by the devices of a node
   working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
              + 2·B'·H'·b²·4              two float32 score tiles of the XLA attention (b <= 512)
@@ -50,7 +54,10 @@ all-to-all over ``seq`` (2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass, ring K/V 
 per forward (+ float32 dK/dV home in the backward), FSDP all-gather c·params and
 reduce-scatter p·params. ``seq`` within a node uses ``intra_bw``; anything wider ``inter_bw``.
 Compute: 6·params·T + 6·L·S·Hq·D·T FLOPs (causal), plus one forward when rematerialising,
-and one more with remat groups.
+and one more with remat groups. Host transfers at ``pcie_bw``: offloaded activations, and with
+``offload_params`` the layer weights each layer pass fetches and the gradients it sends back,
+overlap with compute; the update's streams (the optimizer state in and out; the parameters and
+gradients the gradient norm and the update read, the parameters written back) do not.
 """
 
 import argparse
@@ -123,6 +130,8 @@ class Layout:
   output) kept on the host instead of the device; ``"full_offload"`` is ``full`` with each
   layer's input kept on the host. ``remat_group`` (``LlamaConfig.remat_group``, with
   ``full`` and ``full_offload``) keeps one input per group of that many layers.
+  ``offload_params`` (with ``offload_optimizer``) keeps the layer parameters and their
+  gradients on the host too.
   """
   data: int
   seq: int
@@ -130,6 +139,7 @@ class Layout:
   remat: str = "full"
   offload_optimizer: bool = False
   remat_group: int = 1
+  offload_params: bool = False
 
 
 def _tokens(layout, batch, seq_len):
@@ -171,9 +181,11 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
     ring = t * d * (4 * hkv * c + 2 * hq * 4 + 4 * hkv * 4)
   offload = layout.offload_optimizer
   optimizer = o * model.params / n
+  host_params = _host_param_count(model, layout)
+  device_params = model.params - host_params + model.layer_params * layout.offload_params
   terms = {
-      "state": p * model.params / n + (0 if offload else optimizer),
-      "grads": (p + (0 if offload else w)) * model.params / n,
+      "state": p * device_params / n + (0 if offload else optimizer),
+      "grads": (p + (0 if offload else w)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
       "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
@@ -181,9 +193,15 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
     streamed = model.layer_params + model.params - model.num_layers * model.layer_params
-    terms["total"] = max(terms["total"], (2 * p * model.params + 2 * o * streamed) / n)
-  terms["host"] = optimizer * offload + _host_activation_bytes(model, layout, t, c)
+    terms["total"] = max(terms["total"], (2 * p * device_params + 2 * o * streamed) / n)
+  terms["host"] = (optimizer * offload + 2 * p * host_params / n
+                   + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _host_param_count(model, layout):
+  """Parameters (and as many gradients) in host memory: the layers' with ``offload_params``."""
+  return model.num_layers * model.layer_params * layout.offload_params
 
 
 def _kept_layer_inputs(model, layout):
@@ -239,19 +257,23 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
   merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
-  # Offloaded activations go to the host and back, overlapped with compute; the optimizer
-  # state goes to the device and back around the update, exposed.
+  # Offloaded activations go to the host and back, and offloaded layer weights come to the
+  # device in every forward pass (recomputed ones included) and their gradients go back,
+  # overlapped with compute; the update's streams are exposed (see the module docstring).
   moved_inputs = l + (l // layout.remat_group if regroup else 0)  # layers', groups' inputs
   moved = {"full_offload": moved_inputs * e, "offload": l * _named_per_token(model)}
-  offload = max(0.0, 2 * t * c * moved.get(layout.remat, 0) / hardware.pcie_bw - compute)
-  optimizer = o * model.params / n * layout.offload_optimizer
+  host_param_bytes = p * _host_param_count(model, layout) / n
+  fetches = 1 + (layout.remat != "none") + regroup
+  overlapped = 2 * t * c * moved.get(layout.remat, 0) + (fetches + 1) * host_param_bytes
+  offload = max(0.0, overlapped / hardware.pcie_bw - compute)
+  update_streams = 2 * o * model.params / n * layout.offload_optimizer + 4 * host_param_bytes
   times = {
       "compute_s": compute + merge,
       "all_to_all_s": a2a / bw(layout.seq),
       "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
       "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
       "offload_exposed_s": offload,
-      "optimizer_transfer_s": 2 * optimizer / hardware.pcie_bw,
+      "optimizer_transfer_s": update_streams / hardware.pcie_bw,
   }
   return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
           "step_s": sum(times.values())}
@@ -260,7 +282,8 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
 def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False, True),
             remat_groups=(1,)):
   """Every ``Layout`` with data·seq·ring = devices and data dividing the batch (remat groups
-  with the ``full`` policies only)."""
+  with the ``full`` policies only; layer parameters on the host or not when the optimizer
+  state is)."""
   for data in range(1, devices + 1):
     if devices % data or batch % data:
       continue
@@ -269,7 +292,8 @@ def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False
         for remat in remats:
           groups = remat_groups if remat in ("full", "full_offload") else (1,)
           for opt, group in itertools.product(offload_optimizer, groups):
-            yield Layout(data, seq, devices // data // seq, remat, opt, group)
+            for params in (False, True) if opt else (False,):
+              yield Layout(data, seq, devices // data // seq, remat, opt, group, params)
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
@@ -297,8 +321,12 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
   return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
 
 
+def _on_host_label(layout):
+  return "opt+params" if layout.offload_params else "opt" if layout.offload_optimizer else "-"
+
+
 def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'opt':>6} "
+  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'on host':>10} "
             f"{'mem GB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} "
             f"{'step s':>8} {'tok/s':>9}")
   lines = [header]
@@ -307,7 +335,7 @@ def _format(rows, batch, seq_len):
     comm = step["step_s"] - step["compute_s"]
     lines.append(
         f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
-        f"{'host' if lay.offload_optimizer else 'device':>6} {mem['total'] / _GB:>7.1f} "
+        f"{_on_host_label(lay):>10} {mem['total'] / _GB:>7.1f} "
         f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
         f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
         f"{batch * seq_len / step['step_s']:>9.0f}")
@@ -354,7 +382,8 @@ def main(argv=None):
   best = rows[0]["layout"]
   print(f"recommended: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}), "
         f"remat_policy={best.remat!r}, remat_group={best.remat_group}, "
-        f"offload_optimizer={best.offload_optimizer}; {len(rows)} feasible layouts")
+        f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}; "
+        f"{len(rows)} feasible layouts")
   return rows[0]
 
 

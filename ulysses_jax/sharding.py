@@ -110,6 +110,13 @@ def tree_shardings(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def layer_slice(shardings, memory_kind: str = "device"):
+  """Shardings of one layer of stacked ``[L, ...]`` arrays (the leading axis dropped), in
+  ``memory_kind`` ("device" or "pinned_host")."""
+  return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:]), memory_kind=memory_kind),
+                      shardings)
+
+
 def init_sharded(make: Callable[[], nnx.Module], mesh: Mesh,
                  rules: Rules = DEFAULT_RULES) -> nnx.Module:
   """Builds ``make()`` with every parameter created directly in its sharded layout.

@@ -65,6 +65,9 @@ class TrainConfig:
   max_bad_steps: consecutive non-finite steps that stop training.
   offload_optimizer: keep the optimizer state (Adam moments, master weights) in pinned host
     memory; the update streams it through the device one layer at a time.
+  offload_params: with offload_optimizer, keep the stacked layer parameters and their
+    gradients in pinned host memory too: each layer's weights come to the device when it runs
+    (needs accum_steps=1).
   master_weights: with LlamaConfig.param_dtype="bfloat16", the optimizer updates a float32
     copy of the parameters (moments float32 too) and the model gets it rounded.
   platform: "" (JAX's default), "cpu", "gpu" or "tpu".
@@ -86,6 +89,7 @@ class TrainConfig:
   z_loss_weight: float = 0.0
   max_bad_steps: int = 20
   offload_optimizer: bool = False
+  offload_params: bool = False
   master_weights: bool = False
   platform: str = ""
   cpu_devices: int = 0
@@ -107,6 +111,10 @@ class TrainConfig:
       raise ValueError(f"TrainConfig values out of range: {small} (steps, log_every, "
                        "eval_batches, accum_steps, max_bad_steps >= 1; eval_every, "
                        "cpu_devices >= 0)")
+    if self.offload_params and not (self.offload_optimizer and self.accum_steps == 1):
+      raise ValueError(f"TrainConfig.offload_params=True needs offload_optimizer=True and "
+                       f"accum_steps=1, got offload_optimizer={self.offload_optimizer}, "
+                       f"accum_steps={self.accum_steps}.")
 
 
 # The gin-bound constructors: calling one applies the parsed bindings.
@@ -135,12 +143,13 @@ def parse_gin(files: list[str], params: list[str]):
 # ----------------------------------------------------------------------------- setup
 
 def abstract_train_state(model_config, mesh, optimizer, seed=0, offload_optimizer=False,
-                         master_weights=False):
+                         offload_params=False, master_weights=False):
   """(graphdef, train state as ShapeDtypeStructs carrying their target shardings)."""
   graphdef, shapes = jax.eval_shape(
       lambda: init_train_state(init_llama(model_config, mesh, seed=seed), optimizer,
                                master_weights=master_weights))
-  shardings = state_shardings(shapes, mesh, offload_optimizer=offload_optimizer)
+  shardings = state_shardings(shapes, mesh, offload_optimizer=offload_optimizer,
+                              offload_params=offload_params)
   return graphdef, jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
@@ -150,7 +159,7 @@ def _check_fits(abstract_state):
   need = {}
   for x in jax.tree.leaves(abstract_state):
     if x.sharding.memory_kind == "pinned_host":
-      continue  # the offloaded optimizer state
+      continue  # the offloaded optimizer state (and parameters)
     for device in x.sharding.device_set:
       shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
       need[device] = need.get(device, 0) + shard
@@ -226,7 +235,8 @@ def train(workdir: str, datasets=None) -> dict:
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
     optimizer = make_optimizer(opt_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, mesh, optimizer, cfg.seed,
-                                              cfg.offload_optimizer, cfg.master_weights)
+                                              cfg.offload_optimizer, cfg.offload_params,
+                                              cfg.master_weights)
     _check_fits(abstract)
     train_ds, eval_ds = datasets or make_datasets(data_cfg, mesh,
                                                   vocab_size=model_cfg.vocab_size)
@@ -241,6 +251,7 @@ def train(workdir: str, datasets=None) -> dict:
   if restored is None:
     start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), optimizer,
                                        offload_optimizer=cfg.offload_optimizer,
+                                       offload_params=cfg.offload_params,
                                        master_weights=cfg.master_weights)[1]
   else:
     start, state = restored.step, restored.state
@@ -248,7 +259,8 @@ def train(workdir: str, datasets=None) -> dict:
   step_fn = make_train_step(graphdef, abstract, optimizer, mesh=mesh,
                             seq_len=data_cfg.seq_len, accum_steps=cfg.accum_steps,
                             z_loss_weight=cfg.z_loss_weight,
-                            offload_optimizer=cfg.offload_optimizer)
+                            offload_optimizer=cfg.offload_optimizer,
+                            offload_params=cfg.offload_params)
   eval_step = _make_eval_step(graphdef, data_cfg.source == "retrieval")
   flops = metrics_lib.flops_per_token(model_cfg, data_cfg.seq_len)
   peak = (cfg.peak_flops * jax.device_count() if cfg.peak_flops

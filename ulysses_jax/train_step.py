@@ -26,7 +26,14 @@ Memory options (``init_train_state`` and ``make_train_step`` take the same flags
 * ``offload_optimizer``: the optimizer state (master weights included) lives in
   ``pinned_host`` memory. The update streams it: one layer's state comes to the device, is
   updated and written back in place before the next (a ``fori_loop``), so the device holds
-  one layer's state at a time instead of all of it. The other parameters' state visits the device whole.
+  one layer's state at a time instead of all of it. The other parameters' state visits the
+  device whole.
+* ``offload_params`` (with ``offload_optimizer``): the stacked layer parameters live in
+  ``pinned_host`` memory too, and so do their gradients. The model copies each layer's
+  weights to the device when it runs the layer (``models.llama``), the backward writes each
+  layer's gradient back to the host as it is made, and the gradient norm and the update
+  stream them a layer at a time. The device keeps only the embedding, head and final norm of
+  the parameters (ZeRO-Infinity's parameter offload, for one GPU at very long sequences).
 """
 
 import dataclasses
@@ -150,13 +157,30 @@ def _on_host(shardings):
   return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
 
 
+def _layers_on_host(param_shardings):
+  """Parameter shardings with the stacked layer parameters' in ``pinned_host`` memory."""
+  layers, rest = split_layers(param_shardings)
+  return nnx.merge_state(_on_host(layers), rest)
+
+
+def _check_offload(offload_optimizer, offload_params):
+  if offload_params and not offload_optimizer:
+    raise ValueError("offload_params=True needs offload_optimizer=True: the parameters' "
+                     "optimizer state is larger than they are, so it moves to the host first.")
+
+
 def state_shardings(state, mesh: Mesh, *, offload_optimizer: bool = False,
+                    offload_params: bool = False,
                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> TrainState:
   """Shardings of a ``TrainState`` (or its ``eval_shape``): FSDP for parameters and optimizer
-  state, the latter in ``pinned_host`` memory with ``offload_optimizer``."""
+  state, the latter in ``pinned_host`` memory with ``offload_optimizer``, and the stacked
+  layer parameters too with ``offload_params``."""
+  _check_offload(offload_optimizer, offload_params)
   shardings = sharding.tree_shardings(state, mesh, rules)
   if offload_optimizer:
     shardings = shardings._replace(opt_state=_on_host(shardings.opt_state))
+  if offload_params:
+    shardings = shardings._replace(params=_layers_on_host(shardings.params))
   return shardings
 
 
@@ -170,14 +194,16 @@ def _check_master_weights(params, master_weights):
 
 def init_train_state(model: nnx.Module, optimizer: Optimizer,
                      rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                     offload_optimizer: bool = False,
+                     offload_optimizer: bool = False, offload_params: bool = False,
                      master_weights: bool = False) -> tuple[nnx.GraphDef, TrainState]:
   """Splits a (sharded) model into its graphdef and a ``TrainState``.
 
   The optimizer state (and with ``master_weights`` the float32 copy of the parameters) is
-  created directly in the parameters' sharding, in host memory with ``offload_optimizer``.
+  created directly in the parameters' sharding, in host memory with ``offload_optimizer``;
+  with ``offload_params`` the stacked layer parameters move to host memory too.
   ``model`` must have a ``mesh`` attribute (``Llama`` does).
   """
+  _check_offload(offload_optimizer, offload_params)
   graphdef, params = nnx.split(model)
   _check_master_weights(params, master_weights)
   mesh = model.mesh
@@ -186,6 +212,9 @@ def init_train_state(model: nnx.Module, optimizer: Optimizer,
   if offload_optimizer:
     opt_shardings = _on_host(opt_shardings)
   opt_state = jax.jit(init, out_shardings=opt_shardings)(params)
+  if offload_params:
+    params = jax.device_put(params, _layers_on_host(sharding.tree_shardings(params, mesh,
+                                                                            rules)))
   zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
   return graphdef, TrainState(zero(), params, opt_state, zero(), zero())
 
@@ -224,52 +253,80 @@ def _update_group(tx, grads, params, group: ParamGroup, *, scale, apply):
                       group)
 
 
-def _layer_slice(shardings, memory_kind):
-  """Shardings of one layer of stacked arrays (the leading axis dropped), in ``memory_kind``."""
-  return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:]), memory_kind=memory_kind),
-                      shardings)
+def _take_layer(tree, i):
+  return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), tree)
 
 
-def _update(tx, grads, params, opt_state: OptimizerState, *, scale, apply, device_shardings,
-            offload):
+def _put_layer(tree, new, i):
+  return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
+
+
+def _num_layers(tree) -> int:
+  return jax.tree.leaves(tree)[0].shape[0]
+
+
+def _float32_norm(grads, *, layer_shardings=None):
+  """Global L2 norm of the gradients in float32. With ``layer_shardings`` (the stacked layer
+  gradients are in host memory) they come to the device one layer at a time."""
+  if layer_shardings is None:
+    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+  squares = lambda tree: sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
+                             for g in jax.tree.leaves(tree))
+  layers, rest = split_layers(grads)
+  to_device = sharding.layer_slice(layer_shardings)
+  total = jax.lax.fori_loop(
+      0, _num_layers(layers),
+      lambda i, total: total + squares(jax.device_put(_take_layer(layers, i), to_device)),
+      squares(rest))
+  return jnp.sqrt(total)
+
+
+def _update(tx, grads, params, opt_state: OptimizerState, *, scale, apply, shardings: TrainState,
+            offload_optimizer, offload_params):
   """Updated (params, opt_state). On the device: all layers at once (``vmap``). Offloaded:
-  one layer at a time, each layer's state copied to the device and back."""
+  one layer at a time, each layer's state (and with ``offload_params`` its parameters and
+  gradient) copied to the device and back. ``shardings``: the state's, all on the device."""
   update = functools.partial(_update_group, tx, scale=scale, apply=apply)
   (grads_layers, grads_rest), (params_layers, params_rest) = map(split_layers, (grads, params))
   layers, rest = opt_state
-  if offload:
-    to_device = _layer_slice(device_shardings.layers, "device")
-    to_host = _layer_slice(device_shardings.layers, "pinned_host")
-
-    # A loop that carries the stacked arrays and writes each layer back in place (a
-    # ``lax.map`` would build new stacked outputs beside the old ones).
-    def one_layer(i, carry):
-      params_layers, layers = carry
-      take = lambda tree: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False),
-                                       tree)
-      put = lambda tree, new: jax.tree.map(
-          lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0), tree, new)
-      p, group = update(take(grads_layers), take(params_layers),
-                        jax.device_put(take(layers), to_device))
-      return put(params_layers, p), put(layers, jax.device_put(group, to_host))
-
-    num_layers = jax.tree.leaves(params_layers)[0].shape[0]
-    # The loop's carry starts in host memory also when the step is traced from abstract shapes.
-    layers = jax.device_put(layers, _on_host(device_shardings.layers))
-    params_layers, layers = jax.lax.fori_loop(0, num_layers, one_layer, (params_layers, layers))
-    params_rest, rest = update(grads_rest, params_rest,
-                               jax.device_put(rest, device_shardings.rest))
-    rest = jax.device_put(rest, _on_host(device_shardings.rest))
-  else:
+  if not offload_optimizer:
     params_layers, layers = jax.vmap(update)(grads_layers, params_layers, layers)
     params_rest, rest = update(grads_rest, params_rest, rest)
+    return nnx.merge_state(params_layers, params_rest), OptimizerState(layers, rest)
+
+  opt_shardings = shardings.opt_state.layers
+  param_shardings = split_layers(shardings.params)[0]
+  params_kind = "pinned_host" if offload_params else "device"
+
+  # A loop that carries the stacked arrays and writes each layer back in place (a
+  # ``lax.map`` would build new stacked outputs beside the old ones).
+  def one_layer(i, carry):
+    params_layers, layers = carry
+    on_device = lambda tree, shardings: jax.device_put(_take_layer(tree, i),
+                                                       sharding.layer_slice(shardings))
+    p, group = update(on_device(grads_layers, param_shardings),
+                      on_device(params_layers, param_shardings),
+                      on_device(layers, opt_shardings))
+    p = jax.device_put(p, sharding.layer_slice(param_shardings, params_kind))
+    group = jax.device_put(group, sharding.layer_slice(opt_shardings, "pinned_host"))
+    return _put_layer(params_layers, p, i), _put_layer(layers, group, i)
+
+  # The loop's carry starts in host memory also when the step is traced from abstract shapes.
+  layers = jax.device_put(layers, _on_host(opt_shardings))
+  if offload_params:
+    params_layers = jax.device_put(params_layers, _on_host(param_shardings))
+  params_layers, layers = jax.lax.fori_loop(0, _num_layers(params_layers), one_layer,
+                                            (params_layers, layers))
+  params_rest, rest = update(grads_rest, params_rest,
+                             jax.device_put(rest, shardings.opt_state.rest))
+  rest = jax.device_put(rest, _on_host(shardings.opt_state.rest))
   return nnx.merge_state(params_layers, params_rest), OptimizerState(layers, rest)
 
 
 def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimizer, *,
                     mesh: Mesh, seq_len: int, accum_steps: int = 1, z_loss_weight: float = 0.0,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
-                    offload_optimizer: bool = False):
+                    offload_optimizer: bool = False, offload_params: bool = False):
   """The jitted ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -284,10 +341,12 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       sharded ``sharding.batch_spec(mesh, seq_len)``.
     accum_steps: gradient accumulation: the B rows are split into ``accum_steps``
       micro-batches run one after another; the update uses the token-weighted mean over all
-      of them, exactly as one big batch would.
+      of them, exactly as one big batch would, their gradients summed in float32.
     z_loss_weight: weight of the z-loss term added to the objective.
     offload_optimizer: the optimizer state lives in host memory (``init_train_state`` with
       the same flag) and is updated one layer at a time.
+    offload_params: the stacked layer parameters and their gradients live in host memory
+      too (``init_train_state`` with the same flag; needs ``accum_steps=1``).
 
   A step whose loss or gradient norm is not finite changes neither parameters nor optimizer
   state; it counts in ``TrainState.nonfinite_steps`` (and ``nonfinite_in_a_row``) and does
@@ -299,6 +358,10 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
+  if offload_params and accum_steps > 1:
+    raise ValueError(f"offload_params=True keeps the gradients in host memory, where they "
+                     f"cannot be summed over micro-batches: use accum_steps=1 (got "
+                     f"{accum_steps}) or offload_params=False.")
   batch_spec = sharding.batch_spec(mesh, seq_len)
 
   def objective(params, micro, total_count):
@@ -323,21 +386,27 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
                 for k, v in batch.items()}
       param_shardings = sharding.tree_shardings(current.params, mesh, rules)
 
+      # The sum is float32 whatever the parameter dtype: a bfloat16 sum would round at every
+      # micro-batch, and the optimizer takes float32 gradients (master weights) or rounds once.
       def accumulate(carry, micro):
         grads, sums = grad_fn(current.params, micro, total_count)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
       zero_grads = jax.lax.with_sharding_constraint(
-          jax.tree.map(jnp.zeros_like, current.params), param_shardings)
+          jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), current.params),
+          param_shardings)
       zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
-    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    grad_norm = _float32_norm(grads, layer_shardings=(
+        split_layers(device_shardings.params)[0] if offload_params else None))
     finite = jnp.isfinite(sums.loss + sums.z_loss) & jnp.isfinite(grad_norm)
     scale = (jnp.minimum(1.0, optimizer.clip_norm / grad_norm) if optimizer.clip_norm
              else jnp.ones((), jnp.float32))
     params, opt_state = _update(optimizer.tx, grads, current.params, current.opt_state,
-                                scale=scale, apply=finite, device_shardings=device_opt_shardings,
-                                offload=offload_optimizer)
+                                scale=scale, apply=finite, shardings=device_shardings,
+                                offload_optimizer=offload_optimizer,
+                                offload_params=offload_params)
     count = jnp.maximum(sums.count, 1.0)
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
                "grad_norm": grad_norm, "tokens": sums.count}
@@ -348,7 +417,8 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
     return TrainState(current.step + 1, params, opt_state, current.nonfinite_steps + skipped,
                       (current.nonfinite_in_a_row + 1) * skipped), metrics
 
-  shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer, rules=rules)
-  device_opt_shardings = sharding.tree_shardings(state.opt_state, mesh, rules)
+  shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer,
+                              offload_params=offload_params, rules=rules)
+  device_shardings = sharding.tree_shardings(state, mesh, rules)
   return jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, batch_spec)),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)

@@ -310,8 +310,14 @@ class Llama(nnx.Module):
     x_BSE = sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
 
     graphdef, layer_states = nnx.split(self.layers)
+    # The stacked layer weights may live in host memory (``make_train_step(offload_params=
+    # True)``): each layer copies its own slice to the device (a no-op for device arrays), and
+    # the transpose of that copy writes the layer's gradient back to the host.
+    slice_shardings = sharding.layer_slice(
+        sharding.tree_shardings(layer_states, self.mesh, self.rules))
 
     def layer(x_BSE, layer_state):
+      layer_state = jax.device_put(layer_state, slice_shardings)
       return nnx.merge(graphdef, layer_state)(x_BSE, positions_BS, segment_ids_BS), None
 
     c = self.config

@@ -35,7 +35,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import print_table, save_figure, write_json
+from benchmarks.common import check_plotting, print_table, save_figure, write_json
 from ulysses_jax import hlo, make_mesh, ulysses_attention
 from ulysses_jax.attention.baselines import allgather_kv_attention, ring_attention
 from ulysses_jax.attention.ulysses import plan_heads
@@ -119,6 +119,7 @@ def main():
   parser.add_argument("--json", default="benchmarks/results/comm_volume.json")
   parser.add_argument("--plot", default="", help="PNG path (needs matplotlib: the bench extra)")
   args = parser.parse_args()
+  check_plotting(parser, args.plot)
   rows = []
   for q_heads, kv_heads in ((32, 32), (32, 8)):
     for shards in (1, 2, 4, 8):

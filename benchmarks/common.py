@@ -1,5 +1,7 @@
 """Shared benchmark plumbing: environment header, timing, table and JSON output."""
 
+import argparse
+import importlib.util
 import json
 import math
 import os
@@ -81,6 +83,13 @@ def finite_or_null(tree):
   if isinstance(tree, float) and not math.isfinite(tree):
     return None
   return tree
+
+
+def check_plotting(parser: argparse.ArgumentParser, plot_path: str) -> None:
+  """Stops with a usage error, before any measuring, when ``--plot`` is asked for without
+  matplotlib."""
+  if plot_path and importlib.util.find_spec("matplotlib") is None:
+    parser.error(f"--plot {plot_path} needs matplotlib: pip install -e '.[bench]'")
 
 
 def save_figure(figure, title: str, path: str) -> None:

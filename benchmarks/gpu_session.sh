@@ -14,17 +14,21 @@
 #                 kernels, our Mosaic kernels and cuDNN
 #   step-1b-memory  the same step (Triton kernels) with the memory options: remat groups of 4;
 #                 bfloat16 parameters with float32 master weights, on the device and
-#                 streamed from the host (what each costs in step time)
+#                 streamed from the host, and the layer parameters on the host too (what each
+#                 costs in step time)
 #   memory-1b     longest trainable sequence per memory configuration, llama3.2-1b
 #   memory-8b     the same for llama3.1-8b (the 500K / 1M-token targets), float32 parameters,
 #                 remat per layer and per group of 4 layers (by ulysses_jax.plan nothing
 #                 fits one 80 GB GPU; 164K / 492K tokens one H200)
-#   memory-8b-bf16  bfloat16 parameters, with bfloat16 moments and with float32 master
-#                 weights and moments (both on the host, streamed), the planner's best
-#                 remat groups
+#   memory-8b-bf16  bfloat16 parameters and moments (on the host, streamed), the planner's
+#                 best remat groups, with the layer parameters and gradients on the host too
+#                 or not (the planner's 557K / 393K tokens on an H100)
+#   memory-8b-master  bfloat16 parameters with float32 master weights and moments (on the
+#                 host, streamed); the planner's 164K (H100) / 459K (H200) tokens
 #                 The memory stages search by the GPU compiler's memory analysis against the
 #                 allocator's limit (one real step at 500K tokens of an 8B model takes longer
-#                 than a command may run) and time real steps up to --time-max-tokens.
+#                 than a command may run) and time real steps up to --time-max-tokens. The 8B
+#                 searches start at 128K or 256K tokens to save compiles.
 #   peers         ulysses_jax vs transformers + PyTorch, llama3.2-1b, with --find-max
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
@@ -64,7 +68,10 @@ case $stage in
       --param-dtype bfloat16 --master-weights --json "$out/train_step_1b_64k_master.json"
     run step_1b_64k_master_offload python3 -m benchmarks.train_step "${common[@]}" \
       --param-dtype bfloat16 --master-weights --offload-optimizer \
-      --json "$out/train_step_1b_64k_master_offload.json" ;;
+      --json "$out/train_step_1b_64k_master_offload.json"
+    run step_1b_64k_master_offload_params python3 -m benchmarks.train_step "${common[@]}" \
+      --param-dtype bfloat16 --master-weights --offload-optimizer --offload-params \
+      --json "$out/train_step_1b_64k_master_offload_params.json" ;;
   memory-1b)
     run max_seqlen_1b python3 -m benchmarks.max_seqlen --preset llama3.2-1b \
       --criterion compiled --granularity 16384 --time-max-tokens 131072 \
@@ -73,20 +80,27 @@ case $stage in
   memory-8b)
     run max_seqlen_8b python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
+      --start-len 262144 \
       --configs full_offload+opt+mlp2048,full_offload+group4+opt+mlp2048 \
       --json "$out/max_seqlen_8b.json" --plot "$out/max_seqlen_8b.png" ;;
   memory-8b-bf16)
     run max_seqlen_8b_bf16 python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
       --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
-      --param-dtype bfloat16 \
-      --configs full_offload+group2+opt+mlp2048,full_offload+group4+opt+master+mlp2048 \
+      --start-len 262144 --param-dtype bfloat16 \
+      --configs full_offload+group4+opt+params+mlp2048,full_offload+group2+opt+mlp2048 \
       --json "$out/max_seqlen_8b_bf16.json" --plot "$out/max_seqlen_8b_bf16.png" ;;
+  memory-8b-master)
+    run max_seqlen_8b_master python3 -m benchmarks.max_seqlen --preset llama3.1-8b \
+      --criterion compiled --granularity 32768 --time-max-tokens 65536 --max-len 2097152 \
+      --start-len 131072 --param-dtype bfloat16 \
+      --configs full_offload+group4+opt+master+mlp2048 \
+      --json "$out/max_seqlen_8b_master.json" --plot "$out/max_seqlen_8b_master.png" ;;
   peers)
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
-      "memory-1b, memory-8b, memory-8b-bf16 or peers" >&2
+      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master or peers" >&2
     exit 2 ;;
 esac

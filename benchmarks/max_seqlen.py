@@ -5,16 +5,19 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.max_seqlen \\
         --preset small --budget-gib 0.25 --configs none,full,full+opt
 
-A memory configuration is ``POLICY[+groupK][+opt][+master][+mlpN]``: the per-layer remat
-policy (one of ``llama.REMAT_POLICIES``), ``+groupK`` for rematerialised groups of K layers
-(``LlamaConfig.remat_group``), ``+opt`` for the optimizer state in pinned host memory, streamed
-through the device a layer at a time (``offload_optimizer``), ``+master`` for float32 master
-weights of lower-precision parameters (``master_weights``; with ``--param-dtype bfloat16``),
-``+mlpN`` for the MLP tiled into chunks of N tokens per device.
+A memory configuration is ``POLICY[+groupK][+opt][+params][+master][+mlpN]``: the per-layer
+remat policy (one of ``llama.REMAT_POLICIES``), ``+groupK`` for rematerialised groups of K
+layers (``LlamaConfig.remat_group``), ``+opt`` for the optimizer state in pinned host memory,
+streamed through the device a layer at a time (``offload_optimizer``), ``+params`` (with
+``+opt``) for the layer parameters and their gradients there too (``offload_params``),
+``+master`` for float32 master weights of lower-precision parameters (``master_weights``;
+with ``--param-dtype bfloat16``), ``+mlpN`` for the MLP tiled into chunks of N tokens per
+device.
 
-The search doubles S from ``--granularity`` (rounded up to a multiple of the seq axis) while
-the step fits, then bisects between the last fit and the first failure down to one
-granularity step. "Fits" means (``--criterion``):
+The search doubles S from ``--start-len`` (default: ``--granularity``; both rounded to
+multiples of the granularity and the seq axis) while the step fits, up to ``--max-len``, then
+bisects between the last fit (or 0) and the first failure down to one granularity step.
+"Fits" means (``--criterion``):
 
 * ``run`` (the default on GPU): one real step (forward, backward, AdamW) runs without XLA's
   RESOURCE_EXHAUSTED. Each try runs in a fresh child process, so a failed try leaves nothing
@@ -22,7 +25,8 @@ granularity step. "Fits" means (``--criterion``):
   step's alone.
 * ``compiled`` (the default elsewhere): the compiled step's per-device memory ``argument +
   output + temp - alias`` bytes (``compiled.memory_analysis()``; optimizer state in host
-  memory not counted when the compiler does not report it apart) is at most
+  memory not counted when the compiler does not report it apart; on CPU, where host and device
+  are the same RAM, host temporaries such as offloaded gradients still count) is at most
   ``--budget-gib`` (on GPU by default the allocator's limit). The step is compiled on
   abstract inputs (``ShapeDtypeStruct``), so nothing is allocated or run: on GPU, the way
   to search lengths whose one step takes longer than a benchmark can wait (an 8B model at
@@ -55,25 +59,27 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
-  """Remat policy and group, optimizer state on the host or not, float32 master weights or
-  not, MLP tile (0 = untiled)."""
+  """Remat policy and group, optimizer state (and layer parameters) on the host or not,
+  float32 master weights or not, MLP tile (0 = untiled)."""
   remat: str = "full"
   remat_group: int = 1
   offload_optimizer: bool = False
+  offload_params: bool = False
   master_weights: bool = False
   mlp_chunk: int = 0
 
   @property
   def name(self) -> str:
     return "+".join([self.remat] + [f"group{self.remat_group}"] * (self.remat_group > 1) +
-                    ["opt"] * self.offload_optimizer +
+                    ["opt"] * self.offload_optimizer + ["params"] * self.offload_params +
                     ["master"] * self.master_weights +
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
 
   @property
   def state_flags(self) -> dict:
     """The keyword arguments of ``train_step.init_train_state`` this config sets."""
-    return dict(offload_optimizer=self.offload_optimizer, master_weights=self.master_weights)
+    return dict(offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
+                master_weights=self.master_weights)
 
 
 def parse_config(spec: str) -> MemoryConfig:
@@ -84,6 +90,8 @@ def parse_config(spec: str) -> MemoryConfig:
   for flag in flags:
     if flag == "opt":
       config = dataclasses.replace(config, offload_optimizer=True)
+    elif flag == "params":
+      config = dataclasses.replace(config, offload_params=True)
     elif flag == "master":
       config = dataclasses.replace(config, master_weights=True)
     elif flag.startswith("group") and flag[5:].isdigit():
@@ -92,9 +100,12 @@ def parse_config(spec: str) -> MemoryConfig:
       config = dataclasses.replace(config, mlp_chunk=int(flag[3:]))
     else:
       raise ValueError(f"unknown flag {flag!r} in memory config {spec!r}: expected "
-                       f"POLICY[+groupK][+opt][+master][+mlpN], e.g. full+opt+mlp1024.")
+                       f"POLICY[+groupK][+opt][+params][+master][+mlpN], e.g. "
+                       f"full+opt+mlp1024.")
   if remat not in llama.REMAT_POLICIES:
     raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES}.")
+  if config.offload_params and not config.offload_optimizer:
+    raise ValueError(f"{spec!r}: +params needs +opt (offload_params needs offload_optimizer).")
   return config
 
 
@@ -116,20 +127,21 @@ class Setup:
                         loss_chunk=self.loss_chunk)
 
 
-def search(fits, granularity: int, max_len: int) -> tuple[int, int]:
+def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, int]:
   """Largest multiple S of ``granularity`` (<= ``max_len``) with ``fits(S)``, assuming fits
   is monotone; and the smallest multiple tried that did not fit (0 if none failed).
 
-  Doubles from ``granularity``, then bisects; returns ``(0, granularity)`` when even the
-  smallest length fails.
+  Doubles from ``start`` (rounded down to a multiple, at least ``granularity``), then
+  bisects; returns ``(0, granularity)`` when even the smallest length fails.
   """
   low, high = 0, 0
-  length = granularity
-  while length <= max_len:
+  top = max_len // granularity * granularity
+  length = min(max(granularity, start // granularity * granularity), top)
+  while length:  # doubling, the last try at top
     if not fits(length):
       high = length
       break
-    low, length = length, 2 * length
+    low, length = length, min(2 * length, top) if length < top else 0
   while high and high - low > granularity:
     middle = (low + high) // 2 // granularity * granularity
     if fits(middle):
@@ -153,18 +165,18 @@ def abstract_state(config: llama.LlamaConfig, mesh, optimizer, **state_flags):
   return graphdefs[0], state
 
 
-def device_bytes(compiled, host_state) -> int:
+def device_bytes(compiled, host_state=()) -> int:
   """Per-device bytes of a compiled step: arguments + outputs + temporaries - aliased.
 
-  ``host_state`` (a tree of ShapeDtypeStruct in pinned host memory) is taken off when the
-  compiler counts it with device memory (CPU, where both are the same RAM).
+  ``host_state`` (the step's arguments in pinned host memory, ShapeDtypeStructs) is taken off
+  when the compiler counts it with device memory (CPU, where both are the same RAM).
   """
   stats = compiled.memory_analysis()
   total = (stats.argument_size_in_bytes + stats.output_size_in_bytes +
            stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-  if host_state is not None and not stats.host_argument_size_in_bytes:
+  if not stats.host_argument_size_in_bytes:
     total -= sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                 for x in jax.tree.leaves(host_state))
+                 for x in host_state)
   return total
 
 
@@ -183,14 +195,15 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
     graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
                                                   **memory.state_flags)
     batch = synthetic_batch(setup.batch, seq_len, config.vocab_size, 0)
+  offload = dict(offload_optimizer=memory.offload_optimizer,
+                 offload_params=memory.offload_params)
   step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=seq_len,
-                                    offload_optimizer=memory.offload_optimizer)
+                                    **offload)
   compiled = step.lower(state, batch).compile()
-  host_state = None
-  if memory.offload_optimizer:
-    shardings = train_step.state_shardings(state, mesh, offload_optimizer=True).opt_state
-    host_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              state.opt_state, shardings)
+  shardings = train_step.state_shardings(state, mesh, **offload)
+  host_state = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
+                if s.memory_kind == "pinned_host"]
   return compiled, state, batch, device_bytes(compiled, host_state)
 
 
@@ -231,7 +244,7 @@ def run_in_child(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -
 
 
 def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: int,
-            criterion: str, budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
+            start_len: int, criterion: str, budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
             peak_flops: float) -> dict:
   """Searches the longest fitting S for one memory configuration and times a step there."""
   step = math.lcm(granularity, setup.seq)
@@ -239,7 +252,7 @@ def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: in
     fits = lambda s: run_in_child(setup, memory, s, 1)["fits"]  # noqa: E731
   else:
     fits = lambda s: compiled_bytes(setup, memory, s) <= budget_gib * GIB  # noqa: E731
-  best, first_fail = search(fits, step, max_len)
+  best, first_fail = search(fits, step, max_len, start_len)
   row = {"config": memory.name, "max_tokens": best, "first_fail": first_fail,
          "est_GiB": float("nan"), "step_s": float("nan"), "tokens_per_s": float("nan"),
          "MFU": float("nan"), "peak_GiB": float("nan")}
@@ -287,6 +300,9 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--loss-chunk", type=int, default=1024)
   parser.add_argument("--granularity", type=int, default=1024 if on_gpu else 128)
   parser.add_argument("--max-len", type=int, default=2**20)
+  parser.add_argument("--start-len", type=int, default=0,
+                      help="first length tried (default: --granularity); near the answer, it "
+                           "saves compiles of big models")
   parser.add_argument("--criterion", choices=("run", "compiled"),
                       default="run" if on_gpu else "compiled")
   parser.add_argument("--budget-gib", type=float, default=None,
@@ -298,6 +314,7 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--json", default="")
   parser.add_argument("--plot", default="", help="PNG path")
   args = parser.parse_args(argv)
+  common.check_plotting(parser, args.plot)
 
   if args.criterion == "run" and not on_gpu:
     parser.error("--criterion run needs a GPU (off GPU nothing reports running out of memory).")
@@ -308,7 +325,7 @@ def main(argv=None) -> list[dict]:
                 args.loss_chunk, args.param_dtype)
   peak_flops = metrics.measure_peak_flops(args.dtype)
   rows = [measure(setup, parse_config(spec), granularity=args.granularity,
-                  max_len=args.max_len, criterion=args.criterion,
+                  max_len=args.max_len, start_len=args.start_len, criterion=args.criterion,
                   budget_gib=args.budget_gib, steps=args.steps,
                   time_max_tokens=args.time_max_tokens, on_gpu=on_gpu, peak_flops=peak_flops)
           for spec in args.configs.split(",")]

@@ -56,6 +56,8 @@ def main(argv=None):
                       help="float32 master weights (with --param-dtype bfloat16)")
   parser.add_argument("--offload-optimizer", action="store_true",
                       help="optimizer state in host memory, streamed a layer at a time")
+  parser.add_argument("--offload-params", action="store_true",
+                      help="layer parameters and gradients in host memory too")
   parser.add_argument("--mlp-chunk", type=int, default=0)
   parser.add_argument("--loss-chunk", type=int, default=1024)
   parser.add_argument("--backend", default="auto")
@@ -71,7 +73,7 @@ def main(argv=None):
                         remat_policy=args.remat, remat_group=args.remat_group,
                         mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
                         attention_backend=args.backend)
-  flags = dict(offload_optimizer=args.offload_optimizer)
+  flags = dict(offload_optimizer=args.offload_optimizer, offload_params=args.offload_params)
   start = time.perf_counter()
   model = llama.init_llama(config, mesh)
   optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
@@ -102,6 +104,7 @@ def main(argv=None):
       "mesh": f"{mesh.shape['data']}x{mesh.shape['seq']}", "batch": batch_size,
       "seq_len": args.seq_len, "dtype": args.dtype, "param_dtype": args.param_dtype,
       "master_weights": args.master_weights, "offload_optimizer": args.offload_optimizer,
+      "offload_params": args.offload_params,
       "remat": args.remat, "remat_group": args.remat_group, "mlp_chunk": args.mlp_chunk,
       "step_s": timing["median_s"], "tokens_per_s": tokens_per_s,
       "model_TFLOPs": model_flops / 1e12, "peak_TFLOPs": peak / 1e12,

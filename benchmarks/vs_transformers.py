@@ -82,7 +82,7 @@ def run_ours(path: str, batch: dict, *, dtype: str, lr: float, steps: int) -> di
   losses, step_s = timed_steps(one_step, steps)
   peak = metrics.peak_memory_gib()
   return {"losses": losses, "step_s": step_s,
-          "est_GiB": max_seqlen.device_bytes(compiled, None) / max_seqlen.GIB,
+          "est_GiB": max_seqlen.device_bytes(compiled) / max_seqlen.GIB,
           "peak_GiB": float("nan") if peak is None else peak}
 
 
@@ -177,6 +177,7 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--json", default="")
   parser.add_argument("--plot", default="", help="PNG path")
   args = parser.parse_args(argv)
+  common.check_plotting(parser, args.plot)
   seq_lens = [int(s) for s in args.seq_lens.split(",")]
 
   with tempfile.TemporaryDirectory() as path:

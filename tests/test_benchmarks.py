@@ -1,6 +1,8 @@
 """The max-sequence-length search, the transformers comparison, the communication volume and
 the offline kernel-resource report, on tiny shapes (CPU)."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -26,15 +28,22 @@ def test_search_finds_the_last_multiple_that_fits(limit):
   assert first_fail == (0 if limit >= 4096 else best + 128)
   assert all(s % 128 == 0 for s in tried)
   assert len(tried) == len(set(tried)) <= 12
+  # Started near the answer: the same result, fewer tries.
+  tried.clear()
+  assert max_seqlen.search(fits, 128, 4096, start=1000) == (best, first_fail)
+  assert tried[0] == 896 and len(tried) <= 9
 
 
 def test_parse_config():
   assert max_seqlen.parse_config("offload+opt+mlp64") == max_seqlen.MemoryConfig(
       "offload", offload_optimizer=True, mlp_chunk=64)
-  assert max_seqlen.parse_config("full_offload+group4+opt+master+mlp8") == (
-      max_seqlen.MemoryConfig("full_offload", 4, True, True, 8))
-  assert max_seqlen.parse_config("full_offload+group4+opt+master+mlp8").name == (
-      "full_offload+group4+opt+master+mlp8")
+  assert max_seqlen.parse_config("full_offload+group4+opt+params+master+mlp8") == (
+      max_seqlen.MemoryConfig("full_offload", remat_group=4, offload_optimizer=True,
+                              offload_params=True, master_weights=True, mlp_chunk=8))
+  assert max_seqlen.parse_config("full_offload+group4+opt+params+master+mlp8").name == (
+      "full_offload+group4+opt+params+master+mlp8")
+  with pytest.raises(ValueError, match=r"\+params needs \+opt"):
+    max_seqlen.parse_config("full+params")
   assert max_seqlen.parse_config("none").name == "none"
   with pytest.raises(ValueError, match="POLICY"):
     max_seqlen.parse_config("full+gpu")
@@ -59,6 +68,15 @@ def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
   with pytest.raises(SystemExit):
     max_seqlen.main(["--preset", "tiny", "--criterion", "run"])
   assert "--criterion run needs a GPU" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, capsys):
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+  with pytest.raises(SystemExit):
+    max_seqlen.main(["--preset", "tiny", "--plot", "out.png"])
+  assert "--plot out.png needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
 
 
 def test_same_first_loss_as_transformers():

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-all train bench-comm clean
+.PHONY: setup test test-slow test-all train bench-comm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ setup: $(STAMP)
 # The CI suite: everything except tests marked slow (and gpu tests, which skip on CPU).
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q --durations=20
+
+# Only the tests marked slow (CI runs them after `make test`).
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow -q --durations=20
 
 # Everything, slow tests included.
 test-all: $(STAMP)

@@ -239,11 +239,12 @@ def test_invalid_inputs_raise_clear_errors(change, message):
 
 # The Hopper kernels: S = 200 spans two 128-row tiles (the last partly padding) and more key
 # and query blocks of 64 than pipeline slots; segments cross tiles.
-# CI runs the causal cases; the full mask meets the Mosaic backward in the test after this one.
+# All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
+# backward in the test after this one.
 @pytest.mark.parametrize("causal,heads,head_dim,segments", [
-    pytest.param(True, (2, 1), 64, True, id="causal-gqa-packed"),
+    pytest.param(True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
     pytest.param(False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(True, (2, 2), 128, False, id="causal-d128")])
+    pytest.param(True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
 def test_mosaic_kernels_match_reference(causal, heads, head_dim, segments):
   q, k, v, d_out, segment_ids = random_inputs(9, 1, 200, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
@@ -254,7 +255,7 @@ def test_mosaic_kernels_match_reference(causal, heads, head_dim, segments):
 
 # Rows that see no key (lse -inf) through either backward after the Mosaic forward.
 @pytest.mark.parametrize("backward_kernel", [pytest.param("triton", marks=pytest.mark.slow),
-                                             "mosaic"])
+                                             pytest.param("mosaic", marks=pytest.mark.slow)])
 def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
   q, k, v, d_out, _ = random_inputs(3, 1, 200, 2, 1, 64, dtype=jnp.bfloat16)
   q_ids = jnp.array([[0] * 50 + [1] * 100 + [2] * 50], jnp.int32)

@@ -186,7 +186,8 @@ def test_remat_policy_gives_same_gradients(remat_reference, policy, capsys):
     assert ("<host>" in layer_inputs) == (policy == "full_offload"), saved
 
 
-@pytest.mark.parametrize("policy", ["full", "full_offload"])
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow),
+                                    "full_offload"])
 def test_remat_groups_give_same_gradients_and_keep_one_input_per_group(policy, capsys):
   config = preset("tiny-gqa", num_layers=4, remat_policy="none")
   state, mesh = initial_state(config), mesh_of(1, 2)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaConfig.head_dim = 16",
@@ -28,6 +29,7 @@ def _train(command, workdir, params):
   return out, [r["loss"] for r in records]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
   _, one = _train([sys.executable, "-m", "ulysses_jax.train"], tmp_path / "one", [])
   out, two = _train(["bash", "scripts/launch_local.sh", "2"], tmp_path / "two",

@@ -159,6 +159,7 @@ def test_bad_config_is_a_clear_error(tmp_path):
 def test_stop_request_on_signals():
   seen = []
   previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+  sigint_handler = signal.getsignal(signal.SIGINT)
   try:
     with checkpoint.StopRequest() as stop:
       assert not stop.should_stop()
@@ -167,6 +168,18 @@ def test_stop_request_on_signals():
       assert not seen  # the first signal only sets the flag
       os.kill(os.getpid(), signal.SIGTERM)  # a second one goes to the previous handler
       assert seen == [signal.SIGTERM]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is sigint_handler
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_request_leaves_ignored_signals_ignored():
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job a shell put in the background
+  try:
+    with checkpoint.StopRequest() as stop:
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      os.kill(os.getpid(), signal.SIGINT)
+      assert not stop.should_stop()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, previous)

@@ -142,12 +142,17 @@ class StopRequest:
 
   The handler only records the signal and puts back the previous handler, so a second
   signal acts as it would have without us (Ctrl-C twice interrupts at once). Install from
-  the main thread; ``close()`` (or leaving ``with``) restores the previous handlers.
+  the main thread; ``close()`` (or leaving ``with``) restores the previous handlers. A signal
+  the process ignores stays ignored: shells start background jobs with SIGINT ignored, so that
+  Ctrl-C at the terminal leaves them running.
   """
 
   def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
     self.signum = None
-    self._previous = {s: signal.signal(s, self._handle) for s in signals}
+    previous = {s: signal.getsignal(s) for s in signals}
+    self._previous = {s: h for s, h in previous.items() if h is not signal.SIG_IGN}
+    for s in self._previous:
+      signal.signal(s, self._handle)
 
   def _handle(self, signum, frame):  # pylint: disable=unused-argument
     self.signum = signum

@@ -11,8 +11,8 @@
 #   (CUDA_VISIBLE_DEVICES); e.g. 8 GPUs and 8 processes: one each.
 #
 # Environment: PYTHON (default: .venv/bin/python if present, else python),
-# PORT (coordinator port; default: a free one). SIGTERM/SIGINT are passed on to every
-# process, which save a checkpoint and exit.
+# PORT (coordinator port; default: a free one). SIGTERM and SIGINT (Ctrl-C) reach every
+# process as SIGTERM: they save a checkpoint and exit.
 set -euo pipefail
 
 if [[ $# -lt 1 || ! $1 =~ ^[1-9][0-9]*$ ]]; then
@@ -41,7 +41,9 @@ fi
 pids=()
 forward() { kill -s "$1" "${pids[@]}" 2> /dev/null || true; }
 trap 'forward TERM' TERM
-trap 'forward INT' INT
+# Bash starts a script's background jobs with SIGINT ignored, and the trainer leaves an ignored
+# signal ignored: Ctrl-C reaches the processes as SIGTERM, which they treat the same way.
+trap 'forward TERM' INT
 for ((i = 0; i < num; i++)); do
   env_vars=()
   if (( ${#gpus[@]} )); then

@@ -53,6 +53,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
 from ulysses_jax import make_mesh, metrics, train_step  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
 GIB = 2**30
 
@@ -185,7 +186,7 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
   with ``abstract`` the state and batch are ShapeDtypeStructs."""
   mesh = make_mesh(data=setup.data, seq=setup.seq,
                    devices=jax.devices()[:setup.data * setup.seq])
-  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = make_optimizer(OptimizerConfig())
   config = setup.model_config(memory)
   if abstract:
     graphdef, state = abstract_state(config, mesh, optimizer, **memory.state_flags)

@@ -22,6 +22,7 @@ import numpy as np
 from benchmarks import common
 from ulysses_jax import make_mesh, metrics, train_step
 from ulysses_jax.models import llama
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
 FORMULA = ("MFU = flops_per_token * tokens/s / peak(all devices); flops_per_token = 6*N + "
            "6*L*S*h (causal attention: 12*L*S*h halved)")
@@ -76,7 +77,7 @@ def main(argv=None):
   flags = dict(offload_optimizer=args.offload_optimizer, offload_params=args.offload_params)
   start = time.perf_counter()
   model = llama.init_llama(config, mesh)
-  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = make_optimizer(OptimizerConfig())
   graphdef, state = train_step.init_train_state(model, optimizer,
                                                 master_weights=args.master_weights, **flags)
   del model

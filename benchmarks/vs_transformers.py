@@ -35,13 +35,14 @@ from benchmarks.train_step import synthetic_batch
 from ulysses_jax import make_mesh, metrics, train_step
 from ulysses_jax.hf import load_llama, save_llama
 from ulysses_jax.models import llama
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
 REMAT = "full"
 
 
-def optimizer_config(lr: float, steps: int) -> train_step.OptimizerConfig:
+def optimizer_config(lr: float, steps: int) -> OptimizerConfig:
   """AdamW at constant ``lr``, no decay, no clipping: what ``torch.optim.AdamW`` matches."""
-  return train_step.OptimizerConfig(learning_rate=lr, warmup_steps=0, total_steps=steps + 1,
+  return OptimizerConfig(learning_rate=lr, warmup_steps=0, total_steps=steps + 1,
                                     final_lr_fraction=1.0, weight_decay=0.0, clip_norm=0.0)
 
 
@@ -68,7 +69,7 @@ def run_ours(path: str, batch: dict, *, dtype: str, lr: float, steps: int) -> di
   seq_len = batch["tokens"].shape[1]
   mesh = make_mesh(data=1, seq=jax.device_count())
   model = load_llama(path, mesh, dtype=dtype, remat_policy=REMAT)
-  optimizer = train_step.make_optimizer(optimizer_config(lr, steps))
+  optimizer = make_optimizer(optimizer_config(lr, steps))
   graphdef, state = train_step.init_train_state(model, optimizer)
   del model
   compiled = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,

@@ -13,6 +13,7 @@ from model_cases import initial_state, mesh_of, packed_batch
 from ulysses_jax import sharding, train_step
 from ulysses_jax.mesh import DATA, RING, SEQ
 from ulysses_jax.models.llama import Llama, init_llama, preset
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
 
 def test_logical_to_spec_uses_the_rules_table():
@@ -42,7 +43,7 @@ def sharded_state():
   config = preset("tiny-gqa")
   mesh = mesh_of(2, 4)
   model = init_llama(config, mesh, seed=0)
-  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = make_optimizer(OptimizerConfig())
   return config, model, train_step.init_train_state(model, optimizer)[1]
 
 
@@ -77,7 +78,7 @@ def test_compiled_step_arguments_are_one_eighth_of_single_device():
   config = preset("tiny-gqa")
   state = initial_state(config)
   batch = packed_batch(0, 8, 32, config.vocab_size)
-  optimizer = train_step.make_optimizer(train_step.OptimizerConfig())
+  optimizer = make_optimizer(OptimizerConfig())
   argument_bytes, expected_bytes = {}, {}
   for shape in ((1, 1), (2, 4)):
     mesh = mesh_of(*shape)

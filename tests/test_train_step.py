@@ -12,9 +12,10 @@ from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, p
                          relative_error, tree_on_host)
 from ulysses_jax import train_step
 from ulysses_jax.models.llama import Llama, init_llama, preset
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer, split_layers
 
 CONFIG = preset("tiny-gqa", loss_chunk=3, mlp_chunk=5)
-OPTIMIZER = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=4)
+OPTIMIZER = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=4)
 SEQ_LEN = 30  # divisible by neither 4 nor 8
 Z_LOSS = 1e-3
 
@@ -27,7 +28,7 @@ def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMI
   the state it was given.
   """
   mesh = mesh_of(*mesh_shape)
-  optimizer = train_step.make_optimizer(optimizer_config)
+  optimizer = make_optimizer(optimizer_config)
   flags = dict(offload_optimizer=offload_optimizer, offload_params=offload_params)
   graphdef, train_state = train_step.init_train_state(
       model_on(config, mesh, state), optimizer, master_weights=master_weights, **flags)
@@ -41,7 +42,7 @@ def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMI
     if offload_optimizer:  # the optimizer state stays in host memory between steps
       assert {x.sharding.memory_kind for x in jax.tree.leaves(train_state.opt_state)} == {
           "pinned_host"}
-    layers, rest = train_step.split_layers(train_state.params)
+    layers, rest = split_layers(train_state.params)
     assert {x.sharding.memory_kind for x in jax.tree.leaves(layers)} == {
         "pinned_host" if offload_params else "device"}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(rest)} == {"device"}
@@ -117,7 +118,7 @@ def test_host_offloaded_master_weights_take_the_float32_update(three_steps_singl
   state, batches, _ = three_steps_single_device
   bf16_state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), state)
   f32_state = jax.tree.map(lambda x: x.astype(np.float32), bf16_state)  # the same values
-  first_step = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4)
+  first_step = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4)
   want, _, _ = _train((1, 1), f32_state, batches[:1], optimizer_config=first_step)
   got, _, _ = _train((2, 4), bf16_state, batches[:1], optimizer_config=first_step,
                      config=CONFIG.replace(param_dtype="bfloat16"), offload_optimizer=True,
@@ -143,7 +144,7 @@ def test_micro_batch_gradients_of_bfloat16_parameters_are_summed_in_float32():
   config = CONFIG.replace(param_dtype="bfloat16")
   state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), initial_state(CONFIG))
   batch = packed_batch(0, 8, SEQ_LEN, CONFIG.vocab_size)
-  no_clip = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
+  no_clip = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
                                        clip_norm=0.0)
   got, _, _ = _train((1, 1), state, [batch], config=config, optimizer_config=no_clip,
                      accum_steps=4, master_weights=True)
@@ -174,9 +175,9 @@ def test_optimizer_decays_everything_but_norms_and_biases():
   params = nnx.State({"proj": {"kernel": nnx.Param(jnp.ones((4, 4))),
                                "bias": nnx.Param(jnp.ones(4))},
                       "norm": {"scale": nnx.Param(jnp.ones(4))}})
-  config = train_step.OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10,
+  config = OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10,
                                       weight_decay=0.5)
-  tx = train_step.make_optimizer(config).tx
+  tx = make_optimizer(config).tx
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
   assert np.allclose(updates["proj"]["kernel"][...], -0.1 * 0.5)  # decayed
@@ -184,9 +185,9 @@ def test_optimizer_decays_everything_but_norms_and_biases():
 
 
 def test_step_clips_gradients_to_the_global_norm():
-  config = train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
+  config = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
                                       clip_norm=1e-3)
-  optimizer = train_step.make_optimizer(config)
+  optimizer = make_optimizer(config)
   mesh = mesh_of(1, 1)
   graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),
                                                 optimizer)
@@ -210,8 +211,8 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_counted(monkeypat
 
   monkeypatch.setattr(Llama, "loss", loss_inf_on_token_0)
   mesh = mesh_of(1, 1)
-  optimizer = train_step.make_optimizer(
-      train_step.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4))
+  optimizer = make_optimizer(
+      OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4))
   graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),
                                                 optimizer)
   step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=SEQ_LEN)
@@ -239,7 +240,7 @@ def test_a_nonfinite_loss_with_finite_gradients_is_skipped_and_counted(monkeypat
 
 def test_bad_batches_and_settings_raise_before_compiling():
   mesh = mesh_of(2, 4)
-  optimizer = train_step.make_optimizer(OPTIMIZER)
+  optimizer = make_optimizer(OPTIMIZER)
   model = model_on(CONFIG, mesh, initial_state(CONFIG))
   graphdef, state = train_step.init_train_state(model, optimizer)
   batch = packed_batch(0, 8, 16, CONFIG.vocab_size)
@@ -260,7 +261,7 @@ def test_bad_batches_and_settings_raise_before_compiling():
   with pytest.raises(ValueError, match="accum_steps must be >= 1"):
     train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16, accum_steps=0)
   with pytest.raises(ValueError, match="need 0 <= warmup_steps < total_steps"):
-    train_step.OptimizerConfig(warmup_steps=10, total_steps=10)
+    OptimizerConfig(warmup_steps=10, total_steps=10)
   with pytest.raises(ValueError, match="parameters are float32 already; set "
                                        "LlamaConfig.param_dtype='bfloat16'"):
     train_step.init_train_state(model, optimizer, master_weights=True)
@@ -275,7 +276,7 @@ def test_streamed_update_keeps_the_optimizer_state_and_parameters_off_the_gpu():
   in remat groups with the layer inputs on the host (the single-GPU 8B layout)."""
   config = preset("small", dtype="bfloat16", param_dtype="bfloat16", num_layers=8)
   mesh = mesh_of(1, 1)
-  optimizer = train_step.make_optimizer(OPTIMIZER)
+  optimizer = make_optimizer(OPTIMIZER)
   batch = {k: jax.ShapeDtypeStruct((1, 512), jnp.int32) for k in ("tokens", "labels")}
 
   def compiled_memory(config=config, **flags):
@@ -295,7 +296,7 @@ def test_streamed_update_keeps_the_optimizer_state_and_parameters_off_the_gpu():
   # Streaming 8 layers should save nearly all of their state; ask for at least half.
   assert device(offloaded) < device(on_device) - nbytes(state.opt_state.layers) / 2, (
       offloaded, on_device)
-  layer_params = nbytes(train_step.split_layers(state.params)[0])
+  layer_params = nbytes(split_layers(state.params)[0])
   assert params_offloaded.host_argument_size_in_bytes >= (nbytes(state.opt_state)
                                                           + layer_params)
   # Parameters and gradients of 8 layers leave the device; ask for at least one copy's worth.

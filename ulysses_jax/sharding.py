@@ -117,6 +117,11 @@ def layer_slice(shardings, memory_kind: str = "device"):
                       shardings)
 
 
+def on_host(shardings):
+  """The same shardings in ``pinned_host`` memory."""
+  return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
+
+
 def init_sharded(make: Callable[[], nnx.Module], mesh: Mesh,
                  rules: Rules = DEFAULT_RULES) -> nnx.Module:
   """Builds ``make()`` with every parameter created directly in its sharded layout.

@@ -39,8 +39,8 @@ from ulysses_jax.data import DataConfig, RetrievalTask, make_datasets, retrieval
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import LlamaConfig, count_params, init_llama
 from ulysses_jax.rope import RopeScaling
-from ulysses_jax.train_step import (OptimizerConfig, init_train_state, make_optimizer,
-                                    make_train_step, state_shardings)
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
+from ulysses_jax.train_step import init_train_state, make_train_step, state_shardings
 
 _log = logging.getLogger("ulysses_jax.train")
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,7 @@ import pytest
 from ulysses_jax import make_mesh, plan
 from ulysses_jax import train_step as train_step_lib
 from ulysses_jax.models import llama
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
 # Small enough to compile in seconds, big enough that activations and parameters both count.
 # S <= 512 keeps each device's attention to one XLA block.
@@ -17,7 +18,7 @@ SMALL = llama.LlamaConfig(vocab_size=4096, hidden_dim=512, num_layers=4, num_hea
 def _compiled_peak_bytes(config, data, seq, batch, seq_len):
   """Arguments + outputs - aliased + temporaries of the compiled train step, per device."""
   mesh = make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
-  optimizer = train_step_lib.make_optimizer(train_step_lib.OptimizerConfig())
+  optimizer = make_optimizer(OptimizerConfig())
   graphdef, state = train_step_lib.init_train_state(llama.init_llama(config, mesh), optimizer)
   step = train_step_lib.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=seq_len)
   batch_arrays = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)

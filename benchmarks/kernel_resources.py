@@ -45,6 +45,19 @@ SWEEP = dict(blocks=tuple(itertools.product((32, 64, 128), repeat=2)), warps=(4,
 SEQ_LEN, Q_HEADS, KV_HEADS = 4096, 8, 2
 
 
+# A GPU of each compute capability above. Lowering without a GPU attached, JAX 0.11 reads the
+# capability from the abstract mesh's device (0.10 assumed 90).
+GPU_KIND = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H100"}
+
+
+def lowering_target(capability: int = 90):
+  """A context in which ``lower(lowering_platforms=("cuda",))`` lowers Pallas GPU kernels for
+  ``sm_<capability>`` on a machine without a GPU."""
+  device = jax.sharding.AbstractDevice(GPU_KIND[capability], None, "cuda")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
+
+
 @contextlib.contextmanager
 def _capture_triton_modules():
   """Collects the Triton IR text of every Pallas Triton kernel lowered inside the block."""
@@ -81,7 +94,7 @@ def triton_ir(kernel, head_dim, tile, *, segments, capability=90):
     backward = getattr(flash_kernels, f"backward_{kernel}")
     fn = lambda *a: backward(plan, *a, jnp.bfloat16)
     args = (q, kv, kv, q, stats, stats, ids, ids)
-  with _capture_triton_modules() as modules:
+  with _capture_triton_modules() as modules, lowering_target(capability):
     jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   (module,) = modules
   return module

@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
                              random_inputs, relative_error)
+from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
@@ -301,8 +302,9 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):
     out = flash_attention(q, k, v, causal=causal, segment_ids=ids, interpret=False,
                           forward_kernel="mosaic", backward_kernel=backward)
     return out.astype(jnp.float32).sum()
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
-      lowering_platforms=("cuda",))
+  with lowering_target(90):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
+        lowering_platforms=("cuda",))
   kernels = lowered.as_text().count("mosaic_gpu")
   assert kernels >= (3 if backward == "mosaic" else 1), kernels
 

@@ -194,7 +194,7 @@ def a_times_bt(a_smem, b_smem, *, interpret):
     return dot(a_smem[...], b_smem[...], 1, 1)
 
   def product(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
     return acc_ref[...]
   return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
 

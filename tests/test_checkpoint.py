@@ -174,7 +174,8 @@ def test_stop_request_on_signals():
 
 
 def test_stop_request_leaves_ignored_signals_ignored():
-  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a job a shell put in the background
+  # As in a job that a shell started in the background.
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
     with checkpoint.StopRequest() as stop:
       assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

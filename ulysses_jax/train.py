@@ -38,8 +38,8 @@ from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer, StopRequest
 from ulysses_jax.data import DataConfig, RetrievalTask, make_datasets, retrieval_accuracy
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import LlamaConfig, count_params, init_llama
-from ulysses_jax.rope import RopeScaling
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
+from ulysses_jax.rope import RopeScaling
 from ulysses_jax.train_step import init_train_state, make_train_step, state_shardings
 
 _log = logging.getLogger("ulysses_jax.train")

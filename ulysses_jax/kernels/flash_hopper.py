@@ -61,9 +61,11 @@ def launch(kernel, out_type, grid, plan):
 
 def interpret_params():
   # GPU interpret mode simulates shared memory, warpgroups, barriers and TMA on the CPU. JAX
-  # 0.10 does not export its parameters class yet.
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  return InterpretGPUParams()
+  # 0.11 exports its parameters class; 0.10 does not yet.
+  params_class = getattr(plgpu, "InterpretGPUParams", None)
+  if params_class is None:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params_class
+  return params_class()
 
 
 def smem_tile(shape, dtype):

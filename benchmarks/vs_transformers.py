@@ -43,7 +43,7 @@ REMAT = "full"
 def optimizer_config(lr: float, steps: int) -> OptimizerConfig:
   """AdamW at constant ``lr``, no decay, no clipping: what ``torch.optim.AdamW`` matches."""
   return OptimizerConfig(learning_rate=lr, warmup_steps=0, total_steps=steps + 1,
-                                    final_lr_fraction=1.0, weight_decay=0.0, clip_norm=0.0)
+                         final_lr_fraction=1.0, weight_decay=0.0, clip_norm=0.0)
 
 
 def export_initial_weights(preset: str, path: str, seed: int) -> llama.LlamaConfig:

@@ -119,6 +119,12 @@ def test_layouts_factorise_the_devices_and_divide_the_batch():
   assert found == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1)}
 
 
+def test_layer_parameters_on_the_host_need_the_optimizer_state_there():
+  assert plan.Layout(1, 1, 1, offload_optimizer=True, offload_params=True).offload_params
+  with pytest.raises(ValueError, match=r"offload_params=True\) needs offload_optimizer=True"):
+    plan.Layout(1, 1, 1, offload_params=True)
+
+
 def test_command_line(capsys):
   best = plan.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=32", "--gpu-mem=80",
                     "--intra-node=8"])

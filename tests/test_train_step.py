@@ -145,7 +145,7 @@ def test_micro_batch_gradients_of_bfloat16_parameters_are_summed_in_float32():
   state = jax.tree.map(lambda x: x.astype(jnp.bfloat16), initial_state(CONFIG))
   batch = packed_batch(0, 8, SEQ_LEN, CONFIG.vocab_size)
   no_clip = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
-                                       clip_norm=0.0)
+                            clip_norm=0.0)
   got, _, _ = _train((1, 1), state, [batch], config=config, optimizer_config=no_clip,
                      accum_steps=4, master_weights=True)
   mu = nnx.merge_state(*(optax.tree.get(group.tx_state, "mu") for group in got.opt_state))
@@ -176,7 +176,7 @@ def test_optimizer_decays_everything_but_norms_and_biases():
                                "bias": nnx.Param(jnp.ones(4))},
                       "norm": {"scale": nnx.Param(jnp.ones(4))}})
   config = OptimizerConfig(learning_rate=0.1, warmup_steps=0, total_steps=10,
-                                      weight_decay=0.5)
+                           weight_decay=0.5)
   tx = make_optimizer(config).tx
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
@@ -186,7 +186,7 @@ def test_optimizer_decays_everything_but_norms_and_biases():
 
 def test_step_clips_gradients_to_the_global_norm():
   config = OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=4,
-                                      clip_norm=1e-3)
+                           clip_norm=1e-3)
   optimizer = make_optimizer(config)
   mesh = mesh_of(1, 1)
   graphdef, state = train_step.init_train_state(model_on(CONFIG, mesh, initial_state(CONFIG)),

@@ -141,6 +141,11 @@ class Layout:
   remat_group: int = 1
   offload_params: bool = False
 
+  def __post_init__(self):
+    if self.offload_params and not self.offload_optimizer:
+      raise ValueError("Layout(offload_params=True) needs offload_optimizer=True, as "
+                       "make_train_step does: set both or neither.")
+
 
 def _tokens(layout, batch, seq_len):
   """Per-device (sequences, tokens per sequence, tokens) before attention."""

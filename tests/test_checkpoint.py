@@ -58,12 +58,18 @@ def test_save_policy_keep_and_resume(tmp_path):
   config = checkpoint.CheckpointConfig(save_every=2, keep=2)
   with checkpoint.Checkpointer(tmp_path / "ckpt", config) as ckpt:
     assert ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh))) is None
-    saved = [s for s in range(1, 8) if ckpt.save(s, _state(mesh, s), {"next_row": 10 * s})]
-    assert saved == [2, 4, 6]
-    assert ckpt.save(7, _state(mesh, 7), {"next_row": 70}, force=True)  # the final save
-    assert not ckpt.save(7, _state(mesh, 7), {"next_row": 70}, force=True)  # already saved
+    save = lambda s, **kw: ckpt.save(s, _state(mesh, s), {"next_row": 10 * s},
+                                     run_config={"model": {"step": s}}, **kw)
+    assert [s for s in range(1, 8) if save(s)] == [2, 4, 6]
+    assert save(7, force=True)  # the final save
+    assert not save(7, force=True)  # already saved
     ckpt.wait()
     assert ckpt.all_steps() == [6, 7]
+  # Each checkpoint carries its run config, readable without a mesh.
+  assert checkpoint.read_run_config(tmp_path / "ckpt") == (7, {"model": {"step": 7}})
+  assert checkpoint.read_run_config(tmp_path / "ckpt", 6) == (6, {"model": {"step": 6}})
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 5; it has steps \[6, 7\]"):
+    checkpoint.read_run_config(tmp_path / "ckpt", 5)
   # A new process on the same directory resumes from the newest.
   with checkpoint.Checkpointer(tmp_path / "ckpt", config) as ckpt:
     restored = ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh)))
@@ -79,7 +85,7 @@ def test_async_save_owns_its_copy(tmp_path):
       lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
       state))
   with checkpoint.Checkpointer(tmp_path, checkpoint.CheckpointConfig(async_save=True)) as ckpt:
-    assert ckpt.save(3, state, {}, force=True)
+    assert ckpt.save(3, state, {}, run_config={}, force=True)
     jax.tree.map(lambda x: x.delete(), state["params"])  # as if donated to the next step
     ckpt.wait()
     restored = ckpt.restore(_abstract(_state(mesh), _mesh_shardings(mesh)))
@@ -91,7 +97,7 @@ def test_restore_reshards(tmp_path, shape):
   saved_on = make_mesh(data=2, seq=4)
   state = _state(saved_on, 5)
   with checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(5, state, {"next_row": 1}, force=True)
+    ckpt.save(5, state, {"next_row": 1}, run_config={}, force=True)
   if shape == "single":
     device = jax.devices()[0]
     sharding_for = lambda path, x: SingleDeviceSharding(device)
@@ -121,7 +127,7 @@ def test_damaged_newest_falls_back(tmp_path, caplog):
   config = checkpoint.CheckpointConfig(save_every=1, keep=3)
   with checkpoint.Checkpointer(tmp_path, config) as ckpt:
     for s in (1, 2):
-      ckpt.save(s, _state(mesh, s), {"next_row": s})
+      ckpt.save(s, _state(mesh, s), {"next_row": s}, run_config={})
   _damage(tmp_path / "2")
   # A half-written step 3 (killed before orbax's final rename) is not a checkpoint at all.
   os.makedirs(tmp_path / "3.orbax-checkpoint-tmp-1234" / "state")
@@ -133,7 +139,7 @@ def test_damaged_newest_falls_back(tmp_path, caplog):
     assert f"checkpoint {tmp_path / '2'} failed to restore" in caplog.text
     assert ckpt.all_steps() == [1]  # the damaged one is set aside, so step 2 saves again
     assert [p for p in os.listdir(tmp_path) if p.startswith("2.damaged-")]
-    assert ckpt.save(2, _state(mesh, 2), {"next_row": 2})
+    assert ckpt.save(2, _state(mesh, 2), {"next_row": 2}, run_config={})
     ckpt.wait()
     assert ckpt.restore(target).step == 2
   assert not os.path.exists(tmp_path / "3.orbax-checkpoint-tmp-1234")  # cleaned up
@@ -142,7 +148,7 @@ def test_damaged_newest_falls_back(tmp_path, caplog):
 def test_nothing_restores_is_an_error(tmp_path):
   mesh = make_mesh(data=2, seq=4)
   with checkpoint.Checkpointer(tmp_path) as ckpt:
-    ckpt.save(1, _state(mesh, 1), {}, force=True)
+    ckpt.save(1, _state(mesh, 1), {}, run_config={}, force=True)
   one_device = SingleDeviceSharding(jax.devices()[0])
   wrong = _abstract({"params": {"other": jnp.zeros(3)}}, lambda path, x: one_device)
   with checkpoint.Checkpointer(tmp_path) as ckpt:

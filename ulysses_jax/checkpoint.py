@@ -6,6 +6,8 @@ Layout under ``directory``::
   <step>/state/    the train-state pytree (params, optimizer state, step, rng): OCDBT array
                    data, each array's shape/dtype and the sharding it was saved with
   <step>/data/     the data iterator position (JSON, ``Dataset.get_state()``)
+  <step>/run/      the run's configuration (JSON, see ``run_config`` in ``ulysses_jax.train``):
+                   enough to rebuild the model without the gin files (``read_run_config``)
   <step>.damaged-<unix time>/   a checkpoint that failed to restore, moved aside
 
 Saves are atomic: orbax writes a step into ``<step>.orbax-checkpoint-tmp-<n>`` and renames
@@ -70,8 +72,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
-    """Starts saving ``state`` (a pytree of jax arrays) and ``data_state`` (JSON-able).
+  def save(self, step: int, state: Any, data_state: dict, *, run_config: dict,
+           force: bool = False) -> bool:
+    """Starts saving ``state`` (a pytree of jax arrays), ``data_state`` and ``run_config``
+    (both JSON-able).
 
     Returns whether a save started; with async saves it returns before the write ends
     (the arrays are copied first, so the caller may donate or change them). A step that
@@ -80,7 +84,8 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return False
     return self._manager.save(step, force=force, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+        run=ocp.args.JsonSave(run_config)))
 
   def restore(self, abstract_state: Any) -> Restored | None:
     """Restores the newest good checkpoint into the layout of ``abstract_state``.
@@ -135,6 +140,24 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def read_run_config(directory: str, step: int | None = None) -> tuple[int, dict]:
+  """(step, run config) saved with checkpoint ``step`` (default: the newest) under
+  ``directory``; reads JSON only, no mesh or devices needed."""
+  directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint directory {directory}")
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+      read_only=True)) as manager:
+    steps = sorted(manager.all_steps())
+    if not steps:
+      raise FileNotFoundError(f"{directory} holds no checkpoint")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise FileNotFoundError(f"{directory} has no checkpoint of step {step}; it has steps "
+                              f"{steps}")
+    return step, manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore())).run
 
 
 class StopRequest:

@@ -247,6 +247,9 @@ def train(workdir: str, datasets=None) -> dict:
     with open(os.path.join(workdir, "config.gin"), "w", encoding="utf-8") as f:
       f.write(gin.operative_config_str())
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), ckpt_cfg)
+  run_config = {"gin": gin.operative_config_str(), "model": model_cfg.to_dict(),
+                "data": dataclasses.asdict(data_cfg), "optimizer": dataclasses.asdict(opt_cfg),
+                "train": dataclasses.asdict(cfg)}
   restored = ckpt.restore(abstract)
   if restored is None:
     start, state = 0, init_train_state(init_llama(model_cfg, mesh, seed=cfg.seed), optimizer,
@@ -324,7 +327,7 @@ def train(workdir: str, datasets=None) -> dict:
             _log.info("step %d/%d  loss %.4f  %s tok/s", step, cfg.steps, record["loss"],
                       f"{record['tokens_per_sec']:,.0f}")
         if bad >= cfg.max_bad_steps:
-          ckpt.save(step, state, data_state, force=True)
+          ckpt.save(step, state, data_state, run_config=run_config, force=True)
           raise NonFiniteError(
               f"stopped at step {step}: the loss or gradients were non-finite in {int(bad)} "
               f"steps in a row (TrainConfig.max_bad_steps={cfg.max_bad_steps}). Those updates "
@@ -332,10 +335,11 @@ def train(workdir: str, datasets=None) -> dict:
               "Lower OptimizerConfig.learning_rate, lengthen warmup_steps or check the data, "
               "then rerun to resume.")
         if stop.should_stop():
-          ckpt.save(step, state, data_state, force=True)
+          ckpt.save(step, state, data_state, run_config=run_config, force=True)
           summary["stopped"] = f"signal {stop.signum}"
           break
-        ckpt.save(step, state, data_state, force=step == cfg.steps)
+        ckpt.save(step, state, data_state, run_config=run_config,
+                  force=step == cfg.steps)
   finally:
     bar.close()
     writer.close()

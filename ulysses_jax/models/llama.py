@@ -20,8 +20,6 @@ Sequences that the seq axis does not divide are padded at the end inside the mod
 padding is invisible to real tokens under the causal mask and carries no loss).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,121 +32,14 @@ from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.ulysses import PAD_SEGMENT
 from ulysses_jax.layers import Dense, RMSNorm
 from ulysses_jax.mesh import make_mesh, sequence_shards
-from ulysses_jax.rope import RopeScaling
+from ulysses_jax.models.config import (  # noqa: F401  (public here too)
+    PRESETS, REMAT_POLICIES, LlamaConfig, preset)
 
 _ACT_BSE = ("act_batch", "act_seq", "act_embed")
 _ACT_BS = ("act_batch", "act_seq")
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
-                  "full_offload")
 LAYER_INPUT = "layer_input"  # the residual stream entering a layer: what "full" remat keeps
 GROUP_INPUT = "group_input"  # the residual stream entering a group of remat_group layers
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-  """Architecture and memory settings of a Llama-family decoder.
-
-  Shapes: ``vocab_size`` V, ``hidden_dim`` E, ``num_layers`` L, ``num_heads`` Hq,
-  ``num_kv_heads`` Hkv (GQA when < Hq), ``head_dim`` D, ``mlp_dim`` F.
-  ``dtype`` is the compute dtype ("bfloat16" on GPU), ``param_dtype`` the storage dtype.
-  Memory: ``remat_policy`` (one of ``REMAT_POLICIES``, applied per layer; ``remat_names``
-  are the activations that ``save_names`` keeps and ``offload`` moves to host),
-  ``remat_group`` (layers per rematerialised group: the backward keeps one residual-stream
-  input per group, in host memory under ``full_offload``, and recomputes the group's forward
-  to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
-  pass), ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
-  per device per cross-entropy chunk).
-  """
-  vocab_size: int = 32_000
-  hidden_dim: int = 4096
-  num_layers: int = 32
-  num_heads: int = 32
-  num_kv_heads: int = 8
-  head_dim: int = 128
-  mlp_dim: int = 14_336
-  rope_theta: float = 500_000.0
-  rope_scaling: RopeScaling | None = None
-  norm_eps: float = 1e-5
-  tie_embeddings: bool = False
-  qkv_bias: bool = False
-  qk_norm: bool = False
-  init_std: float = 0.02
-  dtype: str = "float32"
-  param_dtype: str = "float32"
-  attention_backend: str = "auto"
-  remat_policy: str = "full"
-  remat_names: tuple[str, ...] = (QKV, ATTN_OUT)
-  remat_group: int = 1
-  mlp_chunk: int = 0
-  loss_chunk: int = 1024
-
-  def __post_init__(self):
-    positive = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "mlp_dim", "loss_chunk", "remat_group")
-    bad = {k: getattr(self, k) for k in positive if getattr(self, k) < 1}
-    if bad:
-      raise ValueError(f"LlamaConfig sizes must be >= 1, got {bad}.")
-    if self.num_layers % self.remat_group:
-      raise ValueError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
-                       f"({self.remat_group}), the layers per rematerialised group.")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                       f"({self.num_kv_heads}).")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}.")
-    if self.remat_policy not in REMAT_POLICIES:
-      raise ValueError(f"remat_policy must be one of {REMAT_POLICIES}, got "
-                       f"{self.remat_policy!r}.")
-    if self.mlp_chunk < 0:
-      raise ValueError(f"mlp_chunk must be >= 0 (0 = untiled), got {self.mlp_chunk}.")
-    for name in ("dtype", "param_dtype"):
-      if not jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype name, got {getattr(self, name)!r}.")
-
-  def replace(self, **changes) -> "LlamaConfig":
-    return dataclasses.replace(self, **changes)
-
-
-_LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position=8192)
-
-PRESETS = {
-    # Hugging Face meta-llama/Llama-3.2-1B.
-    "llama3.2-1b": LlamaConfig(
-        vocab_size=128_256, hidden_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-        head_dim=64, mlp_dim=8192, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_SCALING), norm_eps=1e-5,
-        tie_embeddings=True),
-    # meta-llama/Llama-3.1-8B.
-    "llama3.1-8b": LlamaConfig(
-        vocab_size=128_256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
-        rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
-    # Qwen/Qwen2.5-7B.
-    "qwen2.5-7b": LlamaConfig(
-        vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-        head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
-    # ~25M parameters: CPU benchmarks.
-    "small": LlamaConfig(
-        vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,
-        head_dim=64, mlp_dim=1536, rope_theta=10_000.0),
-    # Test shapes.
-    "tiny": LlamaConfig(
-        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
-        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
-    "tiny-gqa": LlamaConfig(
-        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
-}
-
-
-def preset(name: str, **overrides) -> LlamaConfig:
-  """A named config from ``PRESETS``, with fields replaced by ``overrides``."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
-  return PRESETS[name].replace(**overrides)
-
 
 
 def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):

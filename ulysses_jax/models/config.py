@@ -1,0 +1,181 @@
+"""``LlamaConfig`` and the named model shapes (``PRESETS``): one definition of each model.
+
+A config names a preset and overrides what it changes; every field not given comes from the
+preset, or from the defaults below when there is none::
+
+    LlamaConfig(preset="llama3.1-8b", remat_policy="full_offload")
+    preset("llama3.1-8b", remat_policy="full_offload")          # the same
+
+and in gin, ``LlamaConfig.preset = "llama3.1-8b"`` (``configs/models/*.gin`` do only that).
+``to_dict`` / ``from_dict`` round-trip a config through JSON (checkpoints carry it).
+"""
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from ulysses_jax.attention.backends import BACKENDS
+from ulysses_jax.attention.module import ATTN_OUT, QKV
+from ulysses_jax.config_checks import ConfigError, at_least, check_fields
+from ulysses_jax.rope import RopeScaling
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
+                  "full_offload")
+
+
+class _FromPreset:
+  """Default of every field: "take the preset's value" (None is a real value of some)."""
+
+  def __repr__(self):
+    return "<from preset>"
+
+
+_FROM_PRESET = _FromPreset()
+
+
+def _field(minimum=None):
+  return dataclasses.field(default=_FROM_PRESET,
+                           metadata={} if minimum is None else at_least(minimum))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Architecture and memory settings of a Llama-family decoder.
+
+  ``preset``: the ``PRESETS`` entry the fields not given come from ("" = the defaults,
+  Llama-3.1-8B's shapes with a 32,000-token vocabulary).
+  Shapes: ``vocab_size`` V, ``hidden_dim`` E, ``num_layers`` L, ``num_heads`` Hq,
+  ``num_kv_heads`` Hkv (GQA when < Hq), ``head_dim`` D, ``mlp_dim`` F.
+  ``dtype`` is the compute dtype ("bfloat16" on GPU), ``param_dtype`` the storage dtype.
+  Memory: ``remat_policy`` (one of ``REMAT_POLICIES``, applied per layer; ``remat_names``
+  are the activations that ``save_names`` keeps and ``offload`` moves to host),
+  ``remat_group`` (layers per rematerialised group: the backward keeps one residual-stream
+  input per group, in host memory under ``full_offload``, and recomputes the group's forward
+  to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
+  pass), ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
+  per device per cross-entropy chunk).
+  """
+  preset: str = ""
+  vocab_size: int = _field(1)
+  hidden_dim: int = _field(1)
+  num_layers: int = _field(1)
+  num_heads: int = _field(1)
+  num_kv_heads: int = _field(1)
+  head_dim: int = _field(1)
+  mlp_dim: int = _field(1)
+  rope_theta: float = _field()
+  rope_scaling: RopeScaling | None = _field()
+  norm_eps: float = _field()
+  tie_embeddings: bool = _field()
+  qkv_bias: bool = _field()
+  qk_norm: bool = _field()
+  init_std: float = _field()
+  dtype: str = _field()
+  param_dtype: str = _field()
+  attention_backend: Literal[BACKENDS] = _field()
+  remat_policy: Literal[REMAT_POLICIES] = _field()
+  remat_names: tuple[str, ...] = _field()
+  remat_group: int = _field(1)
+  mlp_chunk: int = _field(0)
+  loss_chunk: int = _field(1)
+
+  def __post_init__(self):
+    if self.preset and self.preset not in PRESETS:
+      raise ConfigError(f"LlamaConfig.preset {self.preset!r} is unknown; choose one of "
+                        f"{sorted(PRESETS)} or give every shape field.")
+    base = PRESETS[self.preset] if self.preset else _DEFAULTS
+    for f in dataclasses.fields(self):
+      if getattr(self, f.name) is _FROM_PRESET:
+        value = getattr(base, f.name) if isinstance(base, LlamaConfig) else base[f.name]
+        object.__setattr__(self, f.name, value)
+    if isinstance(self.remat_names, list):  # gin and JSON give lists
+      object.__setattr__(self, "remat_names", tuple(self.remat_names))
+    check_fields(self)
+    if self.num_layers % self.remat_group:
+      raise ConfigError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
+                        f"({self.remat_group}), the layers per rematerialised group.")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                        f"({self.num_kv_heads}).")
+    if self.head_dim % 2:
+      raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+    for name in ("dtype", "param_dtype"):
+      try:
+        floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        raise ConfigError(f"LlamaConfig.{name} must be a floating dtype name such as "
+                          f"'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    """A JSON-able dict (``from_dict`` inverts it)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ConfigError(f"unknown LlamaConfig fields {sorted(unknown)} (written by another "
+                        "version of ulysses_jax?)")
+    d = dict(d)
+    if isinstance(d.get("rope_scaling"), dict):
+      d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    return cls(**d)
+
+
+_DEFAULTS = dict(
+    vocab_size=32_000, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128, mlp_dim=14_336, rope_theta=500_000.0, rope_scaling=None, norm_eps=1e-5,
+    tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
+    param_dtype="float32", attention_backend="auto", remat_policy="full",
+    remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024)
+
+_LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position=8192)
+
+PRESETS = {}  # filled below: LlamaConfig's __post_init__ reads it
+PRESETS.update({
+    # Hugging Face meta-llama/Llama-3.2-1B.
+    "llama3.2-1b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        head_dim=64, mlp_dim=8192, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_SCALING), norm_eps=1e-5,
+        tie_embeddings=True),
+    # meta-llama/Llama-3.1-8B.
+    "llama3.1-8b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # Qwen/Qwen2.5-7B.
+    "qwen2.5-7b": LlamaConfig(
+        vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
+    # ~25M parameters: CPU benchmarks.
+    "small": LlamaConfig(
+        vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,
+        head_dim=64, mlp_dim=1536, rope_theta=10_000.0),
+    # 0.5M parameters, byte vocabulary: `make train` (configs/tiny_cpu.gin) and the CPU
+    # retrieval run.
+    "cpu-demo": LlamaConfig(
+        vocab_size=256, hidden_dim=128, num_layers=2, num_heads=4, num_kv_heads=4,
+        head_dim=32, mlp_dim=384, rope_theta=10_000.0, loss_chunk=128),
+    # Test shapes.
+    "tiny": LlamaConfig(
+        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
+        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
+    "tiny-gqa": LlamaConfig(
+        vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, rope_theta=10_000.0, loss_chunk=8),
+})
+
+
+def preset(name: str, **overrides) -> LlamaConfig:
+  """A named config from ``PRESETS``, with fields replaced by ``overrides``."""
+  if name not in PRESETS:
+    raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}.")
+  return LlamaConfig(preset=name, **overrides)

@@ -157,9 +157,11 @@ def test_nothing_restores_is_an_error(tmp_path):
     assert ckpt.all_steps() == [1]  # nothing moved: the target was what was wrong
 
 
-def test_bad_config_is_a_clear_error(tmp_path):
-  with pytest.raises(ValueError, match="save_every and keep must be >= 1"):
-    checkpoint.Checkpointer(tmp_path, checkpoint.CheckpointConfig(keep=0))
+def test_bad_config_is_a_clear_error():
+  with pytest.raises(ValueError, match="CheckpointConfig.keep must be >= 1, got 0"):
+    checkpoint.CheckpointConfig(keep=0)
+  with pytest.raises(ValueError, match="CheckpointConfig.save_every must be an int, got 2.5"):
+    checkpoint.CheckpointConfig(save_every=2.5)
 
 
 def test_stop_request_on_signals():

@@ -19,14 +19,17 @@ import jax
 import numpy as np
 import pytest
 
-from ulysses_jax import distributed, metrics, train
+from ulysses_jax import distributed, gin_config, metrics, train
 from ulysses_jax.checkpoint import Checkpointer
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
+from ulysses_jax.models.config import LlamaConfig
+from ulysses_jax.optimizer import make_optimizer
+from ulysses_jax.run_config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "configs/tiny_cpu.gin"
-FAST = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaConfig.head_dim = 16",
-        "LlamaConfig.mlp_dim = 128", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
+FAST = ["LlamaConfig.preset = 'tiny'", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
         "DataConfig.batch_size = 8", "TrainConfig.eval_batches = 1"]
 STEPS = 30
 # The reference run: every step logged, checkpoints every 5 steps, the last two kept.
@@ -92,9 +95,8 @@ def _steps(workdir):
 
 def _restore_params(checkpoints, params, mesh, step, tmp_path):
   """Parameters of checkpoint ``step`` (copied aside) restored onto ``mesh``."""
-  train.parse_gin([TINY], params)
-  _, abstract = train.abstract_train_state(train.LlamaConfig(), mesh,
-                                           train.make_optimizer(train.OptimizerConfig()))
+  config = gin_config.read([TINY], params)
+  _, abstract = train.abstract_train_state(config.model, mesh, make_optimizer(config.optimizer))
   directory = tmp_path / f"restore-{step}-{mesh.shape['data']}x{mesh.shape['seq']}"
   shutil.copytree(os.path.join(checkpoints, str(step)), directory / str(step))
   with Checkpointer(directory) as ckpt:
@@ -115,35 +117,33 @@ def reference(tmp_path_factory, cache_dir):
 def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
   with pytest.raises(ValueError, match="Configurable 'TrainConfig' doesn't have a parameter "
                      "named 'stepz'"):
-    train.parse_gin([TINY], ["TrainConfig.stepz = 3"])
+    gin_config.parse([TINY], ["TrainConfig.stepz = 3"])
   with pytest.raises(ValueError, match="No configurable matching 'TrianConfig'"):
-    train.parse_gin([TINY], ["TrianConfig.steps = 3"])
+    gin_config.parse([TINY], ["TrianConfig.steps = 3"])
   bad = tmp_path / "bad.gin"
   bad.write_text("include 'configs/tiny_cpu.gin'\nLlamaConfig.hiden_dim = 3\n")
   with pytest.raises(ValueError, match=r"(?s)'LlamaConfig' doesn't have a parameter named "
                      r"'hiden_dim'.*bad.gin\", line 2"):
-    train.parse_gin([str(bad)], [])
+    gin_config.parse([str(bad)], [])
   with pytest.raises(FileNotFoundError, match="gin file 'configs/nope.gin' not found"):
-    train.parse_gin(["configs/nope.gin"], [])
+    gin_config.parse(["configs/nope.gin"], [])
   with pytest.raises(ValueError, match="give at least one --gin_file"):
-    train.main([f"--workdir={tmp_path}"])
+    gin_config.parse([], [])
+  assert train.main([f"--workdir={tmp_path}"]) == train.EXIT_ERROR
 
 
 @pytest.mark.parametrize("gin_file", sorted(
     os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "configs", "*.gin"))))
 def test_every_shipped_config_builds_its_configs(gin_file):
-  train.parse_gin([gin_file], [])
-  for config in (train.TrainConfig, train.LlamaConfig, train.DataConfig, train.OptimizerConfig,
-                 train.CheckpointConfig):
-    config()
+  config = gin_config.read([gin_file], [])
+  assert isinstance(config.model, LlamaConfig) and config.gin
 
 
 def test_train_config_values_are_checked():
-  train.parse_gin([TINY], [])
-  with pytest.raises(ValueError, match=r"out of range: \{'steps': 0\}"):
-    train.TrainConfig(steps=0)
-  with pytest.raises(TypeError, match="TrainConfig.steps must be a int, got '10'"):
-    train.TrainConfig(steps="10")
+  with pytest.raises(ConfigError, match="TrainConfig.steps must be >= 1, got 0"):
+    TrainConfig(steps=0)
+  with pytest.raises(ConfigError, match="TrainConfig.steps must be an int, got '10'"):
+    TrainConfig(steps="10")
   with pytest.raises(ValueError, match="unknown platform 'gpux'"):
     distributed.configure_platform("gpux")
 
@@ -162,14 +162,13 @@ def test_train_config_values_are_checked():
      "warmup_steps=40, total_steps=30"),
     ("TrainConfig.master_weights = True", "master_weights=True keeps a float32 copy of "
      "lower-precision parameters, but the parameters are float32 already"),
-    ("TrainConfig.offload_params = True", "offload_params=True needs offload_optimizer=True "
-     "and accum_steps=1, got offload_optimizer=False"),
+    ("TrainConfig.offload_params = True", "offload_params=True needs offload_optimizer=True"),
 ])
 def test_bad_runs_fail_before_training(tmp_path, param, message):
-  train.parse_gin([TINY], FAST + ["STEPS = 30", param])
-  with pytest.raises(train.ConfigError, match=message):
-    train.train(str(tmp_path))
-  assert not os.path.exists(tmp_path / "checkpoints")
+  workdir = str(tmp_path / "run")
+  with pytest.raises(ValueError, match=message):  # ConfigError is a ValueError
+    train.train(workdir, gin_config.read([TINY], FAST + ["STEPS = 30", param]))
+  assert not os.path.exists(workdir)
 
 
 def test_command_line_prints_bad_input_without_a_traceback(tmp_path):
@@ -199,15 +198,35 @@ def test_metrics_writer_drops_steps_after_the_restored_one(tmp_path):
   with open(tmp_path / "metrics.jsonl") as f:
     assert [json.loads(line) for line in f][2:] == [{"step": 3, "loss": 1 / 3},
                                                     {"step": 4, "loss": None}]
-  metrics.MetricsWriter(str(tmp_path), resume_step=2, enabled=True).close()
+  assert _tensorboard_steps(tmp_path / "tensorboard") == [1, 2, 3]
+  writer = metrics.MetricsWriter(str(tmp_path), resume_step=2, enabled=True)
+  writer.write({"step": 3, "loss": 0.25})  # step 3 again, after resuming from step 2
+  writer.close()
   with open(tmp_path / "metrics.jsonl") as f:
-    assert [json.loads(line)["step"] for line in f] == [1, 2]
-  assert any(p.startswith("events.out.tfevents") for p in os.listdir(tmp_path / "tensorboard"))
+    assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+  assert _tensorboard_steps(tmp_path / "tensorboard") == [1, 2, 3]  # each step once
+
+
+def _tensorboard_steps(logdir):
+  """Steps of the ``loss`` scalars in every event file under ``logdir`` (TFRecord framing:
+  8-byte length, 4-byte CRC, the Event proto, 4-byte CRC)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  steps = []
+  for path in glob.glob(os.path.join(logdir, "events.out.tfevents*")):
+    with open(path, "rb") as f:
+      data = f.read()
+    i = 0
+    while i < len(data):
+      n = int.from_bytes(data[i:i + 8], "little")
+      event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      steps += [event.step for v in event.summary.value if v.tag == "loss"]
+      i += 12 + n + 4
+  return sorted(steps)
 
 
 def test_flops_per_token_formula():
-  config = train.LlamaConfig(vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4,
-                             num_kv_heads=2, head_dim=16, mlp_dim=128)
+  config = LlamaConfig(vocab_size=256, hidden_dim=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, mlp_dim=128)
   per_layer = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # attn, mlp, norms
   matmul_params = 2 * per_layer + 64 + 64 * 256  # + final norm + head (embedding excluded)
   assert metrics.flops_per_token(config, 512) == 6 * matmul_params + 6 * 2 * 512 * 4 * 16
@@ -229,7 +248,7 @@ def test_tiny_cpu_learns_and_writes_its_outputs(reference):
   assert np.log(256) - 0.2 < losses[0] < np.log(256) + 0.2
   with open(os.path.join(workdir, "config.gin")) as f:
     operative = f.read()
-  for line in ("STEPS = 30", "TrainConfig.steps = %STEPS", "LlamaConfig.hidden_dim = 64",
+  for line in ("STEPS = 30", "TrainConfig.steps = %STEPS", "LlamaConfig.preset = 'tiny'",
                "TrainConfig.mesh_seq = 4", "DataConfig.source = 'stdlib'"):
     assert line in operative
   assert _steps(workdir) == [25, 30]
@@ -253,7 +272,7 @@ def test_sigterm_and_sigkill_restarts_reproduce_the_uninterrupted_losses(referen
   _wait_for(lambda: os.path.exists(os.path.join(workdir, "metrics.jsonl")) and
             len(_records(workdir)) >= 3, proc)
   proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=120) == 0, open(log).read()
+  assert proc.wait(timeout=120) == train.EXIT_STOPPED, open(log).read()
   stopped_at = _records(workdir)[-1]["step"]
   assert stopped_at < STEPS and stopped_at in _steps(workdir)
   assert "stopped by signal 15, rerun the same command to resume" in open(log).read()
@@ -357,8 +376,8 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_pa
 def test_retrieval_is_learned_across_sequence_shards(cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   out = _run(workdir, ["STEPS = 300"], cache_dir, gin_file="configs/retrieval_cpu.gin")
-  train.parse_gin(["configs/retrieval_cpu.gin"], [])
-  data, task, cfg = train.DataConfig(), train.RetrievalTask(), train.TrainConfig()
+  config = gin_config.read(["configs/retrieval_cpu.gin"], [])
+  data, task, cfg = config.data, config.data.retrieval, config.train
   shard = data.seq_len // cfg.mesh_seq
   assert cfg.mesh_seq == 8 and 2 * task.num_pairs <= shard < data.seq_len - 2  # first vs last
   accuracy = _records(workdir)[-1]["eval_accuracy"]

@@ -11,6 +11,7 @@ from flax import nnx
 from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
                          relative_error, tree_on_host)
 from ulysses_jax import train_step
+from ulysses_jax.train_step import MemoryOptions
 from ulysses_jax.models.llama import Llama, init_llama, preset
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer, split_layers
 
@@ -29,12 +30,13 @@ def _train(mesh_shape, state, batches, *, config=CONFIG, optimizer_config=OPTIMI
   """
   mesh = mesh_of(*mesh_shape)
   optimizer = make_optimizer(optimizer_config)
-  flags = dict(offload_optimizer=offload_optimizer, offload_params=offload_params)
-  graphdef, train_state = train_step.init_train_state(
-      model_on(config, mesh, state), optimizer, master_weights=master_weights, **flags)
+  memory = MemoryOptions(offload_optimizer=offload_optimizer, offload_params=offload_params,
+                         master_weights=master_weights)
+  graphdef, train_state = train_step.init_train_state(model_on(config, mesh, state), optimizer,
+                                                      memory=memory)
   step = train_step.make_train_step(
       graphdef, train_state, optimizer, mesh=mesh, seq_len=batches[0]["tokens"].shape[1],
-      accum_steps=accum_steps, z_loss_weight=Z_LOSS, **flags)
+      accum_steps=accum_steps, z_loss_weight=Z_LOSS, memory=memory)
   first_state = jax.tree.leaves(train_state)
   metrics = []
   for batch in batches:
@@ -255,16 +257,29 @@ def test_bad_batches_and_settings_raise_before_compiling():
   with pytest.raises(ValueError, match=r"offload_params=True keeps the gradients in host "
                                        r"memory.*use accum_steps=1 \(got 2\)"):
     train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16, accum_steps=2,
-                               offload_optimizer=True, offload_params=True)
+                               memory=MemoryOptions(offload_optimizer=True, offload_params=True))
   with pytest.raises(ValueError, match="offload_params=True needs offload_optimizer=True"):
-    train_step.init_train_state(model, optimizer, offload_params=True)
+    MemoryOptions(offload_params=True)
   with pytest.raises(ValueError, match="accum_steps must be >= 1"):
     train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=16, accum_steps=0)
   with pytest.raises(ValueError, match="need 0 <= warmup_steps < total_steps"):
     OptimizerConfig(warmup_steps=10, total_steps=10)
   with pytest.raises(ValueError, match="parameters are float32 already; set "
                                        "LlamaConfig.param_dtype='bfloat16'"):
-    train_step.init_train_state(model, optimizer, master_weights=True)
+    train_step.init_train_state(model, optimizer, memory=MemoryOptions(master_weights=True))
+
+
+def test_memory_flags_of_earlier_releases_still_work_with_a_warning():
+  mesh = mesh_of(2, 4)
+  model = init_llama(CONFIG.replace(param_dtype="bfloat16"), mesh)
+  optimizer = make_optimizer(OPTIMIZER)
+  with pytest.warns(DeprecationWarning, match=r"pass memory=MemoryOptions\(offload_optimizer="
+                    r"True, master_weights=True\)"):
+    _, state = train_step.init_train_state(model, optimizer, offload_optimizer=True,
+                                           master_weights=True)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+  with pytest.raises(ValueError, match="pass memory=MemoryOptions.* not both"):
+    train_step.state_shardings(state, mesh, memory=MemoryOptions(), offload_optimizer=True)
 
 
 @pytest.mark.gpu
@@ -280,10 +295,11 @@ def test_streamed_update_keeps_the_optimizer_state_and_parameters_off_the_gpu():
   batch = {k: jax.ShapeDtypeStruct((1, 512), jnp.int32) for k in ("tokens", "labels")}
 
   def compiled_memory(config=config, **flags):
+    memory = MemoryOptions(master_weights=True, **flags)
     graphdef, state = jax.eval_shape(lambda: train_step.init_train_state(
-        init_llama(config, mesh), optimizer, master_weights=True, **flags))
+        init_llama(config, mesh), optimizer, memory=memory))
     step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=512,
-                                      **flags)
+                                      memory=memory)
     return state, step.lower(state, batch).compile().memory_analysis()
 
   state, on_device = compiled_memory()

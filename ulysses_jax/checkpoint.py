@@ -29,6 +29,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from ulysses_jax.config_checks import at_least, check_fields
+
 _log = logging.getLogger(__name__)
 
 
@@ -36,15 +38,19 @@ _log = logging.getLogger(__name__)
 class CheckpointConfig:
   """save_every: steps between periodic saves; keep: how many recent checkpoints to keep;
   async_save: write in a background thread while training goes on."""
-  save_every: int = 1000
-  keep: int = 3
+  save_every: int = dataclasses.field(default=1000, metadata=at_least(1))
+  keep: int = dataclasses.field(default=3, metadata=at_least(1))
   async_save: bool = True
+
+  def __post_init__(self):
+    check_fields(self)
 
 
 class Restored(NamedTuple):
   step: int
   state: Any  # the train state, laid out like the abstract target
   data_state: dict  # for Dataset.set_state
+  run_config: dict | None  # the run config saved with it (None: saved by an older version)
 
 
 class Checkpointer:
@@ -57,8 +63,6 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, config: CheckpointConfig = CheckpointConfig()):
-    if config.save_every < 1 or config.keep < 1:
-      raise ValueError(f"save_every and keep must be >= 1, got {config}")
     self.directory = os.path.abspath(directory)
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(config.save_every),
@@ -103,17 +107,23 @@ class Checkpointer:
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  # damage surfaces in many layers
-        _log.warning("checkpoint %s failed to restore (%s: %s); trying the previous one",
-                     os.path.join(self.directory, str(step)), type(e).__name__, e)
         failed.append((step, e))
         continue
+      for s, e in failed:  # logged once a fallback worked; else the error below says it all
+        _log.warning("checkpoint %s failed to restore (%s: %s); restored step %d instead",
+                     os.path.join(self.directory, str(s)), type(e).__name__, e, step)
       self._set_aside([s for s, _ in failed])
-      return Restored(step, out.state, out.data)
+      return Restored(step, out.state, out.data, self._run_config(step))
     if failed:
       errors = "\n".join(f"  step {s}: {type(e).__name__}: {e}" for s, e in failed)
       raise RuntimeError(f"no checkpoint in {self.directory} restores into the given state "
                          f"(has the model or optimizer changed?):\n{errors}")
     return None
+
+  def _run_config(self, step: int) -> dict | None:
+    if not os.path.isdir(os.path.join(self.directory, str(step), "run")):
+      return None
+    return self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore())).run
 
   def _set_aside(self, steps: list[int]):
     if not steps:
@@ -149,7 +159,7 @@ def read_run_config(directory: str, step: int | None = None) -> tuple[int, dict]
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint directory {directory}")
   with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-      read_only=True)) as manager:
+      create=False)) as manager:
     steps = sorted(manager.all_steps())
     if not steps:
       raise FileNotFoundError(f"{directory} holds no checkpoint")

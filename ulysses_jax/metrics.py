@@ -16,6 +16,7 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
 import json
 import math
 import os
+import shutil
 import time
 
 import jax
@@ -73,7 +74,8 @@ class MetricsWriter:
 
   Only process 0 writes (others get a writer that does nothing). On resume from step
   ``resume_step``, records of later steps (logged after that checkpoint by the run that
-  was stopped) are dropped from both, so the history reads like one uninterrupted run.
+  was stopped) are dropped, so the history reads like one uninterrupted run; TensorBoard's
+  events are rewritten from the kept records, so they hold each step once.
   """
 
   def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None):
@@ -84,13 +86,17 @@ class MetricsWriter:
       return
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     os.makedirs(workdir, exist_ok=True)
+    kept = []
     if os.path.exists(self.path):
       with open(self.path, encoding="utf-8") as f:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
       with open(self.path, "w", encoding="utf-8") as f:
         f.writelines(kept)
+    shutil.rmtree(self.tensorboard_dir, ignore_errors=True)
+    self._tb = SummaryWriter(self.tensorboard_dir)
+    for line in kept:
+      self._to_tensorboard(json.loads(line))
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
-    self._tb = SummaryWriter(self.tensorboard_dir, purge_step=resume_step + 1)
 
   def write(self, record: dict):
     """Writes ``record``: ``step`` and numbers; None values (not measured) are left out,
@@ -101,8 +107,11 @@ class MetricsWriter:
     finite = {k: v for k, v in record.items() if math.isfinite(v)}
     self._file.write(json.dumps({k: finite.get(k) for k in record}) + "\n")
     self._file.flush()
-    for key, value in finite.items():
-      if key != "step":
+    self._to_tensorboard(finite)
+
+  def _to_tensorboard(self, record: dict):
+    for key, value in record.items():
+      if key != "step" and value is not None:
         self._tb.add_scalar(key, value, record["step"])
     self._tb.flush()
 
@@ -110,3 +119,52 @@ class MetricsWriter:
     if self._enabled:
       self._file.close()
       self._tb.close()
+
+
+def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: int,
+                seconds: float, steps: int, flops_per_token: float, peak_flops: float) -> dict:
+  """The metrics record of ``step``: ``steps`` steps of ``tokens`` tokens took ``seconds``."""
+  m = step_metrics
+  record = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+            "learning_rate": float(m["learning_rate"]),
+            "tokens_per_sec": tokens * steps / seconds, "step_time_s": seconds / steps,
+            "peak_memory_gib": peak_memory_gib(),
+            "nonfinite_steps": int(nonfinite_steps)}
+  record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak_flops
+  if "z_loss" in m and float(m["z_loss"]):
+    record["z_loss"] = float(m["z_loss"])
+  return record
+
+
+def format_record(record: dict, steps: int) -> str:
+  """One log line: step, loss, speed and the eval metrics when present."""
+  line = (f"step {record['step']}/{steps}  loss {record['loss']:.4f}  "
+          f"{record['tokens_per_sec']:,.0f} tok/s")
+  for key in ("eval_loss", "eval_accuracy"):
+    if key in record:
+      line += f"  {key} {record[key]:.4f}"
+  return line
+
+
+def format_summary(s: dict) -> str:
+  """The closing lines printed after training."""
+  if s["step"] == s["start_step"]:
+    return (f"Nothing to train: {s['checkpoints']} is already at step {s['step']} of "
+            f"{s['steps']}; raise TrainConfig.steps to continue, or use a new --workdir")
+  lines = [f"Trained steps {s['start_step'] + 1}..{s['step']} in {s['wall_time_s']:.0f} s"
+           + (f" (resumed from step {s['restored_step']})" if s["restored_step"] else "")
+           + (f"; stopped by {s['stopped']}, rerun the same command to resume"
+              if s["stopped"] else "")]
+  if s["first_loss"]:
+    (a, la), (b, lb) = s["first_loss"], s["last_loss"]
+    lines.append(f"  loss         {la:.4f} (step {a}) -> {lb:.4f} (step {b})")
+  last = s.get("last_record", {})
+  if "eval_loss" in last:
+    lines.append(f"  eval         loss {last['eval_loss']:.4f}" + (
+        f", retrieval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""))
+  if s["tokens_per_sec"]:
+    lines.append(f"  throughput   {s['tokens_per_sec']:,.0f} tokens/s after the first step"
+                 + (f", MFU {last['mfu']:.1%}" if "mfu" in last else ""))
+  lines += [f"  metrics      {s['metrics']}  (tensorboard --logdir {s['tensorboard']})",
+            f"  checkpoints  {s['checkpoints']}  (latest: step {s['latest_checkpoint']})"]
+  return "\n".join(lines)

@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from ulysses_jax import sharding
+from ulysses_jax.config_checks import above, at_least, check_fields
 
 _NO_DECAY = ("scale", "bias")
 LAYER_AXIS = "layers"  # logical name of the stacked-layer axis (models.llama)
@@ -30,17 +31,18 @@ class OptimizerConfig:
   """AdamW with linear warmup to ``learning_rate`` then cosine decay to
   ``learning_rate * final_lr_fraction`` at ``total_steps``; gradients clipped to global norm
   ``clip_norm`` (0 = no clipping). Norm scales and biases get no weight decay."""
-  learning_rate: float = 3e-4
-  warmup_steps: int = 100
-  total_steps: int = 10_000
-  final_lr_fraction: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
-  clip_norm: float = 1.0
+  learning_rate: float = dataclasses.field(default=3e-4, metadata=above(0))
+  warmup_steps: int = dataclasses.field(default=100, metadata=at_least(0))
+  total_steps: int = dataclasses.field(default=10_000, metadata=at_least(1))
+  final_lr_fraction: float = dataclasses.field(default=0.1, metadata=at_least(0))
+  b1: float = dataclasses.field(default=0.9, metadata=at_least(0))
+  b2: float = dataclasses.field(default=0.95, metadata=at_least(0))
+  eps: float = dataclasses.field(default=1e-8, metadata=above(0))
+  weight_decay: float = dataclasses.field(default=0.1, metadata=at_least(0))
+  clip_norm: float = dataclasses.field(default=1.0, metadata=at_least(0))
 
   def __post_init__(self):
+    check_fields(self)
     if not 0 <= self.warmup_steps < self.total_steps:
       raise ValueError(f"need 0 <= warmup_steps < total_steps, got warmup_steps="
                        f"{self.warmup_steps}, total_steps={self.total_steps}.")

@@ -11,9 +11,12 @@ head dimension form the rotated pairs), so Hugging Face q/k weights load unpermu
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from ulysses_jax.config_checks import above, at_least, check_fields
 
 ROPE_SCALING_KINDS = ("linear", "llama3")
 
@@ -27,18 +30,14 @@ class RopeScaling:
     low_freq_factor`` divided by ``factor``, below ``original_max_position /
     high_freq_factor`` kept, smooth interpolation in between.
   """
-  kind: str = "llama3"
-  factor: float = 8.0
+  kind: Literal[ROPE_SCALING_KINDS] = "llama3"
+  factor: float = dataclasses.field(default=8.0, metadata=above(0))
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
-  original_max_position: int = 8192
+  original_max_position: int = dataclasses.field(default=8192, metadata=at_least(1))
 
   def __post_init__(self):
-    if self.kind not in ROPE_SCALING_KINDS:
-      raise ValueError(f"RopeScaling.kind must be one of {ROPE_SCALING_KINDS}, got "
-                       f"{self.kind!r}.")
-    if self.factor <= 0:
-      raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}.")
+    check_fields(self)
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       raise ValueError(f"llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
                        f"{self.high_freq_factor} <= {self.low_freq_factor}.")

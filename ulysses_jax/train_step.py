@@ -12,25 +12,12 @@ Parameters, gradients and optimizer state are sharded like the parameters (FSDP 
 device, ``ulysses_jax.sharding``); the step is jitted with explicit in/out shardings and
 donates the incoming state.
 
-Memory options (``init_train_state`` and ``make_train_step`` take the same flags):
-
-* ``master_weights``: parameters stored in a lower precision (``LlamaConfig.param_dtype=
-  "bfloat16"``) get a float32 copy that the optimizer updates (its moments are float32 too);
-  the model's parameters are that copy rounded after every step, so updates smaller than a
-  bfloat16 step still accumulate.
-* ``offload_optimizer``: the optimizer state (master weights included) lives in
-  ``pinned_host`` memory. The update streams it: one layer's state comes to the device, is
-  updated and written back in place before the next (a ``fori_loop``), so the device holds
-  one layer's state at a time instead of all of it. The other parameters' state visits the
-  device whole.
-* ``offload_params`` (with ``offload_optimizer``): the stacked layer parameters live in
-  ``pinned_host`` memory too, and so do their gradients. The model copies each layer's
-  weights to the device when it runs the layer (``models.llama``), the backward writes each
-  layer's gradient back to the host as it is made, and the gradient norm and the update
-  stream them a layer at a time. The device keeps only the embedding, head and final norm of
-  the parameters (ZeRO-Infinity's parameter offload, for one GPU at very long sequences).
+Memory options: ``MemoryOptions`` (one value, checked once, given whole to
+``init_train_state``, ``state_shardings`` and ``make_train_step``).
 """
 
+import dataclasses
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -61,23 +48,70 @@ def _layers_on_host(param_shardings):
   return nnx.merge_state(sharding.on_host(layers), rest)
 
 
-def _check_offload(offload_optimizer, offload_params):
-  if offload_params and not offload_optimizer:
-    raise ValueError("offload_params=True needs offload_optimizer=True: the parameters' "
-                     "optimizer state is larger than they are, so it moves to the host first.")
+@dataclasses.dataclass(frozen=True)
+class MemoryOptions:
+  """Where the train state lives and in which precision the optimizer updates it.
+
+  * ``master_weights``: parameters stored in a lower precision (``LlamaConfig.param_dtype=
+    "bfloat16"``) get a float32 copy that the optimizer updates (its moments are float32
+    too); the model's parameters are that copy rounded after every step, so updates smaller
+    than a bfloat16 step still accumulate.
+  * ``offload_optimizer``: the optimizer state (master weights included) lives in
+    ``pinned_host`` memory. The update streams it: one layer's state comes to the device, is
+    updated and written back in place before the next (a ``fori_loop``), so the device holds
+    one layer's state at a time instead of all of it. The other parameters' state visits the
+    device whole.
+  * ``offload_params`` (needs ``offload_optimizer``): the stacked layer parameters live in
+    ``pinned_host`` memory too, and so do their gradients. The model copies each layer's
+    weights to the device when it runs the layer (``models.llama``), the backward writes each
+    layer's gradient back to the host as it is made, and the gradient norm and the update
+    stream them a layer at a time. The device keeps only the embedding, head and final norm
+    of the parameters (ZeRO-Infinity's parameter offload, for one GPU at very long
+    sequences). Gradients on the host cannot be summed over micro-batches: no accumulation.
+  """
+  offload_optimizer: bool = False
+  offload_params: bool = False
+  master_weights: bool = False
+
+  def __post_init__(self):
+    if self.offload_params and not self.offload_optimizer:
+      raise ValueError("offload_params=True needs offload_optimizer=True: the parameters' "
+                       "optimizer state is larger than they are, so it moves to the host "
+                       "first.")
+
+  def check_accum_steps(self, accum_steps: int):
+    if self.offload_params and accum_steps != 1:
+      raise ValueError(f"offload_params=True keeps the gradients in host memory, where they "
+                       f"cannot be summed over micro-batches: use accum_steps=1 (got "
+                       f"{accum_steps}) or offload_params=False.")
 
 
-def state_shardings(state, mesh: Mesh, *, offload_optimizer: bool = False,
-                    offload_params: bool = False,
-                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> TrainState:
+def memory_options(memory: MemoryOptions | None, **flags) -> MemoryOptions:
+  """``memory``, or one built from the keyword flags of earlier releases (deprecated)."""
+  given = {k: v for k, v in flags.items() if v is not None}
+  if not given:
+    return memory or MemoryOptions()
+  if memory is not None:
+    raise ValueError(f"pass memory=MemoryOptions(...) or the flags {sorted(given)}, not both.")
+  warnings.warn(f"the flags {sorted(given)} are deprecated: pass "
+                f"memory=MemoryOptions({', '.join(f'{k}={v}' for k, v in given.items())}).",
+                DeprecationWarning, stacklevel=3)
+  return MemoryOptions(**given)
+
+
+def state_shardings(state, mesh: Mesh, *, memory: MemoryOptions | None = None,
+                    rules: sharding.Rules = sharding.DEFAULT_RULES,
+                    offload_optimizer: bool | None = None,
+                    offload_params: bool | None = None) -> TrainState:
   """Shardings of a ``TrainState`` (or its ``eval_shape``): FSDP for parameters and optimizer
-  state, the latter in ``pinned_host`` memory with ``offload_optimizer``, and the stacked
-  layer parameters too with ``offload_params``."""
-  _check_offload(offload_optimizer, offload_params)
+  state, the latter in ``pinned_host`` memory with ``memory.offload_optimizer``, and the
+  stacked layer parameters too with ``memory.offload_params``."""
+  memory = memory_options(memory, offload_optimizer=offload_optimizer,
+                          offload_params=offload_params)
   shardings = sharding.tree_shardings(state, mesh, rules)
-  if offload_optimizer:
+  if memory.offload_optimizer:
     shardings = shardings._replace(opt_state=sharding.on_host(shardings.opt_state))
-  if offload_params:
+  if memory.offload_params:
     shardings = shardings._replace(params=_layers_on_host(shardings.params))
   return shardings
 
@@ -92,25 +126,28 @@ def _check_master_weights(params, master_weights):
 
 def init_train_state(model: nnx.Module, optimizer: Optimizer,
                      rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                     offload_optimizer: bool = False, offload_params: bool = False,
-                     master_weights: bool = False) -> tuple[nnx.GraphDef, TrainState]:
+                     memory: MemoryOptions | None = None,
+                     offload_optimizer: bool | None = None, offload_params: bool | None = None,
+                     master_weights: bool | None = None) -> tuple[nnx.GraphDef, TrainState]:
   """Splits a (sharded) model into its graphdef and a ``TrainState``.
 
-  The optimizer state (and with ``master_weights`` the float32 copy of the parameters) is
-  created directly in the parameters' sharding, in host memory with ``offload_optimizer``;
-  with ``offload_params`` the stacked layer parameters move to host memory too.
-  ``model`` must have a ``mesh`` attribute (``Llama`` does).
+  The optimizer state (and with ``memory.master_weights`` the float32 copy of the
+  parameters) is created directly in the parameters' sharding, in host memory with
+  ``memory.offload_optimizer``; with ``memory.offload_params`` the stacked layer parameters
+  move to host memory too. ``model`` must have a ``mesh`` attribute (``Llama`` does). The
+  separate flags are the deprecated spelling of ``memory``.
   """
-  _check_offload(offload_optimizer, offload_params)
+  memory = memory_options(memory, offload_optimizer=offload_optimizer,
+                          offload_params=offload_params, master_weights=master_weights)
   graphdef, params = nnx.split(model)
-  _check_master_weights(params, master_weights)
+  _check_master_weights(params, memory.master_weights)
   mesh = model.mesh
-  init = lambda p: init_optimizer_state(optimizer.tx, p, master_weights)
+  init = lambda p: init_optimizer_state(optimizer.tx, p, memory.master_weights)
   opt_shardings = sharding.tree_shardings(jax.eval_shape(init, params), mesh, rules)
-  if offload_optimizer:
+  if memory.offload_optimizer:
     opt_shardings = sharding.on_host(opt_shardings)
   opt_state = jax.jit(init, out_shardings=opt_shardings)(params)
-  if offload_params:
+  if memory.offload_params:
     params = jax.device_put(params, _layers_on_host(sharding.tree_shardings(params, mesh,
                                                                             rules)))
   zero = lambda: jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
@@ -135,7 +172,8 @@ def _check_batch(batch, *, mesh, seq_len, accum_steps):
 def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimizer, *,
                     mesh: Mesh, seq_len: int, accum_steps: int = 1, z_loss_weight: float = 0.0,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
-                    offload_optimizer: bool = False, offload_params: bool = False):
+                    memory: MemoryOptions | None = None,
+                    offload_optimizer: bool | None = None, offload_params: bool | None = None):
   """The jitted ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -152,10 +190,9 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       micro-batches run one after another; the update uses the token-weighted mean over all
       of them, exactly as one big batch would, their gradients summed in float32.
     z_loss_weight: weight of the z-loss term added to the objective.
-    offload_optimizer: the optimizer state lives in host memory (``init_train_state`` with
-      the same flag) and is updated one layer at a time.
-    offload_params: the stacked layer parameters and their gradients live in host memory
-      too (``init_train_state`` with the same flag; needs ``accum_steps=1``).
+    memory: the ``MemoryOptions`` ``init_train_state`` was given (where the state lives:
+      the update streams offloaded state a layer at a time). The separate flags are its
+      deprecated spelling.
 
   A step whose loss or gradient norm is not finite changes neither parameters nor optimizer
   state; it counts in ``TrainState.nonfinite_steps`` (and ``nonfinite_in_a_row``) and does
@@ -167,10 +204,9 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
-  if offload_params and accum_steps > 1:
-    raise ValueError(f"offload_params=True keeps the gradients in host memory, where they "
-                     f"cannot be summed over micro-batches: use accum_steps=1 (got "
-                     f"{accum_steps}) or offload_params=False.")
+  memory = memory_options(memory, offload_optimizer=offload_optimizer,
+                          offload_params=offload_params)
+  memory.check_accum_steps(accum_steps)
   batch_spec = sharding.batch_spec(mesh, seq_len)
 
   def objective(params, micro, total_count):
@@ -208,14 +244,14 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
     grad_norm = global_norm(grads, layer_shardings=(
-        split_layers(device_shardings.params)[0] if offload_params else None))
+        split_layers(device_shardings.params)[0] if memory.offload_params else None))
     finite = jnp.isfinite(sums.loss + sums.z_loss) & jnp.isfinite(grad_norm)
     scale = (jnp.minimum(1.0, optimizer.clip_norm / grad_norm) if optimizer.clip_norm
              else jnp.ones((), jnp.float32))
     params, opt_state = apply_update(
         optimizer.tx, grads, current.params, current.opt_state, scale=scale, apply=finite,
         param_shardings=device_shardings.params, opt_shardings=device_shardings.opt_state,
-        offload_optimizer=offload_optimizer, offload_params=offload_params)
+        offload_optimizer=memory.offload_optimizer, offload_params=memory.offload_params)
     count = jnp.maximum(sums.count, 1.0)
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
                "grad_norm": grad_norm, "tokens": sums.count}
@@ -226,8 +262,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
     return TrainState(current.step + 1, params, opt_state, current.nonfinite_steps + skipped,
                       (current.nonfinite_in_a_row + 1) * skipped), metrics
 
-  shardings = state_shardings(state, mesh, offload_optimizer=offload_optimizer,
-                              offload_params=offload_params, rules=rules)
+  shardings = state_shardings(state, mesh, memory=memory, rules=rules)
   device_shardings = sharding.tree_shardings(state, mesh, rules)
   return jax.jit(step, in_shardings=(shardings, NamedSharding(mesh, batch_spec)),
                  out_shardings=(shardings, NamedSharding(mesh, P())), donate_argnums=0)

@@ -1,0 +1,82 @@
+"""The trainer's promises to a user at the command line: bad values are one ``error:`` line
+before anything is written; the workdir's ``config.gin``, config history and checkpoints stay
+true to what was trained (no-op starts and failed resumes change nothing); a resume states
+what changed since its checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ulysses_jax import gin_config
+from ulysses_jax.checkpoint import read_run_config
+from ulysses_jax.models.config import LlamaConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = "configs/tiny_cpu.gin"
+PARAMS = ["LlamaConfig.preset = 'tiny'", "DataConfig.seq_len = 128", "DataConfig.batch_size = 8",
+          "TrainConfig.eval_batches = 1", "STEPS = 6", "OptimizerConfig.warmup_steps = 1",
+          "CheckpointConfig.save_every = 3"]
+
+
+def _train(workdir, params, cache=None):
+  params = params + ([f"TrainConfig.compilation_cache = '{cache}'"] if cache else [])
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run([sys.executable, "-m", "ulysses_jax.train", f"--gin_file={TINY}",
+                         f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _read(path):
+  with open(path, encoding="utf-8") as f:
+    return f.read()
+
+
+def _assert_one_error_line(out, message):
+  assert out.returncode == 1, out.stderr
+  assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+  assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("param, message", [
+    ("OptimizerConfig.learning_rate = '3e-3'",
+     "OptimizerConfig.learning_rate must be a float, got '3e-3'"),
+    ("TrainConfig.steps = 2.5", "TrainConfig.steps must be an int, got 2.5"),
+    ("TrainConfig.platform = 'gpux'", "TrainConfig.platform must be one of '', 'cpu'"),
+    ("LlamaConfig.remat_policy = 'fast'", "LlamaConfig.remat_policy must be one of 'none'"),
+    ("LlamaConfig.preset = 'gpt5'", "LlamaConfig.preset 'gpt5' is unknown"),
+    ("CheckpointConfig.keep = 0", "CheckpointConfig.keep must be >= 1, got 0"),
+    ("TrainConfig.mesh_seq = 3", "mesh data=2 x seq=3 needs 6 devices but 8 are available"),
+])
+def test_bad_values_are_one_error_line_and_no_workdir(tmp_path, param, message):
+  workdir = tmp_path / "run"
+  _assert_one_error_line(_train(workdir, PARAMS + [param]), message)
+  assert not workdir.exists()
+
+
+def test_the_workdir_tells_the_truth(tmp_path):
+  workdir, cache = tmp_path / "run", str(tmp_path / "cache")
+  config_gin, history = workdir / "config.gin", workdir / "config_history"
+  assert _train(workdir, PARAMS, cache).returncode == 0
+  written, started = _read(config_gin), os.listdir(history)
+  assert len(started) == 1 and _read(history / started[0]) == written
+  # Each checkpoint carries the config it was trained with.
+  step, saved = read_run_config(workdir / "checkpoints")
+  assert step == 6 and saved["gin"] == written
+  assert LlamaConfig.from_dict(saved["model"]) == gin_config.read([TINY], PARAMS).model
+
+  # A start with nothing to do, and a resume that fails, change nothing.
+  out = _train(workdir, PARAMS + ["STEPS = 4"], cache)
+  assert out.returncode == 0 and "already at step 6 of 4" in out.stdout
+  _assert_one_error_line(_train(workdir, PARAMS + ["LlamaConfig.hidden_dim = 128"], cache),
+                         "they were saved with model.hidden_dim = 64 (this run: 128)")
+  assert _read(config_gin) == written and os.listdir(history) == started
+
+  # A resume that goes on says what changed, and keeps the history of both starts.
+  out = _train(workdir, PARAMS + ["STEPS = 8"], cache)
+  assert out.returncode == 0, out.stderr
+  assert "changed since the checkpoint of step 6: optimizer.total_steps: 6 -> 8" in out.stderr
+  assert "STEPS = 8" in _read(config_gin) and len(os.listdir(history)) == 2
+  assert read_run_config(workdir / "checkpoints")[1]["optimizer"]["total_steps"] == 8

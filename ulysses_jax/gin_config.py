@@ -1,0 +1,85 @@
+"""The gin edge of the command line: gin files and ``--gin_param``s -> a ``RunConfig``.
+
+Gin binds only config dataclasses (the t5x rule), under the names users write in the
+``configs/*.gin`` files: ``TrainConfig``, ``LlamaConfig``, ``RopeScaling``, ``DataConfig``,
+``RetrievalTask``, ``OptimizerConfig``, ``CheckpointConfig`` (module ``ulysses_jax``). Nothing
+else in the library reads gin: ``train.train`` and ``aot`` take the ``RunConfig`` this
+module builds.
+
+    run = gin_config.read(["configs/tiny_cpu.gin"], ["TrainConfig.steps=50"])
+"""
+
+import dataclasses
+import os
+
+import gin
+
+from ulysses_jax.checkpoint import CheckpointConfig
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.data import DataConfig, RetrievalTask
+from ulysses_jax.models.config import LlamaConfig
+from ulysses_jax.optimizer import OptimizerConfig
+from ulysses_jax.rope import RopeScaling
+from ulysses_jax.run_config import RunConfig, TrainConfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_CLASSES = (TrainConfig, LlamaConfig, RopeScaling, DataConfig, RetrievalTask,
+                  OptimizerConfig, CheckpointConfig)
+# Gin's wrapper of each class: calling it applies the parsed bindings. The wrappers are
+# subclasses; ``_plain`` turns what they build back into the classes themselves.
+_BOUND = {cls: gin.external_configurable(cls, module="ulysses_jax") for cls in CONFIG_CLASSES}
+gin.add_config_file_search_path(REPO_ROOT)  # so `include 'configs/...'` works from any cwd
+
+
+def parse(files: list[str], params: list[str]):
+  """Loads gin files in order, then ``params``; unknown names raise ``ValueError``."""
+  if not files:
+    raise ConfigError("give at least one --gin_file (e.g. --gin_file=configs/tiny_cpu.gin)")
+  for f in files:
+    if not any(os.path.isfile(os.path.join(d, f)) for d in ("", REPO_ROOT)):
+      raise FileNotFoundError(f"gin file {f!r} not found (looked in {os.getcwd()} and "
+                              f"{REPO_ROOT}); the experiments are in {REPO_ROOT}/configs")
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(files, params)
+  except TypeError as e:  # gin's package-path fallback fails like this on a missing include
+    raise FileNotFoundError(f"a gin `include` names a file that does not exist ({e})") from e
+
+
+def build(cls):
+  """An instance of config class ``cls`` with the parsed bindings applied."""
+  return _plain(_BOUND[cls]())
+
+
+def run_config() -> RunConfig:
+  """The ``RunConfig`` of the parsed bindings, with the operative config text."""
+  configs = {name: build(cls) for name, cls in (
+      ("train", TrainConfig), ("model", LlamaConfig), ("data", DataConfig),
+      ("optimizer", OptimizerConfig), ("checkpoint", CheckpointConfig))}
+  return RunConfig(**configs, gin=gin.operative_config_str())
+
+
+def read(files: list[str], params: list[str]) -> RunConfig:
+  """``parse`` then ``run_config``."""
+  parse(files, params)
+  return run_config()
+
+
+def bound_fields(cls) -> dict:
+  """The fields of ``cls`` that the parsed gin files and params set explicitly."""
+  names = [f.name for f in dataclasses.fields(cls)]
+  bound = {}
+  for name in names:
+    try:
+      bound[name] = gin.query_parameter(f"ulysses_jax.{cls.__name__}.{name}")
+    except ValueError:
+      continue
+  return {k: getattr(build(cls), k) for k in bound}
+
+
+def _plain(value):
+  """Rebuilds gin's subclass instances (nested ones too) as instances of the classes."""
+  for cls in CONFIG_CLASSES:
+    if isinstance(value, cls):
+      return cls(**{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(cls)})
+  return value

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-all train bench-comm clean
+.PHONY: setup test test-slow test-all lint train bench-comm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ setup: $(STAMP)
 # The CI suite: everything except tests marked slow (and gpu tests, which skip on CPU).
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q --durations=20
+
+# The linter (rules in pyproject.toml); CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ulysses_jax tests benchmarks
 
 # Only the tests marked slow (CI runs them after `make test`).
 test-slow: $(STAMP)

@@ -1,6 +1,6 @@
 """ulysses_jax: Ulysses sequence parallelism for JAX.
 
-Public names (stable; see DESIGN.md):
+Public names (stable; see docs/DESIGN.md):
   make_mesh          a ("data", "seq") device mesh
   ulysses_attention  exact attention over a sequence sharded on the "seq" axis
   UlyssesAttention   the Flax NNX attention layer (projections, RoPE, GQA) around it

@@ -27,13 +27,12 @@ command to resume.
 
 import argparse
 import contextlib
-import datetime
-import json
 import logging
 import math
 import os
 import sys
 import time
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -42,13 +41,14 @@ from tqdm import tqdm
 
 from ulysses_jax import distributed
 from ulysses_jax import metrics as metrics_lib
-from ulysses_jax.checkpoint import Checkpointer, StopRequest, read_run_config
+from ulysses_jax import workdir as workdir_lib
+from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import make_datasets, retrieval_accuracy
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import count_params, init_llama
 from ulysses_jax.optimizer import make_optimizer
-from ulysses_jax.run_config import RunConfig, TrainConfig
+from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: F401  (public here too)
 from ulysses_jax.train_step import init_train_state, make_train_step, state_shardings
 
 EXIT_OK, EXIT_ERROR, EXIT_STOPPED = 0, 1, 75  # 75: EX_TEMPFAIL, "try again"
@@ -120,7 +120,7 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
         try:
           restored = ckpt.restore(abstract)
         except RuntimeError as e:
-          raise ConfigError(_why_no_restore(ckpt.directory, config) or str(e)) from e
+          raise ConfigError(workdir_lib.why_no_restore(ckpt.directory, config) or str(e)) from e
     if restored is not None:
       train_ds.set_state(restored.data_state)
   return Run(config, mesh, optimizer, graphdef, abstract, restored, train_ds, eval_ds)
@@ -144,53 +144,6 @@ def _check_fits(abstract_state):
                       f"{max(need.values()) / 2**30:.1f} GiB per device but a device has "
                       f"{have / 2**30:.1f} GiB; use a smaller model (LlamaConfig), more "
                       "devices or TrainConfig.offload_optimizer=True")
-
-
-def _why_no_restore(directory: str, config: RunConfig) -> str | None:
-  """Names the settings that differ from the newest checkpoint's run, when it has one."""
-  try:
-    step, saved = read_run_config(directory)
-  except Exception:  # pylint: disable=broad-except  # no run config: an older checkpoint
-    return None
-  now = json.loads(json.dumps(config.to_dict()))  # tuples as lists, as saved
-  state_fields = {"model": now["model"], "train": {k: now["train"][k] for k in (
-      "offload_optimizer", "offload_params", "master_weights")}}
-  diffs = [f"{section}.{k} = {saved[section][k]!r} (this run: {v!r})"
-           for section, fields in state_fields.items() for k, v in fields.items()
-           if k in saved.get(section, {}) and saved[section][k] != v]
-  if not diffs:
-    return None
-  return (f"the checkpoints in {directory} (newest: step {step}) hold a different train "
-          f"state: they were saved with {'; '.join(diffs)}. Set those values back to resume "
-          "(the workdir's config.gin has them), or use a new --workdir for the new settings.")
-
-
-def changes_since(saved: dict | None, config: RunConfig) -> list[str]:
-  """What the optimizer and run length changed since the run config ``saved`` with a
-  checkpoint: the learning-rate schedule follows them from the resumed step on."""
-  if not saved:
-    return []
-  now = config.to_dict()
-  changes = []
-  for section in ("optimizer", "train"):
-    for key, value in now[section].items():
-      if section == "train" and key != "steps":
-        continue
-      if key in saved.get(section, {}) and saved[section][key] != value:
-        changes.append(f"{section}.{key}: {saved[section][key]!r} -> {value!r}")
-  return changes
-
-
-def _write_configs(workdir: str, config: RunConfig, start: int):
-  """``config.gin`` (this start's operative config) and a copy kept in ``config_history/``."""
-  history = os.path.join(workdir, "config_history")
-  os.makedirs(history, exist_ok=True)
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-  for path in (os.path.join(workdir, "config.gin"),
-               os.path.join(history, f"{stamp}-step{start}.gin")):
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      f.write(config.gin)
-    os.replace(path + ".tmp", path)
 
 
 def _make_eval_step(graphdef, retrieval: bool):
@@ -223,13 +176,19 @@ def evaluate(eval_step, params, eval_ds, num_batches) -> dict:
 
 # ----------------------------------------------------------------------------- training
 
-def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
+def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> dict:
   """Trains ``config`` into ``workdir`` (resuming from its checkpoints); returns the run's
   summary (``summary["stopped"]`` names the signal that stopped it, else None).
 
   For a fresh process call ``distributed.configure_platform`` first (the command line does).
   ``datasets``: (train, eval) to use instead of ``make_datasets(config.data)``.
+  ``config=None`` (deprecated) reads the bindings that ``parse_gin`` parsed.
   """
+  if config is None:
+    warnings.warn("train(workdir) without a config is deprecated: pass "
+                  "gin_config.read(files, params), or a RunConfig", DeprecationWarning, 2)
+    from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
+    config = gin_config.run_config()
   cfg = config.train
   run = prepare(workdir, config, datasets)
   start, lead = run.start, jax.process_index() == 0
@@ -242,10 +201,10 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       print(metrics_lib.format_summary(summary), flush=True)
     return summary
   if lead:
-    for change in changes_since(run.restored and run.restored.run_config, config):
+    for change in workdir_lib.changes_since(run.restored and run.restored.run_config, config):
       _log.warning("changed since the checkpoint of step %d: %s (the learning-rate schedule "
                    "follows the new values from here on)", start, change)
-    _write_configs(workdir, config, start)
+    workdir_lib.write_configs(workdir, config, start)
   if run.restored is None:
     state = init_train_state(init_llama(config.model, run.mesh, seed=cfg.seed), run.optimizer,
                              memory=cfg.memory)[1]
@@ -295,8 +254,8 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
         # -------------------------------------------------------------- eval, log, save
         do_eval = step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)
         if do_eval or step % cfg.log_every == 0 or step == start + 1:
-          record = metrics_lib.make_record(step, m, skipped, seconds=interval_time, steps=interval_steps,
-                               **record_args)
+          record = metrics_lib.make_record(step, m, skipped, seconds=interval_time,
+                                           steps=interval_steps, **record_args)
           if do_eval and run.eval_ds is not None:
             record.update(evaluate(eval_step, state.params, run.eval_ds, cfg.eval_batches))
           writer.write(record)
@@ -342,6 +301,14 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
 
 # ----------------------------------------------------------------------------- entry point
 
+def parse_gin(files: list[str], params: list[str]):
+  """Deprecated: ``gin_config.parse`` (then ``train(workdir, gin_config.run_config())``)."""
+  warnings.warn("train.parse_gin is deprecated: use gin_config.read(files, params)",
+                DeprecationWarning, 2)
+  from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
+  gin_config.parse(files, params)
+
+
 def main(argv: list[str] | None = None) -> int:
   """The command line; returns the exit code (``EXIT_OK``, ``EXIT_ERROR``, ``EXIT_STOPPED``)."""
   parser = argparse.ArgumentParser(prog="python -m ulysses_jax.train", description=__doc__,
@@ -367,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.debug:
       raise
     # Gin appends "In call to configurable ..." lines; our messages name the config already.
-    message = "\n".join(l for l in str(e).splitlines() if not l.startswith("  In call to "))
+    message = "\n".join(line for line in str(e).splitlines()
+                        if not line.startswith("  In call to "))
     print(f"error: {message}", file=sys.stderr, flush=True)
     return EXIT_ERROR
   return EXIT_STOPPED if summary["stopped"] else EXIT_OK

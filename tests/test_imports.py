@@ -72,7 +72,21 @@ def cycles(graph):
   return list(found.values())
 
 
-def test_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+def private_attention_imports(root=ROOT):
+  """Imports of underscore names from ``ulysses_jax.attention`` by modules outside it."""
+  modules = module_files(root)
+  private = []
+  for name, path in modules.items():
+    if name == ATTENTION or name.startswith(f"{ATTENTION}."):
+      continue
+    for module, names in imports(name, path, modules):
+      if module == ATTENTION or module.startswith(f"{ATTENTION}."):
+        if any(part.startswith("_") for part in module.split(".") + list(names)):
+          private.append(f"{name} imports {', '.join(names) or module} from {module}")
+  return private
+
+
+def test_checks_find_a_function_level_cycle_and_a_private_import(tmp_path):
   package = tmp_path / PACKAGE
   (package / "attention").mkdir(parents=True)
   (package / "__init__.py").write_text("")
@@ -84,6 +98,10 @@ def test_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
   graph = import_graph(tmp_path)
   assert graph[f"{PACKAGE}.leaf"] == [f"{ATTENTION}.b"]
   assert cycles(graph) == [[f"{ATTENTION}.a", f"{ATTENTION}.b", f"{ATTENTION}.a"]]
+  assert private_attention_imports(tmp_path) == []
+  (package / "leaf.py").write_text("from .attention.b import _g\n")
+  assert private_attention_imports(tmp_path) == [
+      f"{PACKAGE}.leaf imports _g from {ATTENTION}.b"]
 
 
 def test_package_import_graph_has_no_cycle():
@@ -91,26 +109,19 @@ def test_package_import_graph_has_no_cycle():
   assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-@pytest.mark.parametrize("module,forbidden", [
-    ("common", {"backends", "baselines", "chunked", "hybrid", "module", "reference", "ring",
-                "ulysses"}),
-    ("ulysses", {"ring", "hybrid", "baselines", "module"}),
-    ("ring", {"ulysses", "hybrid", "baselines", "module"}),
-])
-def test_attention_layers(module, forbidden):
-  """common is the leaf; plain Ulysses and ring attention know nothing of each other."""
-  imported = {m.removeprefix(f"{ATTENTION}.") for m in import_graph()[f"{ATTENTION}.{module}"]}
+def test_common_is_the_leaf_of_attention():
+  imported = [m for m in import_graph()[f"{ATTENTION}.common"] if m.startswith(ATTENTION)]
+  assert not imported, f"{ATTENTION}.common imports {imported}"
+
+
+@pytest.mark.parametrize("module,other", [("ulysses", "ring"), ("ring", "ulysses")])
+def test_plain_ulysses_and_ring_know_nothing_of_each_other(module, other):
+  """The hybrid is built on top of both; neither imports it or the other."""
+  imported = set(import_graph()[f"{ATTENTION}.{module}"])
+  forbidden = {f"{ATTENTION}.{m}" for m in (other, "hybrid")}
   assert not imported & forbidden, f"{ATTENTION}.{module} imports {sorted(imported & forbidden)}"
 
 
 def test_only_public_attention_names_are_imported_from_outside():
-  modules = module_files()
-  private = []
-  for name, path in modules.items():
-    if name == ATTENTION or name.startswith(f"{ATTENTION}."):
-      continue
-    for module, names in imports(name, path, modules):
-      if module == ATTENTION or module.startswith(f"{ATTENTION}."):
-        if any(part.startswith("_") for part in module.split(".") + list(names)):
-          private.append(f"{name} imports {names or module} from {module}")
+  private = private_attention_imports()
   assert not private, "\n".join(private)

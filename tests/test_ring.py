@@ -7,7 +7,7 @@ import pytest
 
 from attention_cases import BF16_TOL, F32_TOL, assert_matches_reference, random_inputs
 from ulysses_jax import hlo, make_mesh, ulysses_attention
-from ulysses_jax.attention import ring
+from ulysses_jax.attention import ring, ulysses
 from ulysses_jax.attention.baselines import ring_attention
 from ulysses_jax.mesh import DATA, RING, SEQ, ring_size, sequence_axes
 
@@ -204,6 +204,9 @@ def test_mesh_axes():
      r"layout must be one of \('natural', 'zigzag'\)"),
     (lambda q, m: ulysses_attention(q[:, :12], q[:, :12], q[:, :12], mesh=m, layout="zigzag"),
      r"S divisible by 2\*ring \(8\) .* got S=12; pad the sequence to 16 tokens"),
+    (lambda q, m: ulysses.ulysses_attention(q, q, q, mesh=m),
+     r"is plain Ulysses and takes no ring, got a mesh with ring=4; call "
+     r"ulysses_jax.ulysses_attention"),
 ])
 def test_bad_input_errors(call, message):
   with pytest.raises(ValueError, match=message):

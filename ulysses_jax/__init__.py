@@ -7,7 +7,7 @@ Public names (stable; see docs/DESIGN.md):
 """
 
 from ulysses_jax.attention.module import UlyssesAttention
-from ulysses_jax.attention.ulysses import ulysses_attention
+from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.mesh import make_mesh
 
 __all__ = ["UlyssesAttention", "make_mesh", "ulysses_attention"]

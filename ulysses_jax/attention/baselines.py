@@ -10,20 +10,23 @@ with ``ppermute``; about 2·B·S·Hkv·D elements per device too, overlapped wit
 """
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.attention.common import pad_sequence, validate_inputs
 from ulysses_jax.attention.ring import ring_attention  # noqa: F401  (re-exported)
-from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
 from ulysses_jax.mesh import DATA, SEQ
 
 
-def allgather_kv_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="auto",
-                           scale=None):
+def allgather_kv_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
+                           causal: bool = True, segment_ids: jax.Array | None = None,
+                           backend: Literal["auto", "xla"] = "auto",
+                           scale: float | None = None) -> jax.Array:
   """Same contract as ``ulysses_attention``; only the ``"xla"`` local backend (``"auto"``)."""
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
   if backend not in ("auto", "xla"):

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from ulysses_jax import rope, sharding
 from ulysses_jax.attention import backends
-from ulysses_jax.attention.ulysses import ulysses_attention
+from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.layers import Dense, RMSNorm
 
 # Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).

@@ -42,14 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax.attention import backends, chunked
-from ulysses_jax.attention.ulysses import pad_sequence, validate_inputs
+from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
 from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.mesh import DATA, sequence_axes
 
-LAYOUTS = ("natural", "zigzag")
 _MAX_BLOCK = 512
 
 
@@ -60,7 +59,7 @@ def zigzag_order(ring_size: int) -> np.ndarray:
   return np.stack([np.arange(ring_size), 2 * ring_size - 1 - np.arange(ring_size)], 1).ravel()
 
 
-def to_zigzag(x, ring_size: int, axis: int = 1):
+def to_zigzag(x: jax.Array, ring_size: int, axis: int = 1) -> jax.Array:
   """Natural -> zigzag order along ``axis``, whose length must be a multiple of 2·ring_size.
 
   ``ring_size`` is the number of ring positions: ``mesh.shape["ring"]`` for the hybrid
@@ -69,7 +68,7 @@ def to_zigzag(x, ring_size: int, axis: int = 1):
   return _permute_chunks(x, zigzag_order(ring_size), axis)
 
 
-def from_zigzag(x, ring_size: int, axis: int = 1):
+def from_zigzag(x: jax.Array, ring_size: int, axis: int = 1) -> jax.Array:
   """Inverse of ``to_zigzag``."""
   return _permute_chunks(x, np.argsort(zigzag_order(ring_size)), axis)
 
@@ -98,13 +97,12 @@ def padded_length(seq_len: int, ring_size: int, inner: int = 1) -> int:
   return 2 * ring_size * c
 
 
-def check_layout(layout, seq_len, ring_size, inner=1):
-  """Raises unless ``layout`` is known and, for ``"zigzag"``, ``seq_len`` needs no padding.
+def check_layout(layout: Layout, seq_len: int, ring_size: int, inner: int = 1) -> None:
+  """Raises unless the ``"zigzag"`` layout's ``seq_len`` needs no padding.
 
-  With ``ring_size`` 1 the zigzag order is the natural one, so any length is accepted.
+  ``layout`` is one of ``LAYOUTS`` already (``common.validate_inputs``). With ``ring_size`` 1
+  the zigzag order is the natural one, so any length is accepted.
   """
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
   if layout == "zigzag" and ring_size > 1 and (seq_len % (2 * ring_size)
                                                or (seq_len // ring_size) % inner):
     raise ValueError(
@@ -113,7 +111,7 @@ def check_layout(layout, seq_len, ring_size, inner=1):
         f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
 
 
-def resolve_backend(backend, *, dtype, head_dim, segment_ids_given):
+def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool) -> str:
   """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: pallas on GPU)."""
   why_not = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
                       "not return",
@@ -182,8 +180,10 @@ class _Ring:
     return self.source(step) < lax.axis_index(self.axis_name)
 
 
-def attend_shard(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, *, axis_name, ring_size, causal,
-                 scale, layout, backend):
+def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
+                 segment_ids_Bs: jax.Array | None, *, axis_name: str | tuple[str, ...],
+                 ring_size: int, causal: bool, scale: float | None, layout: Layout,
+                 backend: str) -> jax.Array:
   """Ring attention inside ``shard_map``: local ``[B, S/R, H, D]`` in, same shape out.
 
   The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
@@ -376,8 +376,10 @@ _ring_attention_shard.defvjp(_forward_rule, _backward_rule)
 
 # --- Public entry point --------------------------------------------------------------------
 
-def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="auto",
-                   scale=None, layout="natural"):
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
+                   causal: bool = True, segment_ids: jax.Array | None = None,
+                   backend: str = "auto", scale: float | None = None,
+                   layout: Layout = "natural") -> jax.Array:
   """Exact attention by ring over all the mesh's sequence axes; ``ulysses_attention``'s contract.
 
   Args:
@@ -397,7 +399,7 @@ def ring_attention(q, k, v, *, mesh, causal=True, segment_ids=None, backend="aut
     ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
     ``padded_length(S, R)`` (natural layout) and the padding masked.
   """
-  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale)
+  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                             segment_ids_given=segment_ids is not None)
   axes = sequence_axes(mesh)

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
-from ulysses_jax.attention.ulysses import PAD_SEGMENT
+from ulysses_jax.attention.common import PAD_SEGMENT
 from ulysses_jax.layers import Dense, RMSNorm
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)

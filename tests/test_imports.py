@@ -1,0 +1,127 @@
+"""The package's imports go one way: no module imports itself back, directly or through others.
+
+Every module under ``ulysses_jax/`` is parsed with ``ast``; each ``import`` anywhere in it (at
+the top or inside a function) is an edge to the module it names. ``from a import x`` points
+at ``a.x`` when that is a module, at ``a`` otherwise. The parent packages that Python runs
+first (``ulysses_jax/__init__.py`` for every submodule) are not edges: a package's
+``__init__`` always finishes importing before its submodules do.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "ulysses_jax"
+ATTENTION = f"{PACKAGE}.attention"
+
+
+def module_files(root=ROOT):
+  """Module name -> path of every ``.py`` file in the package."""
+  files = {}
+  for path in sorted((root / PACKAGE).rglob("*.py")):
+    parts = path.relative_to(root).with_suffix("").parts
+    files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return files
+
+
+def imports(name, path, modules):
+  """``(imported module, imported names)`` for every import of a package module in ``path``."""
+  is_package = path.name == "__init__.py"
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found += [(alias.name, ()) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        anchor = name.split(".")[:len(name.split(".")) - node.level + is_package]
+        base = ".".join(anchor + ([base] if base else []))
+      for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        found.append((sub, ()) if sub in modules else (base, (alias.name,)))
+  return [(module, names) for module, names in found if module in modules]
+
+
+def import_graph(root=ROOT):
+  modules = module_files(root)
+  return {name: sorted({m for m, _ in imports(name, path, modules)})
+          for name, path in modules.items()}
+
+
+def cycles(graph):
+  """One shortest cycle through each module that lies on a cycle (deduplicated)."""
+  found = {}
+  for start in sorted(graph):
+    parents, frontier = {}, [start]
+    while frontier and start not in parents:
+      nxt = []
+      for node in frontier:
+        for succ in graph[node]:
+          if succ not in parents:
+            parents[succ] = node
+            nxt.append(succ)
+      frontier = nxt
+    if start in parents:
+      path, node = [start], parents[start]
+      while node != start:
+        path.append(node)
+        node = parents[node]
+      found.setdefault(frozenset(path), [start] + path[:0:-1] + [start])
+  return list(found.values())
+
+
+def private_attention_imports(root=ROOT):
+  """Imports of underscore names from ``ulysses_jax.attention`` by modules outside it."""
+  modules = module_files(root)
+  private = []
+  for name, path in modules.items():
+    if name == ATTENTION or name.startswith(f"{ATTENTION}."):
+      continue
+    for module, names in imports(name, path, modules):
+      if module == ATTENTION or module.startswith(f"{ATTENTION}."):
+        if any(part.startswith("_") for part in module.split(".") + list(names)):
+          private.append(f"{name} imports {', '.join(names) or module} from {module}")
+  return private
+
+
+def test_checks_find_a_function_level_cycle_and_a_private_import(tmp_path):
+  package = tmp_path / PACKAGE
+  (package / "attention").mkdir(parents=True)
+  (package / "__init__.py").write_text("")
+  (package / "attention" / "__init__.py").write_text("")
+  (package / "attention" / "a.py").write_text("from ulysses_jax.attention.b import f\n")
+  (package / "attention" / "b.py").write_text(
+      "def f():\n  from ulysses_jax.attention import a\n")
+  (package / "leaf.py").write_text("import ulysses_jax.attention.b\n")
+  graph = import_graph(tmp_path)
+  assert graph[f"{PACKAGE}.leaf"] == [f"{ATTENTION}.b"]
+  assert cycles(graph) == [[f"{ATTENTION}.a", f"{ATTENTION}.b", f"{ATTENTION}.a"]]
+  assert private_attention_imports(tmp_path) == []
+  (package / "leaf.py").write_text("from .attention.b import _g\n")
+  assert private_attention_imports(tmp_path) == [
+      f"{PACKAGE}.leaf imports _g from {ATTENTION}.b"]
+
+
+def test_package_import_graph_has_no_cycle():
+  found = cycles(import_graph())
+  assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_common_is_the_leaf_of_attention():
+  imported = [m for m in import_graph()[f"{ATTENTION}.common"] if m.startswith(ATTENTION)]
+  assert not imported, f"{ATTENTION}.common imports {imported}"
+
+
+@pytest.mark.parametrize("module,other", [("ulysses", "ring"), ("ring", "ulysses")])
+def test_plain_ulysses_and_ring_know_nothing_of_each_other(module, other):
+  """The hybrid is built on top of both; neither imports it or the other."""
+  imported = set(import_graph()[f"{ATTENTION}.{module}"])
+  forbidden = {f"{ATTENTION}.{m}" for m in (other, "hybrid")}
+  assert not imported & forbidden, f"{ATTENTION}.{module} imports {sorted(imported & forbidden)}"
+
+
+def test_only_public_attention_names_are_imported_from_outside():
+  private = private_attention_imports()
+  assert not private, "\n".join(private)

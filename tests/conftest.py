@@ -18,7 +18,8 @@ def pytest_collection_modifyitems(config, items):
     has_gpu = bool(jax.devices("gpu"))
   except RuntimeError:
     has_gpu = False
-  skip = pytest.mark.skip(reason="needs a CUDA GPU: on a GPU machine run with JAX_PLATFORMS=cuda,cpu")
+  skip = pytest.mark.skip(
+      reason="needs a CUDA GPU: on a GPU machine run with JAX_PLATFORMS=cuda,cpu")
   for item in items:
     if "gpu" in item.keywords and not has_gpu:
       item.add_marker(skip)

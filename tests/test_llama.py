@@ -35,7 +35,7 @@ def reference_logits(config, params, tokens, positions, segment_ids):
   inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
   x = p["embedding"][tokens]
   for i in range(c.num_layers):
-    layer = jax.tree.map(lambda a: a[i], p["layers"])
+    layer = jax.tree.map(lambda a, i=i: a[i], p["layers"])
     attn = layer["attn"]
     h = _rms(x, layer["attn_norm"]["scale"], c.norm_eps)
     q, k, v = (np.einsum("bse,ehd->bshd", h, attn[n]["kernel"]) + attn[n].get("bias", 0.0)

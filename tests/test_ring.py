@@ -129,8 +129,9 @@ def test_zigzag_balances_the_causal_ring(ring_shards):
     for step in range(1, ring_shards):
       source = (device - step) % ring_shards
       kv_pos = np.asarray(ring._chunk_positions(source, ring_shards, chunk, zigzag=True))
-      visible = [[(q_pos[i * chunk:(i + 1) * chunk, None] >= kv_pos[None, j * chunk:(j + 1) * chunk])
-                  for j in range(2)] for i in range(2)]
+      tile = lambda pos, i: pos[i * chunk:(i + 1) * chunk]
+      visible = [[tile(q_pos, i)[:, None] >= tile(kv_pos, j)[None] for j in range(2)]
+                 for i in range(2)]
       full = sum(tile.all() for row in visible for tile in row)
       empty = sum(not tile.any() for row in visible for tile in row)
       assert (full, empty) == (2, 2), (device, step)

@@ -144,7 +144,8 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
   all_to_all = [nbytes for op, _, nbytes in found if op == "all-to-all"]
   assert sum(all_to_all) == 4 * local_qkv_bytes, found  # q, k, v in; out back
   # The only gather allowed is of the [B, S] int32 segment ids, never of [B, S, H, D] tensors.
-  assert [shape.split("{")[0] for op, shape, _ in found if op == "all-gather"] == ["s32[1,64]"], found
+  gathered = [shape.split("{")[0] for op, shape, _ in found if op == "all-gather"]
+  assert gathered == ["s32[1,64]"], found
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -80,3 +80,18 @@ def test_the_workdir_tells_the_truth(tmp_path):
   assert "changed since the checkpoint of step 6: optimizer.total_steps: 6 -> 8" in out.stderr
   assert "STEPS = 8" in _read(config_gin) and len(os.listdir(history)) == 2
   assert read_run_config(workdir / "checkpoints")[1]["optimizer"]["total_steps"] == 8
+
+
+@pytest.mark.slow
+def test_readme_trains_from_python_without_gin_at_the_call(tmp_path):
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    readme = f.read()
+  start = readme.index("from ulysses_jax import distributed, gin_config, train")
+  code = readme[start:readme.index("```", start)]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr
+  step, loss = eval(out.stdout.strip().splitlines()[-1])  # (40, loss): print(summary[...])
+  assert step == 40 and loss < 4.5, out.stdout  # from ln(256) = 5.5
+  assert read_run_config(tmp_path / "runs" / "from_python" / "checkpoints")[0] == 40

@@ -55,7 +55,8 @@ _MAX_BLOCK = 512
 # --- Layout -------------------------------------------------------------------------------
 
 def zigzag_order(ring_size: int) -> np.ndarray:
-  """Chunk ids in zigzag memory order: ``[0, 2R-1, 1, 2R-2, ...]``; device r holds entries 2r, 2r+1."""
+  """Chunk ids in zigzag memory order: ``[0, 2R-1, 1, 2R-2, ...]``; device r holds entries
+  2r and 2r+1."""
   return np.stack([np.arange(ring_size), 2 * ring_size - 1 - np.arange(ring_size)], 1).ravel()
 
 

@@ -41,6 +41,19 @@ def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments
                            tol=F32_TOL)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_negative_segment_ids_are_segments_like_any_other(causal):
+  """-1 and -2 are ordinary ids (padding uses reserved int32 values), also where the sequence
+  is padded (S % P != 0) and blocks are padded inside the local attention."""
+  mesh = mesh_of(2, 4)
+  q, k, v, d_out, segment_ids = random_inputs(3, 2, 37, 6, 2, 8, num_segments=4)
+  segment_ids = segment_ids - 2  # ids -2, -1, 0, 1
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                         segment_ids=segment_ids)
+  assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
+                           tol=F32_TOL)
+
+
 @pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", CASES[2:7:2])
 def test_matches_dense_reference_bfloat16(mesh_shape, shape, causal, num_segments):
   mesh = mesh_of(*mesh_shape)
@@ -157,6 +170,8 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
     (dict(q_dtype=jnp.int32), r"q must be a floating dtype"),
     (dict(segment_shape=(2, 15)), r"segment_ids must have shape \[batch, seq\] = \(2, 16\)"),
     (dict(segment_dtype=jnp.float32), r"segment_ids must be integers"),
+    (dict(segment_value=-2**31), r"segment_ids must be >= -2147483645 \(lower int32 values mark "
+     r"padding\), got -2147483648; renumber the segments"),
     (dict(q_shape=(3, 16, 4, 8), k_shape=(3, 16, 2, 8)), r"batch \(3\) must be divisible by "
      r"the mesh's data axis \(2\)"),
     (dict(backend="flash"), r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn', "
@@ -174,8 +189,8 @@ def test_bad_input_errors(kwargs, message):
   q = jnp.zeros(q_shape, kwargs.get("q_dtype", jnp.float32))
   k = jnp.zeros(k_shape, kwargs.get("dtype_k", jnp.float32))
   v = jnp.zeros(kwargs.get("v_shape", k_shape), jnp.float32)
-  segment_ids = jnp.zeros(kwargs.get("segment_shape", q_shape[:2]),
-                          kwargs.get("segment_dtype", jnp.int32))
+  segment_ids = jnp.full(kwargs.get("segment_shape", q_shape[:2]),
+                         kwargs.get("segment_value", 0), kwargs.get("segment_dtype", jnp.int32))
   mesh = {"bad": "bad", "no_seq": jax.make_mesh((8,), ("data",))}.get(kwargs.get("mesh"),
                                                                        mesh_of(2, 4))
   with pytest.raises(ValueError, match=message):

@@ -15,10 +15,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-_Q_PAD_SEGMENT = -1
-_KV_PAD_SEGMENT = -2
+# Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
+# so that padded queries and padded keys never match.
+_Q_PAD_SEGMENT = int(np.iinfo(np.int32).min)
+_KV_PAD_SEGMENT = _Q_PAD_SEGMENT + 1
 
 
 def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,

@@ -10,13 +10,17 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from ulysses_jax.mesh import DATA, SEQ
 
-# Segment id given to sequence padding; real segment ids are >= 0, so padding never mixes
-# with real tokens (pad queries see only pad keys, so they stay finite).
-PAD_SEGMENT = -1
+# Segment ids are any int32 values above ``MIN_SEGMENT_ID`` (negative ones included): the
+# lowest int32 values are reserved for padding, so padding never mixes with real tokens.
+# ``PAD_SEGMENT`` marks sequence padding (pad queries see only pad keys, so they stay finite);
+# chunked attention pads its blocks with the two ids below it.
+PAD_SEGMENT = int(np.iinfo(np.int32).min) + 2
+MIN_SEGMENT_ID = PAD_SEGMENT + 1
 
 # Sequence order of a ring's inputs (``ring.py``): "zigzag" balances the causal mask over the
 # ring, "natural" is converted to it inside. Without a ring both orders coincide.
@@ -64,6 +68,14 @@ def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                        f"{tuple(segment_ids.shape)}.")
     if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
       raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}.")
+    try:
+      values = np.asarray(segment_ids)
+    except jax.errors.TracerArrayConversionError:
+      values = None  # traced under jit: the values are not known yet
+    lowest = int(values.min()) if values is not None and values.size else MIN_SEGMENT_ID
+    if lowest < MIN_SEGMENT_ID:
+      raise ValueError(f"segment_ids must be >= {MIN_SEGMENT_ID} (lower int32 values mark "
+                       f"padding), got {lowest}; renumber the segments, e.g. from 0.")
   if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
     raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}.")
   if layout not in LAYOUTS:

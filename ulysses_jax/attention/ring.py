@@ -389,7 +389,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     mesh: from ``ulysses_jax.make_mesh``; the ring runs over ``("seq",)`` or ``("ring", "seq")``
       (R devices in all).
     causal: causal mask over global positions; balanced with the zigzag layout.
-    segment_ids: int ``[B, S]`` (>= 0) or None; packed segments may cross shards.
+    segment_ids: int ``[B, S]`` or None (any ids above ``common.MIN_SEGMENT_ID``, negative
+      ones included); packed segments may cross shards.
     backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see ``resolve_backend`` and the module
       docstring).
     scale: score scale, default ``1/sqrt(D)``.

@@ -162,7 +162,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       or not; any S, Hq and Hkv (see ``plan_heads`` for the cost of awkward head counts).
     mesh: a mesh with axes ``("data", "seq")`` (``ulysses_jax.make_mesh``).
     causal: causal mask over global positions.
-    segment_ids: int ``[B, S]`` (>= 0), or None; tokens attend only within their segment.
+    segment_ids: int ``[B, S]`` or None (any ids above ``common.MIN_SEGMENT_ID``, negative
+      ones included); tokens attend only within their segment.
       Segments may cross shard boundaries.
     backend: local attention, one of ``backends.BACKENDS``.
     scale: score scale, default ``1/sqrt(D)``.

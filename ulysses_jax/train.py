@@ -74,6 +74,18 @@ def _config_errors():
 
 # ----------------------------------------------------------------------------- setup
 
+def build_train_step(config: RunConfig, mesh: jax.sharding.Mesh):
+  """(optimizer, graphdef, abstract train state, jitted step) of ``config`` on ``mesh``:
+  exactly what ``train`` runs (``ulysses_jax.aot`` compiles the same for other devices)."""
+  cfg = config.train
+  optimizer = make_optimizer(config.optimizer)
+  graphdef, abstract = abstract_train_state(config.model, mesh, optimizer, cfg.seed, cfg.memory)
+  step = make_train_step(graphdef, abstract, optimizer, mesh=mesh, seq_len=config.data.seq_len,
+                         accum_steps=cfg.accum_steps, z_loss_weight=cfg.z_loss_weight,
+                         memory=cfg.memory)
+  return optimizer, graphdef, abstract, step
+
+
 def abstract_train_state(model_config, mesh, optimizer, seed=0, memory=None):
   """(graphdef, train state as ShapeDtypeStructs carrying their target shardings)."""
   graphdef, shapes = jax.eval_shape(lambda: init_train_state(
@@ -90,6 +102,7 @@ class Run(NamedTuple):
   optimizer: object  # optimizer.Optimizer
   graphdef: nnx.GraphDef
   abstract_state: object  # the train state's ShapeDtypeStructs with their shardings
+  step_fn: object  # the jitted train step (``build_train_step``)
   restored: object  # checkpoint.Restored, or None (from scratch)
   train_ds: object
   eval_ds: object
@@ -108,9 +121,7 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
   with _config_errors():
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
-    optimizer = make_optimizer(config.optimizer)
-    graphdef, abstract = abstract_train_state(config.model, mesh, optimizer, cfg.seed,
-                                              cfg.memory)
+    optimizer, graphdef, abstract, step_fn = build_train_step(config, mesh)
     _check_fits(abstract)
     train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
                                                   vocab_size=config.model.vocab_size)
@@ -123,7 +134,7 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
           raise ConfigError(workdir_lib.why_no_restore(ckpt.directory, config) or str(e)) from e
     if restored is not None:
       train_ds.set_state(restored.data_state)
-  return Run(config, mesh, optimizer, graphdef, abstract, restored, train_ds, eval_ds)
+  return Run(config, mesh, optimizer, graphdef, abstract, step_fn, restored, train_ds, eval_ds)
 
 
 def _check_fits(abstract_state):
@@ -210,9 +221,6 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
                              memory=cfg.memory)[1]
   else:
     state = run.restored.state
-  step_fn = make_train_step(run.graphdef, run.abstract_state, run.optimizer, mesh=run.mesh,
-                            seq_len=config.data.seq_len, accum_steps=cfg.accum_steps,
-                            z_loss_weight=cfg.z_loss_weight, memory=cfg.memory)
   eval_step = _make_eval_step(run.graphdef, config.data.source == "retrieval")
   record_args = dict(
       tokens=config.data.batch_size * config.data.seq_len,
@@ -238,7 +246,7 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        state, step_metrics = step_fn(state, batch)
+        state, step_metrics = run.step_fn(state, batch)
         data_state = run.train_ds.get_state()
         if step < cfg.steps:
           batch = next(run.train_ds)  # host work while the device runs the step

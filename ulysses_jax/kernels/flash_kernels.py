@@ -4,7 +4,7 @@ Use ``flash_attention.flash_attention``; this module assumes validated, padded i
 
 * q, o, dO, dq ``[B, Sp, Hq, D]``; k, v, dk, dv ``[B, Sp, Hkv, D]``; lse, delta ``[B, Hq, Sp]``;
   segment ids ``[B, Sp]`` int32 or None. ``Sp`` is the sequence length padded to a multiple of
-  every block size; keys at positions >= ``Plan.seq_len`` are masked out.
+  every block size; keys at positions >= ``KernelSpec.seq_len`` are masked out.
 * Kernels read the ``[B, S, H, D]`` arrays in place through strided block specs: no transposes.
 * Scores live in base 2 (``s2 = q.k * scale * log2(e)``) so the softmax uses ``exp2``; the lse
   written by the forward is natural-log, the backward takes ``lse2 = lse * log2(e)`` with +inf
@@ -42,7 +42,7 @@ class Tile:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class KernelSpec:
   """Everything the kernels specialise on (hashable: a nondiff argument of the custom_vjp)."""
   causal: bool
   scale: float

@@ -1,0 +1,75 @@
+"""The train step ``python -m ulysses_jax.train`` would run for a config, built on any devices.
+
+All knowledge of how the trainer turns a config into a step lives in ``build_train_step``:
+the same gin files and overrides, the same model, mesh, state layout, offload and
+accumulation, through the trainer's own public functions. Nothing is allocated: the state and
+batch are ``ShapeDtypeStruct``s carrying their shardings, ready for ``step.lower(...)``.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from ulysses_jax import sharding as sharding_lib
+from ulysses_jax.mesh import make_mesh
+from ulysses_jax.optimizer import split_layers
+
+
+class TrainStep(NamedTuple):
+  """A jitted step and abstract arguments to lower it with, plus what the report needs."""
+  step: object              # jit(step)(state, batch) -> (state, metrics)
+  state: object             # TrainState of ShapeDtypeStructs with shardings
+  batch: dict               # int32 [B, S] ShapeDtypeStructs, sharded like the trainer's
+  mesh: jax.sharding.Mesh
+  host_state: object        # the state's leaves the config puts in pinned_host memory
+  model_config: object      # LlamaConfig
+  tokens_per_step: int
+  seq_len: int
+
+
+def build_train_step(gin_files: list[str], gin_params: list[str],
+                     devices: list[jax.Device]) -> TrainStep:
+  """The trainer's step for the gin config, on a mesh of ``devices`` (``make_mesh`` with the
+  config's ``mesh_data``/``mesh_seq``/``mesh_ring``). Raises ``ValueError`` and friends for a
+  config that the trainer would refuse."""
+  from ulysses_jax import train  # the gin-bound config constructors
+  from ulysses_jax.optimizer import make_optimizer
+  from ulysses_jax.train_step import BATCH_KEYS, make_train_step
+
+  train.parse_gin(gin_files, gin_params)
+  cfg, model_cfg = train.TrainConfig(), train.LlamaConfig()
+  data_cfg, opt_cfg = train.DataConfig(), train.OptimizerConfig()
+  mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring, devices=devices)
+  optimizer = make_optimizer(opt_cfg)
+  graphdef, state = train.abstract_train_state(model_cfg, mesh, optimizer, cfg.seed,
+                                               cfg.offload_optimizer, cfg.offload_params,
+                                               cfg.master_weights)
+  step = make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=data_cfg.seq_len,
+                         accum_steps=cfg.accum_steps, z_loss_weight=cfg.z_loss_weight,
+                         offload_optimizer=cfg.offload_optimizer,
+                         offload_params=cfg.offload_params)
+  batch_sharding = NamedSharding(mesh, sharding_lib.batch_spec(mesh, data_cfg.seq_len))
+  batch = {k: jax.ShapeDtypeStruct((data_cfg.batch_size, data_cfg.seq_len), jnp.int32,
+                                   sharding=batch_sharding) for k in BATCH_KEYS}
+  # The trainer's placement rule (train_step.state_shardings): the optimizer state on the
+  # host with offload_optimizer, the stacked layer parameters too with offload_params.
+  host = []
+  if cfg.offload_optimizer:
+    host.append(state.opt_state)
+  if cfg.offload_params:
+    host.append(split_layers(state.params)[0])
+  return TrainStep(step, state, batch, mesh, host, model_cfg,
+                   data_cfg.batch_size * data_cfg.seq_len, data_cfg.seq_len)
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of one device's shards of ``tree``'s ShapeDtypeStructs (the largest, if uneven)."""
+  per_device = {}
+  for x in jax.tree.leaves(tree):
+    nbytes = math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    for device in x.sharding.device_set:
+      per_device[device] = per_device.get(device, 0) + nbytes
+  return max(per_device.values(), default=0)

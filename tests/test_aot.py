@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from ulysses_jax import aot, make_mesh
+from ulysses_jax.aot import cost, roofline  # noqa: F401  (aot.cost, aot.roofline)
 from ulysses_jax.attention.backends import resolve_backend
 from ulysses_jax.kernels import flash_attention as fa
 from ulysses_jax.kernels import target as target_lib
@@ -93,3 +94,75 @@ def test_missing_plugin_names_the_fix(monkeypatch):
   aot.devices._devices.cache_clear()
   with pytest.raises(aot.AotError, match=r"\.\[gpu-compile\].*make gpu-compile-venv"):
     aot.gpu_devices("h100", "1x1x8")
+
+
+_HLO = """\
+%fused_dot (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (state: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {
+  %state = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %x = bf16[64,128]{1,0} get-tuple-element(%state), index=1
+  %w = bf16[128,32]{1,0} constant({...})
+  %mm = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %q = bf16[1,256,4,64]{3,2,1,0} broadcast(%mm), dimensions={}
+  %att = (bf16[1,256,4,64]{3,2,1,0}, f32[1,4,256]{2,1,0}) custom-call(%q, %q, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/flash_attention_forward_causal/pallas_call"}
+  %a2a = bf16[1,256,4,64]{3,2,1,0} all-to-all(%q), replica_groups=[1,8]<=[8]
+  ROOT %t = (s32[], bf16[64,128]{1,0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %loop = (s32[], bf16[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_cost_counts_ops_per_launch_and_loop_trips():
+  ops = {op.name: op for op in aot.cost.operations(_HLO)}
+  assert set(ops) == {"mm", "q", "att"}  # collectives, tuples, parameters: not HBM work
+  assert ops["mm"].count == 3 and ops["mm"].flops == 2 * 64 * 32 * 128
+  assert ops["mm"].bytes == 2 * (64 * 32 + 64 * 128 + 128 * 32)
+  assert ops["att"].flops == 4 * 1 * 4 * 256 * 256 * 64 * 0.5  # causal forward
+  assert ops["q"].flops == 0
+
+
+def test_roofline_adds_compute_links_and_pcie():
+  gpu = aot.GPUS["h100"]
+  ops = [aot.cost.Op("mm", "fusion", 2, flops=gpu.bf16_flops, bytes=1)]
+  one_node = aot.roofline.predict(gpu, ops, {"all-to-all": int(gpu.nvlink_bandwidth),
+                                             "all-gather": int(gpu.nvlink_bandwidth)},
+                                  host_bytes=int(gpu.pcie_bandwidth), nodes=1,
+                                  model_flops_per_step=4 * gpu.bf16_flops, num_devices=4)
+  assert (one_node.compute_s, one_node.collective_s, one_node.host_s) == (2.0, 2.0, 1.0)
+  assert one_node.step_s == 5.0 and one_node.mfu == pytest.approx(0.2)
+  two_nodes = aot.roofline.predict(gpu, ops, {"all-gather": int(gpu.network_bandwidth)},
+                                   host_bytes=0, nodes=2, model_flops_per_step=0,
+                                   num_devices=16)
+  assert two_nodes.collective_s == 1.0
+
+
+@pytest.mark.parametrize("flag,message", [("--gpu=v100", "unknown GPU 'v100'"),
+                                          ("--topology=8", "malformed topology '8'")])
+def test_cli_bad_input_exits_2(flag, message, capsys):
+  from ulysses_jax.aot.__main__ import main
+  assert main([flag, "--gin_file=configs/llama1b_128k.gin"]) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_async_collectives_count_their_results_only():
+  from ulysses_jax import hlo
+  text = "\n".join([
+      "  %a = ((bf16[1,64,8,128]{3,1,0,2}), bf16[1,64,8,128]{3,1,0,2}) all-to-all-start(%x), "
+      "replica_groups=[1,8]<=[8]",
+      "  %b = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%y), "
+      "source_target_pairs={{0,1},{1,0}}",
+      "  %c = (bf16[4,8]{1,0}, bf16[32,8]{1,0}) all-gather-start(%z), replica_groups=[1,8]<=[8]",
+      "  %d = f32[16]{0} all-reduce-start(%w), replica_groups=[1,8]<=[8], to_apply=%add"])
+  assert hlo.collective_bytes(text) == {
+      "all-to-all": 64 * 8 * 128 * 2, "all-gather": 32 * 8 * 2, "all-reduce": 16 * 4,
+      "reduce-scatter": 0, "collective-permute": 4 * 8 * 4}

@@ -5,6 +5,8 @@ test-gpu-compile`` builds ``.venv-gpu-compile`` and runs them). Every test compi
 GPU compiler for compile-only H100 devices: the HLO checked is the program the GPUs would run.
 """
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,6 +24,7 @@ pytestmark = [
 
 TRITON = "__gpu$xla.gpu.triton"
 B, HQ, HKV, D = 1, 32, 8, 128  # Llama-3.1-8B's attention
+GIB = 2**30
 
 
 def _compile_attention(mesh, seq_len, grad):
@@ -68,3 +71,51 @@ def test_hybrid_on_two_nodes(grad):
   assert TRITON in text
   counts = hlo.collective_bytes(text)
   assert counts["all-to-all"] > 0 and counts["collective-permute"] > 0  # Ulysses + ring
+
+
+def _cli(tmp_path, *flags):
+  """Runs ``python -m ulysses_jax.aot`` in this process; (exit status, JSON report)."""
+  from ulysses_jax.aot.__main__ import main
+  path = tmp_path / "report.json"
+  status = main([*flags, f"--json={path}"])
+  return status, json.loads(path.read_text())
+
+
+# Compiling a whole train step takes 1.5 to 2 minutes on 2 CPU cores: slow as well.
+@pytest.mark.slow
+def test_cli_llama1b_128k_on_one_node(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                   "--gin_file=configs/llama1b_128k.gin")
+  assert status == 0 and r["fits"] and r["device_bytes"] < 0.2 * r["device_capacity_bytes"]
+  assert r["host_bytes"] == 0 and r["kernels"]["triton"] >= 3
+  # Llama 3.2 1B: 16 layers, 32 query / 8 KV heads of 64; 2 rows of 131,072 tokens per
+  # micro-batch, 4 micro-batches, seq=8. Each layer's 4 all-to-alls run in the forward, again
+  # in its rematerialised forward and once more (the cotangents) in the backward.
+  per_layer_pass = (2 * 32 + 2 * 8) * 64 * 2 * 131072 // 8 * 2
+  assert r["collective_bytes"]["all-to-all"] == 16 * 3 * 4 * per_layer_pass
+  assert r["flops"] > r["model_flops_per_device"]  # + rematerialisation, kernel recompute
+  assert 0 < r["prediction"]["mfu"] < 1 and r["prediction"]["assumptions"]
+
+
+@pytest.mark.slow
+def test_cli_llama8b_512k_on_one_gpu_counts_the_offloaded_state_on_the_host(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
+                   "--gin_file=configs/llama8b_1gpu_512k.gin")
+  assert status == 0 and r["fits"]
+  # On the host: bfloat16 Adam moments of all 8.0 B parameters (29.9 GiB) and the 32 layers'
+  # bfloat16 parameters (13.0 GiB); the layer inputs of every group of 4 layers (48 GiB).
+  assert 42 * GIB < r["host_breakdown"]["offloaded_state"] < 44 * GIB
+  assert r["host_breakdown"]["temporaries"] > 40 * GIB
+  # On the device: the embedding and head (2 x 128,256 x 4,096 bfloat16, 1.96 GiB) + batch.
+  assert r["device_breakdown"]["arguments"] < 2.1 * GIB
+  assert r["device_bytes"] < r["device_capacity_bytes"]
+
+
+@pytest.mark.slow
+def test_cli_says_what_does_not_fit(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
+                   "--gin_file=configs/llama1b_128k.gin", "--gin_param=TrainConfig.mesh_seq=1",
+                   "--gin_param=LlamaConfig.num_layers=2", "--gin_param=DataConfig.seq_len=8388608",
+                   "--gin_param=DataConfig.batch_size=4")
+  assert status == 1 and not r["fits"]
+  assert r["shortfall_bytes"] == r["device_bytes"] - r["device_capacity_bytes"] > 0

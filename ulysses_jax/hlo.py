@@ -17,7 +17,8 @@ COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "coll
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<op>" + "|".join(COLLECTIVES) + r")(?P<start>-start)?\(")
+    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<op>" + "|".join(COLLECTIVES)
+    + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]<=")

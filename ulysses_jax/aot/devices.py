@@ -79,7 +79,8 @@ def gpu_devices(gpu: str = "h100", topology: str = "1x1x8") -> list[jax.Device]:
 def _devices(spec: Gpu, topology: str) -> tuple[jax.Device, ...]:
   _check_plugin()
   from jax._src import xla_bridge  # whether JAX started its backends: no public API says
-  if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
+  started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+  if not started and not jax.config.jax_platforms:
     jax.config.update("jax_platforms", "cpu")
   try:
     description = topologies.get_topology_desc(platform="cuda", topology=topology,

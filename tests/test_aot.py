@@ -166,3 +166,10 @@ def test_async_collectives_count_their_results_only():
   assert hlo.collective_bytes(text) == {
       "all-to-all": 64 * 8 * 128 * 2, "all-gather": 32 * 8 * 2, "all-reduce": 16 * 4,
       "reduce-scatter": 0, "collective-permute": 4 * 8 * 4}
+
+
+def test_cli_refuses_a_topology_the_config_does_not_use(capsys, monkeypatch):
+  from ulysses_jax.aot import __main__ as cli
+  monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
+  assert cli.main(["--topology=1x1x8", "--gin_file=configs/llama8b_1gpu_512k.gin"]) == 2
+  assert "needs 1 GPUs, the topology has 8" in capsys.readouterr().err

@@ -6,6 +6,9 @@ GPU compiler for compile-only H100 devices: the HLO checked is the program the G
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,8 @@ def test_compile_only_devices():
   devices = aot.gpu_devices("h100", "1x1x8")
   assert len(devices) == 8 and devices == aot.gpu_devices("h100", "1x1x8")
   assert {(d.platform, d.device_kind) for d in devices} == {("gpu", "NVIDIA H100 80GB HBM3")}
-  assert len(aot.gpu_devices("h200", "2x1x8")) == 16
+  two_nodes = aot.gpu_devices("h200", "2x1x8")  # a node's GPUs adjacent: seq stays in a node
+  assert [d.process_index for d in two_nodes] == [0] * 8 + [1] * 8
   assert jax.default_backend() == "cpu"  # the process itself still runs on the CPU
 
 
@@ -119,3 +123,14 @@ def test_cli_says_what_does_not_fit(tmp_path):
                    "--gin_param=DataConfig.batch_size=4")
   assert status == 1 and not r["fits"]
   assert r["shortfall_bytes"] == r["device_bytes"] - r["device_capacity_bytes"] > 0
+
+
+def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
+  script = ("import jax; jax.devices()\n"
+            "from ulysses_jax import aot\n"
+            "try:\n  aot.gpu_devices('h100', '1x1x8')\n"
+            "except aot.AotError as e:\n  print(e)\n")
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert "already started its backends" in out and "JAX_PLATFORMS=cpu" in out

@@ -42,6 +42,16 @@ def build_train_step(gin_files: list[str], gin_params: list[str],
   train.parse_gin(gin_files, gin_params)
   cfg, model_cfg = train.TrainConfig(), train.LlamaConfig()
   data_cfg, opt_cfg = train.DataConfig(), train.OptimizerConfig()
+  sequence = cfg.mesh_seq * cfg.mesh_ring
+  if cfg.mesh_data == -1:
+    wanted, matches = f"a multiple of {sequence}", len(devices) % sequence == 0
+  else:
+    wanted, matches = str(cfg.mesh_data * sequence), len(devices) == cfg.mesh_data * sequence
+  if not matches:
+    raise ValueError(f"the config's mesh (TrainConfig.mesh_data={cfg.mesh_data}, mesh_seq="
+                     f"{cfg.mesh_seq}, mesh_ring={cfg.mesh_ring}) needs {wanted} GPUs, the "
+                     f"topology has {len(devices)}: pick another --topology or override the "
+                     f"mesh (--gin_param=TrainConfig.mesh_seq=...)")
   mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring, devices=devices)
   optimizer = make_optimizer(opt_cfg)
   graphdef, state = train.abstract_train_state(model_cfg, mesh, optimizer, cfg.seed,

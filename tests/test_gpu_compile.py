@@ -102,6 +102,20 @@ def test_cli_llama1b_128k_on_one_node(tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_llama8b_512k_on_one_node(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                   "--gin_file=configs/llama8b_512k.gin")
+  assert status == 0 and r["fits"] and r["host_bytes"] == 0
+  # float32 parameters and Adam moments of 8.0 B parameters (12 bytes each) over 8 GPUs.
+  assert 10.5 * GIB < r["device_breakdown"]["arguments"] < 12 * GIB
+  assert r["device_bytes"] < 0.6 * r["device_capacity_bytes"]
+  # 32 layers, 32 query / 8 KV heads of 128, one row of 524,288 tokens over seq=8; forward,
+  # rematerialised forward and backward.
+  per_layer_pass = (2 * 32 + 2 * 8) * 128 * 524288 // 8 * 2
+  assert r["collective_bytes"]["all-to-all"] == 32 * 3 * per_layer_pass
+
+
+@pytest.mark.slow
 def test_cli_llama8b_512k_on_one_gpu_counts_the_offloaded_state_on_the_host(tmp_path):
   status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
                    "--gin_file=configs/llama8b_1gpu_512k.gin")

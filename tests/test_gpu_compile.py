@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulysses_jax import aot, hlo, make_mesh, ulysses_attention
+from ulysses_jax.kernels.flash_attention import flash_attention
 from ulysses_jax.mesh import sequence_axes
 
 pytestmark = [
@@ -148,3 +149,10 @@ def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
   out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                        timeout=120, check=True).stdout
   assert "already started its backends" in out and "JAX_PLATFORMS=cpu" in out
+
+
+def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  text = jax.jit(lambda q: flash_attention(q, q, q)).lower(q).compile().as_text()
+  assert TRITON in text  # not the interpret mode of the CPU this process runs on

@@ -6,8 +6,9 @@ backend, the kernels' interpret mode, the tile table's GPU generation, cuDNN and
 checks) must come from the devices of the mesh or arrays in use, never from
 ``jax.default_backend()``. ``current`` looks, in order, at: an explicit mesh; the mesh of the
 enclosing ``shard_map`` or ``jax.set_mesh`` (its abstract device: platform and device kind);
-the devices of concrete arrays; and only when none of these says anything, the process's
-first device (JAX's default, what a direct call on unsharded arrays runs on).
+the arrays' devices (concrete arrays) or their shardings' abstract mesh (traced ones); and only
+when none of these says anything, the process's first device (JAX's default, what a direct
+call on unsharded arrays runs on).
 
 An abstract device carries no compute capability, so the capability of every concrete device
 seen here is remembered by device kind (``Target.compute_capability`` is None for a kind never
@@ -74,6 +75,18 @@ def current(mesh=None, arrays: Sequence = ()) -> Target:
   if found is not None:
     return found
   for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      return of_device(next(iter(x.sharding.device_set)))
+    found = _of_array(x)
+    if found is not None:
+      return found
   return of_device(jax.devices()[0])
+
+
+def _of_array(x) -> Target | None:
+  """A concrete array's devices, or a traced one's abstract mesh (under ``jit``, the mesh of
+  its input sharding); None when neither says."""
+  if isinstance(x, jax.core.Tracer):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return of_mesh(getattr(sharding, "mesh", None))
+  if isinstance(x, jax.Array):
+    return of_device(next(iter(x.sharding.device_set)))
+  return None

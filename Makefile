@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-all lint train bench-comm clean
+.PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,27 @@ test-all: $(STAMP)
 train: $(STAMP)
 	$(PY) -m ulysses_jax.train --gin_file=configs/tiny_cpu.gin --workdir=runs/tiny
 
+# A second environment with JAX's CUDA plugin (the .[gpu-compile] extra: ~185 MB of wheels, no
+# CUDA libraries), for compiling GPU programs on this machine (ulysses_jax.aot). Kept apart from
+# .venv: with the plugin installed, JAX needs JAX_PLATFORMS=cpu on a machine without a GPU.
+GPU_VENV := .venv-gpu-compile
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -q -e '.[dev,gpu-compile]'
+	touch $(GPU_STAMP)
+
+gpu-compile-venv: $(GPU_STAMP)
+
+# The tests marked gpu_compile: compiled for H100 clusters, no GPU needed.
+test-gpu-compile: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_PY) -m pytest -m gpu_compile -q --durations=10
+
 bench-comm: $(STAMP)
 	$(PY) -m benchmarks.comm_volume --json benchmarks/results/comm_volume.json
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(GPU_VENV) runs

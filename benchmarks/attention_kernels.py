@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks.common import environment, print_table, time_fn, write_json
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels.flash_attention import flash_attention, make_plan
+from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
 
 FLOPS_FORMULA = ("FLOPs: forward 4*B*S^2*H*D, backward 2.5x forward (forward+backward 3.5x), "
                  "halved for causal; TFLOP/s = FLOPs / median wall time; bwd = (fwd+bwd) - fwd.")
@@ -198,8 +198,8 @@ def main():
                         for key in keys)
       rows = np.unique(np.linspace(0, seq_len - 1, min(SAMPLED_ROWS, seq_len)).astype(np.int32))
       for causal in (True, False):
-        plan = make_plan(seq_len, head_dim, causal=causal, scale=head_dim ** -0.5,
-                         interpret=interpret)
+        plan = choose_tiles(seq_len, head_dim, causal=causal, scale=head_dim ** -0.5,
+                            interpret=interpret)
         print(f"\nB={batch} S={seq_len} H={heads} D={head_dim} causal={causal}; ours: "
               f"fwd {plan.forward}, dq {plan.dq}, dkv {plan.dkv}", flush=True)
         reference = reference_on_rows(q, k, v, d_out, rows, causal)

@@ -14,7 +14,7 @@ Its own IR passes run first, as jaxlib's do.
   python -m benchmarks.kernel_resources [--capability 90] [--head-dims 64,128,256] [--sweep]
       [--json PATH]
 
-Without ``--sweep`` it compiles the tiles of ``flash_attention.make_plan``'s table for that
+Without ``--sweep`` it compiles the tiles of ``flash_attention.choose_tiles``'s table for that
 generation (``"sm90"``, or ``"other"`` below 90); with it, every (block_q, block_kv, warps,
 stages) of ``SWEEP`` as well.
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import print_table, write_json
 from ulysses_jax.kernels import flash_kernels
-from ulysses_jax.kernels.flash_attention import make_plan
+from ulysses_jax.kernels.flash_attention import choose_tiles
 from ulysses_jax.kernels.flash_kernels import Tile
 
 KERNELS = ("forward", "dq", "dkv")
@@ -81,8 +81,8 @@ def _generation(capability):
 
 def triton_ir(kernel, head_dim, tile, *, segments, capability=90):
   """The Triton IR (text) that Pallas emits for one kernel and tile."""
-  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=head_dim ** -0.5,
-                   generation=_generation(capability))
+  plan = choose_tiles(SEQ_LEN, head_dim, causal=True, scale=head_dim ** -0.5,
+                      generation=_generation(capability))
   plan = dataclasses.replace(plan, **{kernel: tile})
   q = jax.ShapeDtypeStruct((1, SEQ_LEN, Q_HEADS, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, SEQ_LEN, KV_HEADS, head_dim), jnp.bfloat16)
@@ -146,8 +146,8 @@ def _ptxas():
 
 def tiles(kernel, head_dim, *, sweep, capability=90):
   """The table's tile for this kernel and head dim, then (with sweep) the alternatives."""
-  plan = make_plan(SEQ_LEN, head_dim, causal=True, scale=1.0,
-                   generation=_generation(capability))
+  plan = choose_tiles(SEQ_LEN, head_dim, causal=True, scale=1.0,
+                      generation=_generation(capability))
   default = getattr(plan, kernel)
   found = [default]
   if sweep:

@@ -28,7 +28,7 @@ from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
-from ulysses_jax.kernels.flash_attention import flash_attention, make_plan
+from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
 
 
 # Interpret-mode kernels become large XLA programs whose CPU compile dominates the test time;
@@ -153,7 +153,7 @@ def test_matches_reference_low_precision(dtype):
 def test_default_block_sizes():
   # Default blocks (interpret mode: the "other" table, 128 x 64 forward) capped to 256 rows.
   q, k, v, d_out, _ = random_inputs(5, 1, 200, 2, 1, 64)
-  plan = make_plan(200, 64, causal=True, scale=0.125, interpret=True)
+  plan = choose_tiles(200, 64, causal=True, scale=0.125, interpret=True)
   assert (plan.forward.block_q, plan.forward.block_kv, plan.padded_len) == (128, 64, 256)
   _check_against_reference(q, k, v, d_out, causal=True)
 
@@ -188,18 +188,18 @@ def test_through_ulysses_attention_on_8_devices():
 
 
 def test_block_plan_per_head_dim_and_generation():
-  hopper = make_plan(16384, 128, causal=True, scale=1.0, generation="sm90")
+  hopper = choose_tiles(16384, 128, causal=True, scale=1.0, generation="sm90")
   assert (hopper.forward.block_q, hopper.forward.block_kv) == (128, 128)
   assert hopper.forward.num_warps == 8
   assert hopper.padded_len == 16384 and not hopper.ragged
-  other = make_plan(16384, 256, causal=True, scale=1.0, generation="other")
+  other = choose_tiles(16384, 256, causal=True, scale=1.0, generation="other")
   assert (other.forward.block_q, other.forward.block_kv) == (64, 32)
-  overridden = make_plan(1000, 64, causal=False, scale=1.0, block_q=256, block_kv=32,
-                         generation="sm90")
+  overridden = choose_tiles(1000, 64, causal=False, scale=1.0, block_q=256, block_kv=32,
+                            generation="sm90")
   assert {t.block_q for t in (overridden.forward, overridden.dq, overridden.dkv)} == {256}
   assert {t.block_kv for t in (overridden.forward, overridden.dq, overridden.dkv)} == {32}
   assert overridden.padded_len == 1024 and overridden.ragged
-  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90")
+  short = choose_tiles(20, 64, causal=True, scale=1.0, generation="sm90")
   assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (32, 32, 32)
 
 
@@ -310,13 +310,13 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):
 
 
 def test_mosaic_plan():
-  plan = make_plan(16384, 128, causal=True, scale=1.0, generation="sm90",
-                   forward_kernel="mosaic", backward_kernel="mosaic")
+  plan = choose_tiles(16384, 128, causal=True, scale=1.0, generation="sm90",
+                      forward_kernel="mosaic", backward_kernel="mosaic")
   assert (plan.forward.block_q, plan.forward.block_kv, plan.forward.num_stages) == (128, 128, 2)
   assert (plan.dq.block_q, plan.dq.block_kv, plan.dkv.block_q, plan.dkv.block_kv) == (
       128, 64, 64, 128)
-  short = make_plan(20, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic",
-                    backward_kernel="mosaic")
+  short = choose_tiles(20, 64, causal=True, scale=1.0, generation="sm90",
+                       forward_kernel="mosaic", backward_kernel="mosaic")
   assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (128, 64, 128)
   assert (short.dq.block_q, short.dq.block_kv, short.dkv.block_q, short.dkv.block_kv) == (
       128, 64, 64, 128)

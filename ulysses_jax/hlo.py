@@ -5,7 +5,8 @@ Used by tests (which collectives a program contains) and by ``benchmarks/comm_vo
 collective into a tuple of pieces (the CPU compiler turns a P-way all-to-all into P
 operands); the bytes of all pieces are summed. Collectives over single-device groups move
 nothing and are left out. Note that the CPU compiler also widens bfloat16 collectives to
-float32; GPU compilers do not.
+float32; GPU compilers do not. GPU compilers emit asynchronous pairs (``all-to-all-start`` /
+``-done``) whose start returns ``(operands, results, [sync flags])``: only the results count.
 """
 
 import collections
@@ -16,7 +17,8 @@ COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "coll
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<op>" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+    r"^\s*(?:ROOT )?%\S+ = (?P<shape>.+?) (?P<op>" + "|".join(COLLECTIVES)
+    + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]<=")
@@ -37,6 +39,27 @@ def array_bytes(shape_text: str) -> int:
   return total
 
 
+def _tuple_elements(shape_text: str) -> list[str]:
+  """The top-level elements of a tuple shape ``(a, (b, c), d)``; ``[shape_text]`` if not one."""
+  if not shape_text.startswith("("):
+    return [shape_text]
+  elements, depth, start = [], 0, 1
+  for i, char in enumerate(shape_text):
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+    if (char == "," and depth == 1) or (char == ")" and depth == 0):
+      elements.append(shape_text[start:i].strip())
+      start = i + 1
+  return elements
+
+
+def _result_shape(op: str, shape_text: str, is_start: bool) -> str:
+  """The results of a collective: for an async start (but all-reduce's, which returns its
+  results alone) the tuple's elements after the operands, without scalar sync flags."""
+  if not is_start or op == "all-reduce":
+    return shape_text
+  return ", ".join(e for e in _tuple_elements(shape_text)[1:] if not re.fullmatch(r"u32\[\]", e))
+
+
 def _group_size(line: str) -> int | None:
   """Devices per replica group of a collective instruction, None if the line doesn't say."""
   listed = _LISTED_GROUPS.search(line)
@@ -52,7 +75,8 @@ def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   for line in hlo_text.splitlines():
     match = _INSTRUCTION.match(line)
     if match and _group_size(line) != 1:
-      found.append((match["op"], match["shape"], array_bytes(match["shape"])))
+      shape = _result_shape(match["op"], match["shape"], bool(match["start"]))
+      found.append((match["op"], shape, array_bytes(shape)))
   return found
 
 

@@ -13,29 +13,35 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU only, float16 or
   bfloat16 only, no ``segment_ids``.
 * ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
+
+"On GPU" means the devices the attention is built for: those of ``mesh`` when given (a mesh
+of compile-only GPU devices from ``ulysses_jax.aot`` included), else those of the enclosing
+mesh context (``ulysses_jax.kernels.target.current``).
 """
 
 import jax
+from jax.sharding import Mesh
 
 from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.kernels import target as target_lib
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
-def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool) -> str:
-  """Checks ``backend`` against the inputs and returns a concrete backend name."""
+def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool,
+                    mesh: Mesh | None = None) -> str:
+  """Checks ``backend`` against the inputs and the devices of ``mesh`` (default: the
+  enclosing mesh context, else JAX's default device) and returns a concrete backend name."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+  target = target_lib.current(mesh)
   if backend == "auto":
-    return "pallas" if _on_gpu() else "xla"
+    return "pallas" if target.on_gpu else "xla"
   if backend == "cudnn":
-    if not _on_gpu():
-      raise ValueError(f"backend='cudnn' needs a CUDA GPU, but JAX runs on "
-                       f"{jax.default_backend()!r}; use backend='xla' or 'auto'.")
+    if not target.on_gpu:
+      raise ValueError(f"backend='cudnn' needs a CUDA GPU, but the mesh's devices are "
+                       f"{target.platform!r} ({target.device_kind}); use backend='xla' or "
+                       "'auto', or build the mesh on GPU devices.")
     if segment_ids_given:
       raise ValueError("backend='cudnn' does not support segment_ids (packed sequences); "
                        "use backend='pallas' or 'xla'.")
@@ -49,6 +55,10 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bo
       raise ValueError(f"backend='pallas_mosaic' needs float16 or bfloat16 inputs and head dim "
                        f"in {flash_hopper_backward.HEAD_DIMS}, got {dtype} and {head_dim}; "
                        "use backend='pallas'.")
+    if target.on_gpu and (target.compute_capability or 9.0) < 9.0:
+      raise ValueError(f"backend='pallas_mosaic' needs Hopper GPUs (compute capability >= "
+                       f"9.0), but the mesh's devices are {target.device_kind} (compute "
+                       f"capability {target.compute_capability}); use backend='pallas'.")
   return backend
 
 

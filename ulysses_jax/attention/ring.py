@@ -112,7 +112,8 @@ def check_layout(layout: Layout, seq_len: int, ring_size: int, inner: int = 1) -
         f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
 
 
-def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool) -> str:
+def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool,
+                    mesh: Mesh | None = None) -> str:
   """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: pallas on GPU)."""
   why_not = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
                       "not return",
@@ -122,7 +123,7 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bo
     raise ValueError(f"ring attention supports backend 'auto', 'xla' or 'pallas', got "
                      f"{backend!r}: {why_not[backend]}.")
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
-                                  segment_ids_given=segment_ids_given)
+                                  segment_ids_given=segment_ids_given, mesh=mesh)
 
 
 def _chunk_positions(index, ring_size, chunk, zigzag):
@@ -403,7 +404,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
-                            segment_ids_given=segment_ids is not None)
+                            segment_ids_given=segment_ids is not None, mesh=mesh)
   axes = sequence_axes(mesh)
   check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,

@@ -8,12 +8,14 @@ share it, so GQA/MQA never repeats K/V in memory and needs no atomics).
 
 On GPU the kernels go through the Pallas Triton lowering (one code path for Ampere and Hopper;
 Triton picks the tensor-core instructions of the generation); block sizes, warps and pipeline
-stages come from a table per head dim and GPU generation (``make_plan``). On Hopper the forward
+stages come from a table per head dim and GPU generation (``choose_tiles``). On Hopper the forward
 and the backward can instead run Pallas Mosaic GPU kernels (TMA, wgmma, a copy warpgroup
 feeding two compute warpgroups): ``forward_kernel="mosaic"`` (``flash_hopper``) and
 ``backward_kernel="mosaic"`` (``flash_hopper_backward``), in any combination. Elsewhere the
 same kernels run in Pallas interpret mode (slow; for tests), the Mosaic ones in Pallas' GPU
-interpret mode.
+interpret mode. "On GPU" and the generation are those of the devices the call is built for
+(``ulysses_jax.kernels.target``: the enclosing mesh, else the arrays' devices), so a program
+compiled for GPUs from a CPU-only machine gets the real kernels.
 
 Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
@@ -28,7 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
-from ulysses_jax.kernels.flash_kernels import LOG2E, Plan, Tile
+from ulysses_jax.kernels import target as target_lib
+from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -66,10 +69,13 @@ _MOSAIC_MIN_ROWS = flash_hopper.COMPUTE_WARPGROUPS * flash_hopper.WGMMA_ROWS
 KERNELS = ("triton", "mosaic")
 
 
-def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
-                    kv_segment_ids=None, scale=None, block_q=None, block_kv=None,
-                    interpret=None, return_lse=False, forward_kernel="triton",
-                    backward_kernel="triton"):
+def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
+                    causal: bool = True, segment_ids: jax.Array | None = None,
+                    kv_segment_ids: jax.Array | None = None, scale: float | None = None,
+                    block_q: int | None = None, block_kv: int | None = None,
+                    interpret: bool | None = None, return_lse: bool = False,
+                    forward_kernel: str = "triton", backward_kernel: str = "triton",
+                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
   Args:
@@ -83,7 +89,8 @@ def flash_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, segment_ids=None,
     scale: score scale, default ``D ** -0.5``.
     block_q, block_kv: override the query / key block sizes of all three kernels (powers of
       two >= 16); default from the table for this head dim and GPU generation.
-    interpret: run in Pallas interpret mode; default: unless the default backend is a GPU.
+    interpret: run in Pallas interpret mode; default: unless the call is built for GPUs (the
+      enclosing mesh's devices, else the inputs', ``ulysses_jax.kernels.target.current``).
     return_lse: also return the log-sum-exp of the scaled scores.
     forward_kernel: ``"triton"``, or ``"mosaic"`` for the Hopper kernel of ``flash_hopper``
       (bfloat16 / float16, head dims 64 / 128 / 256; ``block_q`` a multiple of 128 and
@@ -130,12 +137,14 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
 
 def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, backward_kernel):
   d = q.shape[3]
+  target = target_lib.current(arrays=(q,))
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
-  return make_plan(q.shape[1], d, causal=causal,
-                   scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
-                   block_kv=block_kv, interpret=bool(interpret), forward_kernel=forward_kernel,
-                   backward_kernel=backward_kernel)
+    interpret = not target.on_gpu
+  return choose_tiles(q.shape[1], d, causal=causal,
+                      scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
+                      block_kv=block_kv, interpret=bool(interpret),
+                      generation="other" if interpret else target.generation,
+                      forward_kernel=forward_kernel, backward_kernel=backward_kernel)
 
 
 def _pad(plan, x_BS):
@@ -152,16 +161,17 @@ def _padded_segment_ids(plan, segment_ids, kv_segment_ids):
   return q_seg, kv_seg
 
 
-def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
-              interpret=False, generation=None, forward_kernel="triton",
-              backward_kernel="triton"):
+def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
+                 block_q: int | None = None, block_kv: int | None = None,
+                 interpret: bool = False, generation: str | None = None,
+                 forward_kernel: str = "triton", backward_kernel: str = "triton") -> KernelSpec:
   """Block sizes and launch parameters of the three kernels for one problem shape.
 
-  ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default it is read from
-  the first device's compute capability (``"other"`` in interpret mode).
+  ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default that of the
+  devices the call is built for (``target.current``; ``"other"`` in interpret mode).
   """
   if generation is None:
-    generation = "other" if interpret else _gpu_generation()
+    generation = "other" if interpret else target_lib.current().generation
   table = list(_TILES[generation][max(64, head_dim)])
   if forward_kernel == "mosaic":
     table[0] = _MOSAIC_TILES[head_dim]
@@ -180,16 +190,10 @@ def make_plan(seq_len, head_dim, *, causal, scale, block_q=None, block_kv=None,
     tiles[1:] = at_least(tiles[1], _MOSAIC_MIN_ROWS, 64), at_least(tiles[2], 64, _MOSAIC_MIN_ROWS)
   largest = max(max(t.block_q, t.block_kv) for t in tiles)
   padded_len = -(-seq_len // largest) * largest
-  return Plan(causal=bool(causal), scale=float(scale), seq_len=seq_len, padded_len=padded_len,
-              interpret=interpret, forward=tiles[0], dq=tiles[1], dkv=tiles[2],
-              forward_kernel=forward_kernel, backward_kernel=backward_kernel)
-
-
-def _gpu_generation():
-  capability = getattr(jax.devices()[0], "compute_capability", None)
-  if capability is not None and float(capability) >= 9.0:
-    return "sm90"
-  return "other"
+  return KernelSpec(causal=bool(causal), scale=float(scale), seq_len=seq_len,
+                    padded_len=padded_len, interpret=interpret, forward=tiles[0], dq=tiles[1],
+                    dkv=tiles[2], forward_kernel=forward_kernel,
+                    backward_kernel=backward_kernel)
 
 
 def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):

@@ -124,7 +124,7 @@ def produce(smem, stages, num_steps, groups_of_step):
     slot = lax.rem(t, stages)
     refill = t >= stages  # the slot held step t - stages
     for group, windows in groups_of_step(t):
-      pl.when(refill)(lambda: plgpu.barrier_wait(smem[f"{group}_free"].at[slot]))
+      pl.when(refill)(lambda group=group: plgpu.barrier_wait(smem[f"{group}_free"].at[slot]))
       for name, window in windows.items():
         plgpu.copy_gmem_to_smem(window, smem[name].at[slot], smem[f"{name}_ready"].at[slot])
 

@@ -4,7 +4,7 @@ Use ``flash_attention.flash_attention``; this module assumes validated, padded i
 
 * q, o, dO, dq ``[B, Sp, Hq, D]``; k, v, dk, dv ``[B, Sp, Hkv, D]``; lse, delta ``[B, Hq, Sp]``;
   segment ids ``[B, Sp]`` int32 or None. ``Sp`` is the sequence length padded to a multiple of
-  every block size; keys at positions >= ``Plan.seq_len`` are masked out.
+  every block size; keys at positions >= ``KernelSpec.seq_len`` are masked out.
 * Kernels read the ``[B, S, H, D]`` arrays in place through strided block specs: no transposes.
 * Scores live in base 2 (``s2 = q.k * scale * log2(e)``) so the softmax uses ``exp2``; the lse
   written by the forward is natural-log, the backward takes ``lse2 = lse * log2(e)`` with +inf
@@ -42,7 +42,7 @@ class Tile:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class KernelSpec:
   """Everything the kernels specialise on (hashable: a nondiff argument of the custom_vjp)."""
   causal: bool
   scale: float
@@ -233,6 +233,11 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _name(kernel, plan):
+  """The kernel's name in the HLO: ``ulysses_jax.aot.cost`` reads its FLOPs from it."""
+  return f"flash_attention_{kernel}" + ("_causal" if plan.causal else "")
+
+
 def _call(kernel, tile, plan, grid, in_specs, out_specs, out_shape, name):
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -267,7 +272,7 @@ def forward(plan, q, k, v, q_seg, kv_seg):
                [rows, whole_kv, whole_kv] + (seg_specs if has_segments else []),
                [rows, stats],
                [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)], "flash_attention_forward")
+                jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)], _name("forward", plan))
   return call(q, k, v, *((q_seg, kv_seg) if has_segments else ()))
 
 
@@ -282,7 +287,7 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   call = _call(kernel, plan.dq, plan, (sp // plan.dq.block_q, b, hq),
                [rows, whole_kv, whole_kv, rows, stats, stats]
                + (seg_specs if has_segments else []),
-               rows, jax.ShapeDtypeStruct(q.shape, grad_dtype), "flash_attention_dq")
+               rows, jax.ShapeDtypeStruct(q.shape, grad_dtype), _name("dq", plan))
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))
 
 
@@ -305,5 +310,5 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
                + (seg_specs if has_segments else []),
                [kv_rows, kv_rows],
                [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
-               "flash_attention_dkv")
+               _name("dkv", plan))
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))

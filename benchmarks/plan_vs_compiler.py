@@ -1,0 +1,70 @@
+"""The layout planner's memory prediction against XLA's GPU compiler, per shipped GPU config.
+
+    make gpu-compile-venv
+    .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --json \\
+        benchmarks/results/plan_vs_compiler.json
+
+For each config, on the cluster its header names: ``ulysses_jax.plan.predict_memory`` for the
+config's layout (micro-batch of ``batch_size / accum_steps`` rows) next to the compiled step's
+per-device memory (``python -m ulysses_jax.aot``'s figures: device arguments + outputs +
+temporaries, host state + host temporaries). Compiling takes 1.5 to 2 minutes per config on
+2 CPU cores; no GPU needed.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
+
+from benchmarks import common  # noqa: E402
+from ulysses_jax import plan  # noqa: E402
+from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
+from ulysses_jax.aot.report import compile_and_report  # noqa: E402
+from ulysses_jax.aot.step import build_train_step  # noqa: E402
+
+GIB = 2**30
+CONFIGS = (("configs/llama1b_128k.gin", "1x1x8"), ("configs/llama8b_512k.gin", "1x1x8"),
+           ("configs/llama8b_1gpu_512k.gin", "1x1x1"))
+
+
+def compare(gin_file: str, topology: str, gpu: str) -> dict:
+  """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
+  from ulysses_jax import train  # the gin-bound configs, as build_train_step parsed them
+  slices, hosts, _ = parse_topology(topology)
+  built = build_train_step([gin_file], [], gpu_devices(gpu, topology))
+  cfg, model_cfg, data_cfg = train.TrainConfig(), train.LlamaConfig(), train.DataConfig()
+  layout = plan.Layout(data=built.mesh.shape["data"], seq=built.mesh.shape["seq"],
+                       ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
+                       offload_optimizer=cfg.offload_optimizer,
+                       remat_group=model_cfg.remat_group, offload_params=cfg.offload_params)
+  predicted = plan.predict_memory(
+      plan.Model.from_config(model_cfg), layout, batch=data_cfg.batch_size // cfg.accum_steps,
+      seq_len=data_cfg.seq_len, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
+      master_weights=cfg.master_weights)
+  compiled = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts)
+  device, host = compiled["device_bytes"] / GIB, compiled["host_bytes"] / GIB
+  return {"config": os.path.basename(gin_file), "cluster": f"{topology} {gpu}",
+          "plan_device_gib": round(predicted["total"] / GIB, 2),
+          "compiled_device_gib": round(device, 2),
+          "device_error": f"{predicted['total'] / GIB / device - 1:+.0%}",
+          "plan_host_gib": round(predicted["host"] / GIB, 2),
+          "compiled_host_gib": round(host, 2),
+          "host_error": f"{predicted['host'] / GIB / host - 1:+.0%}" if host else "-"}
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--gpu", default="h100")
+  parser.add_argument("--json", default="")
+  args = parser.parse_args(argv)
+  rows = [compare(gin_file, topology, args.gpu) for gin_file, topology in CONFIGS]
+  print("GiB per device: ulysses_jax.plan.predict_memory vs the compiled GPU step "
+        "(python -m ulysses_jax.aot)")
+  common.print_table(rows, list(rows[0]))
+  if args.json:
+    common.write_json(args.json, rows, gpu=args.gpu)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,175 @@
+"""Platform decisions read from the mesh's devices, and ``ulysses_jax.aot``'s input checks.
+
+These run everywhere (no CUDA plugin needed); the GPU compiles themselves are in
+``test_gpu_compile.py``. A GPU target is simulated with an abstract mesh whose abstract device
+is a GPU, which is what the body of a ``shard_map`` over compile-only GPU devices sees.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from ulysses_jax import aot, make_mesh
+from ulysses_jax.aot import cost, roofline  # noqa: F401  (aot.cost, aot.roofline)
+from ulysses_jax.attention.backends import resolve_backend
+from ulysses_jax.kernels import flash_attention as fa
+from ulysses_jax.kernels import target as target_lib
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _gpu_context(kind=H100):
+  """What the body of a shard_map over GPU devices of ``kind`` sees."""
+  device = AbstractDevice(device_kind=kind, num_cores=132, platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      AbstractMesh((1, 8), ("data", "seq"), abstract_device=device))
+
+
+def _resolve(backend, **kwargs):
+  return resolve_backend(backend, dtype=jnp.bfloat16, head_dim=128, segment_ids_given=False,
+                         **kwargs)
+
+
+def test_auto_backend_follows_the_mesh_not_the_process():
+  cpu_mesh = make_mesh(seq=8, devices=jax.devices()[:8])
+  assert _resolve("auto", mesh=cpu_mesh) == "xla"
+  assert _resolve("auto") == "xla"  # no mesh, no context: JAX's first device (a CPU here)
+  with _gpu_context():
+    assert _resolve("auto") == "pallas"
+    assert _resolve("cudnn") == "cudnn"
+    assert _resolve("auto", mesh=cpu_mesh) == "xla"  # an explicit mesh wins
+
+
+def test_cudnn_and_mosaic_checks_name_the_mesh_devices(monkeypatch):
+  with pytest.raises(ValueError, match=r"mesh's devices are 'cpu'"):
+    _resolve("cudnn", mesh=make_mesh(seq=2, devices=jax.devices()[:2]))
+  monkeypatch.setitem(target_lib._CAPABILITIES, "NVIDIA A100-SXM4-80GB", 8.0)
+  with _gpu_context("NVIDIA A100-SXM4-80GB"), pytest.raises(ValueError, match="Hopper"):
+    _resolve("pallas_mosaic")
+  monkeypatch.delitem(target_lib._CAPABILITIES, H100, raising=False)
+  with _gpu_context():  # capability unknown: allowed, as on a GPU never seen
+    assert _resolve("pallas_mosaic") == "pallas_mosaic"
+
+
+def test_kernel_interpret_mode_and_tiles_follow_the_target(monkeypatch):
+  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton")
+  assert spec.interpret and spec.forward.num_warps == 8 and spec.forward.block_kv == 64
+  monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
+  with _gpu_context():
+    spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton")
+  assert not spec.interpret
+  assert spec == fa.choose_tiles(256, 128, causal=True, scale=128 ** -0.5, generation="sm90")
+
+
+def test_target_generation():
+  assert target_lib.Target("gpu", H100, 9.0).generation == "sm90"
+  assert target_lib.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0).generation == "other"
+  assert target_lib.Target("gpu", "unknown", None).generation == "other"
+  assert target_lib.Target("cpu", "cpu", None).generation == "other"
+  assert target_lib.of_device(jax.devices()[0]).platform == "cpu"
+
+
+@pytest.mark.parametrize("gpu,kind,capability", [
+    ("h100", H100, "major: 9"), ("h200", "NVIDIA H200 141GB HBM3e", "major: 9"),
+    ("a100", "NVIDIA A100-SXM4-80GB", "major: 8")])
+def test_target_descriptions(gpu, kind, capability):
+  text = aot.targets.target_config(aot.GPUS[gpu])
+  assert f'name: "{kind}"' in text and capability in text
+  assert "collective_memory_granularity" not in text  # jaxlib 0.10.2 rejects it
+
+
+def test_bad_gpu_and_topology_are_refused_before_any_work():
+  with pytest.raises(aot.AotError, match=r"unknown GPU 'v100': expected one of \['a100', "):
+    aot.gpu_devices("v100", "1x1x8")
+  for bad in ("8", "1x8", "1x1x0", "axbxc", "1x1x8x2"):
+    with pytest.raises(aot.AotError, match="malformed topology"):
+      aot.gpu_devices("h100", bad)
+  assert aot.parse_topology("4x1x8") == (4, 1, 8)
+
+
+def test_missing_plugin_names_the_fix(monkeypatch):
+  monkeypatch.setattr(aot.devices, "_PLUGINS", ("jax_plugins.no_such_plugin",))
+  aot.devices._devices.cache_clear()
+  with pytest.raises(aot.AotError, match=r"\.\[gpu-compile\].*make gpu-compile-venv"):
+    aot.gpu_devices("h100", "1x1x8")
+
+
+_HLO = """\
+%fused_dot (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (state: (s32[], bf16[64,128])) -> (s32[], bf16[64,128]) {
+  %state = (s32[], bf16[64,128]{1,0}) parameter(0)
+  %x = bf16[64,128]{1,0} get-tuple-element(%state), index=1
+  %w = bf16[128,32]{1,0} constant({...})
+  %mm = bf16[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %q = bf16[1,256,4,64]{3,2,1,0} broadcast(%mm), dimensions={}
+  %att = (bf16[1,256,4,64]{3,2,1,0}, f32[1,4,256]{2,1,0}) custom-call(%q, %q, %q), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/flash_attention_forward_causal/pallas_call"}
+  %a2a = bf16[1,256,4,64]{3,2,1,0} all-to-all(%q), replica_groups=[1,8]<=[8]
+  ROOT %t = (s32[], bf16[64,128]{1,0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %loop = (s32[], bf16[64,128]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = bf16[64,128]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_cost_counts_ops_per_launch_and_loop_trips():
+  ops = {op.name: op for op in aot.cost.operations(_HLO)}
+  assert set(ops) == {"mm", "q", "att"}  # collectives, tuples, parameters: not HBM work
+  assert ops["mm"].count == 3 and ops["mm"].flops == 2 * 64 * 32 * 128
+  assert ops["mm"].bytes == 2 * (64 * 32 + 64 * 128 + 128 * 32)
+  assert ops["att"].flops == 4 * 1 * 4 * 256 * 256 * 64 * 0.5  # causal forward
+  assert ops["q"].flops == 0
+
+
+def test_roofline_adds_compute_links_and_pcie():
+  gpu = aot.GPUS["h100"]
+  ops = [aot.cost.Op("mm", "fusion", 2, flops=gpu.bf16_flops, bytes=1)]
+  one_node = aot.roofline.predict(gpu, ops, {"all-to-all": int(gpu.nvlink_bandwidth),
+                                             "all-gather": int(gpu.nvlink_bandwidth)},
+                                  host_bytes=int(gpu.pcie_bandwidth), nodes=1,
+                                  model_flops_per_step=4 * gpu.bf16_flops, num_devices=4)
+  assert (one_node.compute_s, one_node.collective_s, one_node.host_s) == (2.0, 2.0, 1.0)
+  assert one_node.step_s == 5.0 and one_node.mfu == pytest.approx(0.2)
+  two_nodes = aot.roofline.predict(gpu, ops, {"all-gather": int(gpu.network_bandwidth)},
+                                   host_bytes=0, nodes=2, model_flops_per_step=0,
+                                   num_devices=16)
+  assert two_nodes.collective_s == 1.0
+
+
+@pytest.mark.parametrize("flag,message", [("--gpu=v100", "unknown GPU 'v100'"),
+                                          ("--topology=8", "malformed topology '8'")])
+def test_cli_bad_input_exits_2(flag, message, capsys):
+  from ulysses_jax.aot.__main__ import main
+  assert main([flag, "--gin_file=configs/llama1b_128k.gin"]) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_async_collectives_count_their_results_only():
+  from ulysses_jax import hlo
+  text = "\n".join([
+      "  %a = ((bf16[1,64,8,128]{3,1,0,2}), bf16[1,64,8,128]{3,1,0,2}) all-to-all-start(%x), "
+      "replica_groups=[1,8]<=[8]",
+      "  %b = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%y), "
+      "source_target_pairs={{0,1},{1,0}}",
+      "  %c = (bf16[4,8]{1,0}, bf16[32,8]{1,0}) all-gather-start(%z), replica_groups=[1,8]<=[8]",
+      "  %d = f32[16]{0} all-reduce-start(%w), replica_groups=[1,8]<=[8], to_apply=%add"])
+  assert hlo.collective_bytes(text) == {
+      "all-to-all": 64 * 8 * 128 * 2, "all-gather": 32 * 8 * 2, "all-reduce": 16 * 4,
+      "reduce-scatter": 0, "collective-permute": 4 * 8 * 4}
+
+
+def test_cli_refuses_a_topology_the_config_does_not_use(capsys, monkeypatch):
+  from ulysses_jax.aot import __main__ as cli
+  monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
+  assert cli.main(["--topology=1x1x8", "--gin_file=configs/llama8b_1gpu_512k.gin"]) == 2
+  assert "needs 1 GPUs, the topology has 8" in capsys.readouterr().err

@@ -1,0 +1,158 @@
+"""Compiled for GPU clusters on a machine without a GPU (``ulysses_jax.aot``).
+
+Marked ``gpu_compile``; they need JAX's CUDA plugin and skip without it (``make
+test-gpu-compile`` builds ``.venv-gpu-compile`` and runs them). Every test compiles with XLA's
+GPU compiler for compile-only H100 devices: the HLO checked is the program the GPUs would run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ulysses_jax import aot, hlo, make_mesh, ulysses_attention
+from ulysses_jax.kernels.flash_attention import flash_attention
+from ulysses_jax.mesh import sequence_axes
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(not aot.cuda_plugin_installed(),
+                       reason="needs JAX's CUDA plugin: run `make test-gpu-compile` (builds "
+                              ".venv-gpu-compile with the .[gpu-compile] extra)"),
+]
+
+TRITON = "__gpu$xla.gpu.triton"
+B, HQ, HKV, D = 1, 32, 8, 128  # Llama-3.1-8B's attention
+GIB = 2**30
+
+
+def _compile_attention(mesh, seq_len, grad):
+  """The compiled GPU program of ``ulysses_attention`` with the default backend on bfloat16
+  ``[B, S, Hq | Hkv, D]`` inputs sharded over the mesh's sequence axes: the output, and with
+  ``grad`` also the input cotangents of an output cotangent (a training step's use)."""
+  sharding = NamedSharding(mesh, P(None, sequence_axes(mesh), None, None))
+  q = jax.ShapeDtypeStruct((B, seq_len, HQ, D), jnp.bfloat16, sharding=sharding)
+  kv = jax.ShapeDtypeStruct((B, seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
+  attend = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh)
+  if not grad:
+    return jax.jit(attend).lower(q, kv, kv).compile()
+
+  def forward_and_backward(q, k, v, d_out):
+    out, vjp = jax.vjp(attend, q, k, v)
+    return out, vjp(d_out)
+  return jax.jit(forward_and_backward).lower(q, kv, kv, q).compile()
+
+
+def test_compile_only_devices():
+  devices = aot.gpu_devices("h100", "1x1x8")
+  assert len(devices) == 8 and devices == aot.gpu_devices("h100", "1x1x8")
+  assert {(d.platform, d.device_kind) for d in devices} == {("gpu", "NVIDIA H100 80GB HBM3")}
+  two_nodes = aot.gpu_devices("h200", "2x1x8")  # a node's GPUs adjacent: seq stays in a node
+  assert [d.process_index for d in two_nodes] == [0] * 8 + [1] * 8
+  assert jax.default_backend() == "cpu"  # the process itself still runs on the CPU
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_ulysses_attention_on_one_node(grad):
+  p, s = 8, 16384
+  mesh = make_mesh(seq=p, devices=aot.gpu_devices("h100", "1x1x8"))
+  text = _compile_attention(mesh, s, grad).as_text()
+  assert text.count(TRITON) >= (3 if grad else 1)  # forward; + dq and dk/dv kernels
+  # Per device, each all-to-all's result holds 1/P of the global tensor: q and the output
+  # (Hq heads), k and v (Hkv heads) forward; their cotangents again backward.
+  per_pass = (2 * HQ + 2 * HKV) * B * s * D * 2 // p
+  assert hlo.collective_bytes(text)["all-to-all"] == per_pass * (2 if grad else 1)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_hybrid_on_two_nodes(grad):
+  mesh = make_mesh(seq=8, ring=2, devices=aot.gpu_devices("h100", "2x1x8"))
+  text = _compile_attention(mesh, 32768, grad).as_text()
+  assert TRITON in text
+  counts = hlo.collective_bytes(text)
+  assert counts["all-to-all"] > 0 and counts["collective-permute"] > 0  # Ulysses + ring
+
+
+def _cli(tmp_path, *flags):
+  """Runs ``python -m ulysses_jax.aot`` in this process; (exit status, JSON report)."""
+  from ulysses_jax.aot.__main__ import main
+  path = tmp_path / "report.json"
+  status = main([*flags, f"--json={path}"])
+  return status, json.loads(path.read_text())
+
+
+# Compiling a whole train step takes 1.5 to 2 minutes on 2 CPU cores: slow as well.
+@pytest.mark.slow
+def test_cli_llama1b_128k_on_one_node(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                   "--gin_file=configs/llama1b_128k.gin")
+  assert status == 0 and r["fits"] and r["device_bytes"] < 0.2 * r["device_capacity_bytes"]
+  assert r["host_bytes"] == 0 and r["kernels"]["triton"] >= 3
+  # Llama 3.2 1B: 16 layers, 32 query / 8 KV heads of 64; 2 rows of 131,072 tokens per
+  # micro-batch, 4 micro-batches, seq=8. Each layer's 4 all-to-alls run in the forward, again
+  # in its rematerialised forward and once more (the cotangents) in the backward.
+  per_layer_pass = (2 * 32 + 2 * 8) * 64 * 2 * 131072 // 8 * 2
+  assert r["collective_bytes"]["all-to-all"] == 16 * 3 * 4 * per_layer_pass
+  assert r["flops"] > r["model_flops_per_device"]  # + rematerialisation, kernel recompute
+  assert 0 < r["prediction"]["mfu"] < 1 and r["prediction"]["assumptions"]
+
+
+@pytest.mark.slow
+def test_cli_llama8b_512k_on_one_node(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                   "--gin_file=configs/llama8b_512k.gin")
+  assert status == 0 and r["fits"] and r["host_bytes"] == 0
+  # float32 parameters and Adam moments of 8.0 B parameters (12 bytes each) over 8 GPUs.
+  assert 10.5 * GIB < r["device_breakdown"]["arguments"] < 12 * GIB
+  assert r["device_bytes"] < 0.6 * r["device_capacity_bytes"]
+  # 32 layers, 32 query / 8 KV heads of 128, one row of 524,288 tokens over seq=8; forward,
+  # rematerialised forward and backward.
+  per_layer_pass = (2 * 32 + 2 * 8) * 128 * 524288 // 8 * 2
+  assert r["collective_bytes"]["all-to-all"] == 32 * 3 * per_layer_pass
+
+
+@pytest.mark.slow
+def test_cli_llama8b_512k_on_one_gpu_counts_the_offloaded_state_on_the_host(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
+                   "--gin_file=configs/llama8b_1gpu_512k.gin")
+  assert status == 0 and r["fits"]
+  # On the host: bfloat16 Adam moments of all 8.0 B parameters (29.9 GiB) and the 32 layers'
+  # bfloat16 parameters (13.0 GiB); the layer inputs of every group of 4 layers (48 GiB).
+  assert 42 * GIB < r["host_breakdown"]["offloaded_state"] < 44 * GIB
+  assert r["host_breakdown"]["temporaries"] > 40 * GIB
+  # On the device: the embedding and head (2 x 128,256 x 4,096 bfloat16, 1.96 GiB) + batch.
+  assert r["device_breakdown"]["arguments"] < 2.1 * GIB
+  assert r["device_bytes"] < r["device_capacity_bytes"]
+
+
+@pytest.mark.slow
+def test_cli_says_what_does_not_fit(tmp_path):
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
+                   "--gin_file=configs/llama1b_128k.gin", "--gin_param=TrainConfig.mesh_seq=1",
+                   "--gin_param=LlamaConfig.num_layers=2", "--gin_param=DataConfig.seq_len=8388608",
+                   "--gin_param=DataConfig.batch_size=4")
+  assert status == 1 and not r["fits"]
+  assert r["shortfall_bytes"] == r["device_bytes"] - r["device_capacity_bytes"] > 0
+
+
+def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
+  script = ("import jax; jax.devices()\n"
+            "from ulysses_jax import aot\n"
+            "try:\n  aot.gpu_devices('h100', '1x1x8')\n"
+            "except aot.AotError as e:\n  print(e)\n")
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                       timeout=120, check=True).stdout
+  assert "already started its backends" in out and "JAX_PLATFORMS=cpu" in out
+
+
+def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
+  q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  text = jax.jit(lambda q: flash_attention(q, q, q)).lower(q).compile().as_text()
+  assert TRITON in text  # not the interpret mode of the CPU this process runs on

@@ -1,0 +1,144 @@
+"""FLOPs and memory traffic of each operation of a compiled program, read from its HLO text.
+
+XLA's own cost analysis is unavailable on compile-only devices (``Compiled.cost_analysis()``
+returns None), counts custom calls (our Pallas attention kernels, cuBLAS GEMMs) as zero FLOPs
+and counts a while loop's body once however often it runs. This walk does neither:
+
+* It visits the operations the GPU launches: the instructions of the entry computation and,
+  recursively, of the bodies of while loops (weighted by XLA's ``known_trip_count``),
+  conditionals (every branch, as if it ran) and calls. A fusion is one operation.
+* FLOPs of an operation: 2 x (output elements) x (contracted elements) for each ``dot`` in it
+  (inside a fusion's computation too) and for cuBLAS GEMM custom calls; for our flash
+  attention kernels, 4 (forward), 6 (dq) and 8 (dk/dv) x B x Hq x Sq x Skv x D, halved when
+  causal (the kernels skip masked blocks). Elementwise work is not counted (it is bounded by
+  memory traffic here).
+* Bytes of an operation: its operands' and results' sizes (what a fusion reads from and
+  writes to HBM), leaving out collectives (timed on the links instead), asynchronous copies
+  (host offload: timed on PCIe from the memory analysis) and operations that move nothing
+  (parameters, tuples, bitcasts, constants).
+"""
+
+import math
+import re
+from typing import NamedTuple
+
+from ulysses_jax.hlo import array_bytes
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.+?) "
+                          r"(?P<op>[a-z][a-z0-9\-]*)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
+_ARRAY = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
+         "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done"}
+_COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
+                         r"collective-permute)(-start|-done)?$|-done$")
+_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?/pallas_call")
+_FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
+
+
+class Op(NamedTuple):
+  """One operation as launched: how often per step, its FLOPs and bytes per launch."""
+  name: str
+  kind: str       # the HLO opcode ("fusion", "custom-call", ...)
+  count: int
+  flops: float
+  bytes: int
+
+
+def _dims(shape_text: str) -> list[int]:
+  match = _ARRAY.search(shape_text)
+  return [int(d) for d in match[1].split(",") if d] if match else []
+
+
+def _parse(hlo_text: str) -> dict[str, list[dict]]:
+  computations, name = {}, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      name = "ENTRY" if line.startswith("ENTRY") else header[1]
+      computations[name] = []
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and name is not None:
+      computations[name].append(match.groupdict())
+  return computations
+
+
+def _dot_flops(instruction, shapes, contracting_attr="lhs_contracting_dims"):
+  contracting = re.search(contracting_attr + r"=\{([0-9,]*)\}", instruction["attrs"])
+  lhs = _dims(shapes.get(instruction["operands"].split(",")[0].strip().lstrip("%"), ""))
+  if not contracting or not lhs:
+    return 0.0
+  contracted = math.prod(lhs[int(d)] for d in contracting[1].split(",") if d)
+  return 2.0 * math.prod(_dims(instruction["shape"])) * contracted
+
+
+def _custom_call_flops(instruction, shapes):
+  attrs = instruction["attrs"]
+  if "__cublas$gemm" in attrs or "__cublas$lt" in attrs:
+    dims = re.search(r'"lhs_contracting_dimensions":\["([0-9"\,]*)\]', attrs)
+    lhs = _dims(shapes.get(instruction["operands"].split(",")[0].strip().lstrip("%"), ""))
+    if dims and lhs:
+      contracted = math.prod(lhs[int(d)] for d in dims[1].replace('"', "").split(","))
+      return 2.0 * math.prod(_dims(instruction["shape"])) * contracted
+  flash = _FLASH.search(attrs)
+  if flash:
+    operands = [o.strip().lstrip("%") for o in instruction["operands"].split(",")]
+    b, sq, hq, d = _dims(shapes[operands[0]])
+    skv = _dims(shapes[operands[1]])[1]
+    return _FLASH_FACTOR[flash[1]] * b * hq * sq * skv * d * (0.5 if flash[2] else 1.0)
+  return 0.0
+
+
+def _flops(computation, computations) -> float:
+  """Dot FLOPs of a fused computation (nested fusions included)."""
+  instructions = computations.get(computation, [])
+  shapes = {i["name"]: i["shape"] for i in instructions}
+  total = 0.0
+  for i in instructions:
+    if i["op"] == "dot":
+      total += _dot_flops(i, shapes)
+    for callee in re.findall(r"\bcalls=%([\w.\-]+)", i["attrs"]):
+      total += _flops(callee, computations)
+  return total
+
+
+def operations(hlo_text: str) -> list[Op]:
+  """Every operation the program launches per step (see the module docstring)."""
+  computations = _parse(hlo_text)
+  found: dict[tuple[str, str], Op] = {}
+
+  def visit(computation, weight):
+    instructions = computations.get(computation, [])
+    shapes = {i["name"]: i["shape"] for i in instructions}
+    for i in instructions:
+      op, attrs = i["op"], i["attrs"]
+      if op == "while":
+        trips = _TRIP_COUNT.search(attrs)
+        visit(re.search(r"\bbody=%([\w.\-]+)", attrs)[1], weight * (int(trips[1]) if trips else 1))
+        continue
+      if op in ("call", "conditional"):
+        for callee in re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+            r"\b(?:to_apply|calls|branch_computations|true_computation|false_computation)="
+            r"(\{[^}]*\}|%[\w.\-]+)", attrs))):
+          visit(callee, weight)
+        continue
+      if op in _FREE or _COLLECTIVE.search(op):
+        continue
+      operands = [o.strip().lstrip("%") for o in i["operands"].split(",") if o.strip()]
+      nbytes = array_bytes(i["shape"]) + sum(array_bytes(shapes.get(o, "")) for o in operands)
+      if op == "fusion":
+        callee = re.search(r"\bcalls=%([\w.\-]+)", attrs)
+        flops = _flops(callee[1], computations) if callee else 0.0
+      elif op == "custom-call":
+        flops = _custom_call_flops(i, shapes)
+      elif op == "dot":
+        flops = _dot_flops(i, shapes)
+      else:
+        flops = 0.0
+      key = (computation, i["name"])
+      found[key] = Op(i["name"], op, weight, flops, nbytes)
+
+  visit("ENTRY", 1)
+  return list(found.values())

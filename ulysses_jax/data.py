@@ -122,7 +122,7 @@ class DataConfig:
 
 # ----------------------------------------------------------------------------- rows
 
-def _pack_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
+def pack_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
               targets: np.ndarray | None = None) -> dict[str, np.ndarray]:
   """One row from up to ``seq_len + 1`` consecutive stream tokens, their document ranks and
   whether each may be a label (None: all)."""
@@ -181,7 +181,7 @@ class _PackedRows:
     if windows is not None:
       window = windows[window]
     tokens, docs, targets = self._read(order, ends, window * self.seq_len, self.seq_len + 1)
-    return _pack_row(tokens, docs, self.seq_len, targets)
+    return pack_row(tokens, docs, self.seq_len, targets)
 
 
 class _DocumentWindows:
@@ -204,7 +204,7 @@ class _DocumentWindows:
     d, begin = int(self.row_doc[row]), int(self.row_window[row]) * self.seq_len
     n = min(self.seq_len + 1, int(self.corpus.doc_len[d]) - begin)
     tokens, targets = self.corpus.read(d, begin, n)
-    return _pack_row(tokens, np.zeros(n, np.int64), self.seq_len, targets)
+    return pack_row(tokens, np.zeros(n, np.int64), self.seq_len, targets)
 
 
 class _RetrievalRows:
@@ -311,7 +311,7 @@ class Dataset:
   def local_batch(self, first_row: int) -> dict[str, np.ndarray]:
     """This process's rows of global rows [first_row, first_row + batch_size); rows past
     the end of a finite pass are padding."""
-    n, pad = self._rows.num_rows, _pack_row(np.zeros(0), np.zeros(0), self.seq_len)
+    n, pad = self._rows.num_rows, pack_row(np.zeros(0), np.zeros(0), self.seq_len)
     rows = [pad if n is not None and r >= n else self._rows(r)
             for r in (first_row + self._local).tolist()]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}

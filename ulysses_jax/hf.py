@@ -333,35 +333,52 @@ def _write_safetensors(file, tensors):
 
 
 def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool = True,
-                     max_shard_bytes: int = 5 * 2**30) -> None:
+                     max_shard_bytes: int = 5 * 2**30, max_read_bytes: int = 2**30) -> None:
   """Writes a Hugging Face checkpoint directory of ``config`` that ``transformers`` loads.
 
-  ``read(key, layer)`` returns the host value of our parameter ``key`` (see
-  ``Llama``'s docstring), of layer ``layer`` for the stacked ``layers.*`` parameters (None
-  for the others). It is called once per Hugging Face tensor, in Hugging Face order
-  (embedding, layer 0, layer 1, ..., final norm, head); each result is converted to
-  ``dtype`` and written before the next is read, so the host holds one tensor (and its
-  converted copy) at a time. Files: ``config.json`` (``config_to_hf``, RoPE settings
-  included), ``model.safetensors`` or shards of at most ``max_shard_bytes`` plus
-  ``model.safetensors.index.json``. ``write=False`` calls ``read`` alike but writes nothing.
+  ``read(key, layers)`` returns the host value of our parameter ``key`` (see ``Llama``'s
+  docstring): whole for ``layers=None``, or the layer block ``layers`` (a slice of the
+  leading ``[L]`` axis) of a stacked ``layers.*`` parameter. Tensors are written parameter
+  by parameter (embedding; each stacked parameter for layers 0..L-1; final norm; head), each
+  converted to ``dtype`` and streamed to its file before the next; a stacked parameter is read
+  in blocks of as many layers as fit ``max_read_bytes`` (at least one), so the host holds one
+  block, or one unstacked parameter, plus one converted tensor. Files: ``config.json``
+  (``config_to_hf``, RoPE settings included), ``model.safetensors`` or shards of at most
+  ``max_shard_bytes`` plus ``model.safetensors.index.json`` (``transformers`` does not care
+  in which order or file tensors are). ``write=False`` calls ``read`` alike (every process
+  of a multi-host gather must) but writes nothing.
   """
   dtype = jnp.dtype(dtype)
   mesh = make_mesh(1, 1, devices=jax.devices()[:1])
   abstract = nnx.eval_shape(lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)))
   shapes = {k: v.shape for k, v in traverse_util.flatten_dict(
       nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items()}
+  order = sorted(shapes, key=lambda k: (k[0] != "embedding", k[0] != "layers", k))
+  block = {}  # the layer block read last: (key, start) -> value
+
+  def layer_value(key, layer, per_read):
+    start = layer // per_read * per_read
+    if (key, start) not in block:
+      block.clear()
+      stop = min(start + per_read, config.num_layers)
+      block[key, start] = np.asarray(read(key, slice(start, stop)))
+    return block[key, start][layer - start]
+
   tensors, shards, size = {}, [[]], 0
-  for layer in [None, *range(config.num_layers)]:
-    for key, shape in shapes.items():
-      if (key[0] == "layers") != (layer is not None):
-        continue
+  for key in order:
+    stacked = key[0] == "layers"
+    shape = shapes[key][1:] if stacked else shapes[key]
+    layer_bytes = math.prod(shape) * jnp.dtype(config.param_dtype).itemsize
+    per_read = max(1, max_read_bytes // layer_bytes)
+    for layer in range(config.num_layers) if stacked else [None]:
       name = _hf_name(key, layer)
-      hf_shape = _hf_shape(shape[1:] if layer is not None else shape, _num_in(key))
+      hf_shape = _hf_shape(shape, _num_in(key))
       nbytes = math.prod(hf_shape) * dtype.itemsize
       if shards[-1] and size + nbytes > max_shard_bytes:
         shards, size = shards + [[]], 0
-      value = lambda key=key, layer=layer: _to_hf(
-          np.asarray(read(key, layer)).astype(dtype), _num_in(key))
+      value = lambda key=key, layer=layer, per_read=per_read: _to_hf(np.asarray(
+          read(key, None) if layer is None else layer_value(key, layer, per_read)).astype(
+              dtype, copy=False), _num_in(key))
       shards[-1].append((name, hf_shape, dtype, value))
       size += nbytes
       tensors[name] = nbytes
@@ -387,11 +404,12 @@ def save_llama(model: Llama, path, *, dtype: str | None = None,
   """Writes ``model`` as a Hugging Face checkpoint directory that
   ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads (``write_checkpoint``).
 
-  Weights in ``dtype`` (default: the parameter dtype), gathered to the host one layer's
-  tensor at a time. Every process must call it (multi-host gathers); process 0 writes. A
-  ``mistral`` checkpoint comes back as ``llama`` (same architecture).
+  Weights in ``dtype`` (default: the parameter dtype), gathered to the host one parameter,
+  or one block of layers of a stacked parameter (at most 1 GiB), at a time. Every process
+  must call it (multi-host gathers); process 0 writes. A ``mistral`` checkpoint comes back as
+  ``llama`` (same architecture).
   """
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  read = lambda key, layer: _host(params[key] if layer is None else params[key][layer])
+  read = lambda key, layers: _host(params[key] if layers is None else params[key][layers])
   write_checkpoint(model.config, read, path, dtype=dtype or model.config.param_dtype,
                    write=jax.process_index() == 0, max_shard_bytes=max_shard_bytes)

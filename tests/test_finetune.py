@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import export, finetune  # noqa: E402
+from ulysses_jax import evaluate, export, finetune  # noqa: E402
 from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, make_global_batch  # noqa: E402
@@ -184,3 +184,17 @@ def test_export_of_a_missing_step_lists_the_steps(workdir, tmp_path):
   with pytest.raises(ConfigError, match=r"has no checkpoint of step 7; it has steps \[2, 3\]"):
     export.export_checkpoint(str(root), str(tmp_path / "out"), step=7)
   assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_a_workdir_equals_its_export(workdir, tmp_path):
+  root, _ = workdir
+  np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.uint16))
+  common = [f"--data={tmp_path / 'doc.npy'}", f"--seq_len={SEQ_LEN}", "--mesh_data=1"]
+  ours = evaluate.main([f"--workdir={root}", "--step=2", "--mesh_seq=4", *common])
+  export.export_checkpoint(str(root), str(tmp_path / "hf"), step=2)
+  theirs = evaluate.main([f"--hf={tmp_path / 'hf'}", "--mesh_seq=1", *common])
+  assert ours["tokens"] == theirs["tokens"] == 39
+  for a, b in zip(ours["buckets"], theirs["buckets"], strict=True):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+  with pytest.raises(ConfigError, match=r"no checkpoint of step 9; it has steps \[2, 3\]"):
+    evaluate.main([f"--workdir={root}", "--step=9", *common])

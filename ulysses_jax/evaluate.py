@@ -176,6 +176,23 @@ def plot(result: dict, path: str):
   plt.close(fig)
 
 
+def format_result(result: dict) -> str:
+  """The printed report: totals, one line per bucket, the pass-key table."""
+  lines = [f"{result['model']}: loss {result['loss']:.4f} (perplexity "
+           f"{result['perplexity']:.2f}) over {result['tokens']:,} tokens, S={result['seq_len']}",
+           "  positions        loss     tokens"]
+  for b in result["buckets"]:
+    loss = "-" if b["loss"] is None else f"{b['loss']:.4f}"
+    lines.append(f"  {b['start']:>6}-{b['end']:<8} {loss:>7} {b['tokens']:>10,}")
+  if "passkey" in result:
+    p = result["passkey"]
+    lines.append(f"  pass key (accuracy by depth x length, chance {p['chance']:g}; overall "
+                 f"{p['overall']:.2f}):  " + " ".join(f"{n:>7}" for n in p["lengths"]))
+    lines += [f"    depth {d:>4.0%}  " + " ".join(f"{a:>7.2f}" for a in row)
+              for d, row in zip(p["depths"], p["accuracy"])]
+  return "\n".join(lines)
+
+
 def _parse(argv):
   parser = argparse.ArgumentParser(prog="python -m ulysses_jax.evaluate", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
             "mesh": dict(mesh.shape), **evaluator(params, windows)}
   if args.passkey:
     result["passkey"] = run_passkey(evaluator, params, trials, keys)
-  print(json.dumps({k: v for k, v in result.items() if k != "buckets"}))
+  print(format_result(result))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=2)

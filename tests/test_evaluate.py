@@ -123,3 +123,14 @@ def test_errors_before_any_compute(setup, tmp_path, monkeypatch):
   with pytest.raises(ConfigError, match="pass-key tokenizer has 256 ids but the model's "
                      "vocab_size is 128"):
     _run(root, "--passkey", "--seq_len=256")
+
+
+def test_plot_draws_the_curve_and_the_heatmap(tmp_path):
+  pytest.importorskip("matplotlib")
+  result = {"loss": 2.0, "buckets": [{"start": 0, "end": 1, "loss": 3.0, "tokens": 4},
+                                     {"start": 1, "end": 2, "loss": None, "tokens": 0},
+                                     {"start": 2, "end": 4, "loss": 2.0, "tokens": 8}],
+            "passkey": {"lengths": [128, 256], "depths": [0.0, 1.0],
+                        "accuracy": [[1.0, 0.5], [0.0, 0.0]], "overall": 0.375}}
+  evaluate.plot(result, str(tmp_path / "p.png"))
+  assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

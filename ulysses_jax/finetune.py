@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
 import numpy as np
+import tensorstore as ts
 from jax.sharding import Mesh
 
 from ulysses_jax import hf, sharding
@@ -93,19 +94,18 @@ class SavedParams:
     base = {"driver": "file", "path": self.state_dir + os.sep}
     self._kvstore = {"driver": "ocdbt", "base": base} if metadata["use_ocdbt"] else base
     self._driver = "zarr3" if metadata["use_zarr3"] else "zarr"
-    self._context = {"cache_pool": {"total_bytes_limit": 0},
-                     "data_copy_concurrency": {"limit": copy_concurrency}}
+    self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
+                                "data_copy_concurrency": {"limit": copy_concurrency}})
     self._open = {}
 
   def _store(self, path: tuple[str, ...]):
-    import tensorstore as ts  # pylint: disable=import-outside-toplevel  # orbax's dependency
     if path not in self._keys:
       raise ConfigError(f"{self.state_dir} holds no parameter {'.'.join(path)}; it has "
                         f"{sorted('.'.join(k) for k in self._keys)}")
     if path not in self._open:
       self._open[path] = ts.open({"driver": self._driver, "kvstore": {
           **self._kvstore, "path": self._keys[path]}}, open=True,
-          context=ts.Context(self._context)).result()
+          context=self._context).result()
     return self._open[path]
 
   def shape(self, path: tuple[str, ...]) -> tuple[int, ...]:

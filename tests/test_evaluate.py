@@ -6,15 +6,17 @@ import sys
 
 import numpy as np
 import pytest
+from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model  # noqa: E402
 
-from ulysses_jax import evaluate, passkey  # noqa: E402
+from ulysses_jax import data, evaluate, finetune, passkey, train  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.corpus import make_tokenizer  # noqa: E402
+from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 SEQ_LEN = 16
 DOC_LENGTHS = (50, 17, 5, 1)  # 4 + 1 + 1 + 0 windows; a 1-token document predicts nothing
@@ -134,3 +136,24 @@ def test_plot_draws_the_curve_and_the_heatmap(tmp_path):
                         "accuracy": [[1.0, 0.5], [0.0, 0.0]], "overall": 0.375}}
   evaluate.plot(result, str(tmp_path / "p.png"))
   assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_a_model_trained_on_retrieval_beats_chance_at_retrieval(tmp_path):
+  """Pass-key-style scoring (a row counts when every label is the top prediction) of a Llama
+  trained by the trainer on the retrieval task (keys on the first of 8 sequence shards, the
+  question on the last), read back from its workdir."""
+  train.main(["--gin_file=configs/retrieval_cpu.gin", f"--workdir={tmp_path}",
+              "--gin_param=STEPS=300", "--gin_param=TrainConfig.progress_bar=False",
+              "--gin_param=TrainConfig.eval_every=0"])
+  mesh = make_mesh(data=1, seq=8)
+  config = finetune.model_config(str(tmp_path))
+  model = finetune.load_model(str(tmp_path), config, mesh)
+  task = data.RetrievalTask()
+  _, evals = data.make_datasets(data.DataConfig(source="retrieval", seq_len=64, batch_size=64,
+                                                retrieval=task), mesh)
+  graphdef, params = nnx.split(model)
+  sums = evaluate.PositionEval(graphdef).sums(params, evals)
+  assert np.all(sums["row_count"] == 1)
+  accuracy = float(np.mean(sums["row_correct"] == sums["row_count"]))
+  assert accuracy > 4 * task.chance, accuracy

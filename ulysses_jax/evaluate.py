@@ -94,6 +94,9 @@ class PositionEval:
 
   def sums(self, params, dataset: Dataset, max_batches: int | None = None) -> dict:
     """Per-position sums ``[S]`` over the batches, and per-row values over all rows."""
+    if not dataset.num_batches:
+      raise ValueError("nothing to evaluate: the dataset is an endless training stream or "
+                       "has no rows (documents of one token predict nothing)")
     n = dataset.num_batches if max_batches is None else min(max_batches, dataset.num_batches)
     batches = [jax.device_get(self._step(params, dataset.batch(i))) for i in range(n)]
     return {k: (np.concatenate if k.startswith("row") else sum)(

@@ -157,3 +157,10 @@ def test_a_model_trained_on_retrieval_beats_chance_at_retrieval(tmp_path):
   assert np.all(sums["row_count"] == 1)
   accuracy = float(np.mean(sums["row_correct"] == sums["row_count"]))
   assert accuracy > 4 * task.chance, accuracy
+
+
+def test_data_with_nothing_to_predict(setup, tmp_path):
+  root, _, _ = setup
+  np.save(tmp_path / "one.npy", np.array([5], np.uint16))
+  with pytest.raises(ConfigError, match="holds no document of 2 or more tokens"):
+    evaluate.main([f"--hf={root / 'hf'}", f"--data={tmp_path / 'one.npy'}", "--seq_len=16"])

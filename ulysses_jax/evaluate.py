@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
          "paths": tuple(p for d in args.data for p in d.split(",") if p),
          "batch_size": args.batch_size or args.mesh_data})
   windows = document_windows(data_config, mesh, vocab_size=config.vocab_size)
+  if not windows.num_batches:
+    raise ConfigError(f"--data {data_config.paths} holds no document of 2 or more tokens: "
+                      "nothing to predict")
   if args.passkey:
     trials, keys = passkey_dataset(
         make_tokenizer(data_config.tokenizer), mesh, seq_len=args.seq_len,

@@ -3,6 +3,10 @@
 
 import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +96,7 @@ def _copy_dir(src, dst, config_changes=None, drop_config=False):
 
 
 def test_bad_init_from_stops_before_any_weights_are_read(hf_dir, tmp_path):
-  with pytest.raises(ConfigError, match=r"init_from='.*nowhere' does not exist"):
+  with pytest.raises(ConfigError, match=r"checkpoint '.*nowhere' does not exist"):
     finetune.model_config(str(tmp_path / "nowhere"))
   no_config = _copy_dir(hf_dir, tmp_path / "no_config", drop_config=True)
   with pytest.raises(ConfigError, match=r"neither a Hugging Face checkpoint directory \(it "
@@ -198,3 +202,23 @@ def test_evaluate_a_workdir_equals_its_export(workdir, tmp_path):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
   with pytest.raises(ConfigError, match=r"no checkpoint of step 9; it has steps \[2, 3\]"):
     evaluate.main([f"--workdir={root}", "--step=9", *common])
+
+
+@pytest.mark.parametrize("module, flags, message", [
+    ("export", ["--workdir={root}", "--step=7", "--out={tmp}/out"],
+     r"error: .*has no checkpoint of step 7; it has steps \[2, 3\]"),
+    ("evaluate", ["--hf={tmp}", "--data={tmp}/x.npy", "--seq_len=8"],
+     r"error: '.*' is neither a Hugging Face checkpoint directory \(it has no config.json\) "
+     r"nor a ulysses_jax workdir or checkpoint \(.* holds no checkpoint\); give the "
+     r"directory holding config.json .*"),
+])
+def test_command_line_errors_are_one_line(workdir, tmp_path, module, flags, message):
+  root, _ = workdir
+  result = subprocess.run(
+      [sys.executable, "-m", f"ulysses_jax.{module}",
+       *(f.format(root=root, tmp=tmp_path) for f in flags)],
+      capture_output=True, text=True, check=False, timeout=300,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 1
+  lines = [l for l in result.stderr.splitlines() if not l.startswith("WARNING:absl")]
+  assert len(lines) == 1 and re.match(message, lines[0]), result.stderr

@@ -80,8 +80,8 @@ class SavedParams:
     checkpoints, step = resolve_checkpoint(directory, step)
     try:
       self.step, self.run = read_run_config(checkpoints, step)
-    except FileNotFoundError as e:
-      raise ConfigError(f"{directory}: {e}") from None
+    except FileNotFoundError as e:  # its message names the directory (and the steps there)
+      raise ConfigError(str(e)) from None
     self.config = LlamaConfig.from_dict(self.run["model"])
     self.state_dir = os.path.join(checkpoints, str(self.step), "state")
     with open(os.path.join(self.state_dir, "_METADATA"), encoding="utf-8") as f:
@@ -146,16 +146,17 @@ def model_config(init_from: str, bound: Mapping[str, object] | None = None) -> L
 
 def _checkpoint_config(init_from: str) -> LlamaConfig:
   if not os.path.isdir(init_from):
-    raise ConfigError(f"init_from={init_from!r} does not exist (give a Hugging Face "
+    raise ConfigError(f"checkpoint {init_from!r} does not exist (give a Hugging Face "
                       "checkpoint directory or a ulysses_jax workdir)")
   if is_hf_checkpoint(init_from):
     return hf.read_config(init_from)
   try:
     return SavedParams(init_from).config
   except ConfigError as e:
-    raise ConfigError(f"init_from={init_from!r} is neither a Hugging Face checkpoint "
-                      f"directory (it has no config.json) nor a ulysses_jax workdir or "
-                      f"checkpoint ({e})") from None
+    raise ConfigError(f"{init_from!r} is neither a Hugging Face checkpoint directory (it "
+                      f"has no config.json) nor a ulysses_jax workdir or checkpoint ({e}); "
+                      "give the directory holding config.json and the *.safetensors files, "
+                      "or a training workdir") from None
 
 
 def load_model(init_from: str, config: LlamaConfig, mesh: Mesh, *,

@@ -24,6 +24,10 @@ Wiring into the trainer (resuming from the run's own checkpoints takes precedenc
   if restored is None:
     model = (finetune.load_model(cfg.init_from, model_cfg, mesh) if cfg.init_from
              else init_llama(model_cfg, mesh, seed=cfg.seed))
+
+where ``bound_llama_fields`` maps each ``LlamaConfig`` field bound in gin to its value in the
+constructed ``LlamaConfig()`` (gin's own query returns references such as ``@RopeScaling()``
+unevaluated).
 """
 
 import dataclasses

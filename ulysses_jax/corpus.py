@@ -1,7 +1,9 @@
 """Where training text comes from: tokenizers, source files and the train/eval split.
 
 A corpus is a list of documents, each a slice of a 1-D token array (token files stay
-memory-mapped). ``data.py`` packs corpora into rows.
+memory-mapped), and optionally a parallel 1-D bool array per token array saying which tokens
+are targets (prompt/completion JSONL: only completion tokens are). ``data.py`` packs corpora
+into rows.
 """
 
 import dataclasses
@@ -63,23 +65,44 @@ def make_tokenizer(name: str = "byte") -> ByteTokenizer | HFTokenizer:
 
 @dataclasses.dataclass
 class Corpus:
-  """Documents as (array, start, length) over a list of 1-D token arrays (maybe memmaps)."""
+  """Documents as (array, start, length) over a list of 1-D token arrays (maybe memmaps).
+
+  ``targets``: None (every token is a target), or one bool array per token array, True where
+  the token may be a label (a completion token) and False where it is only context (a
+  prompt token).
+  """
   arrays: list[np.ndarray]
   doc_array: np.ndarray  # int64 [n]
   doc_start: np.ndarray  # int64 [n]
   doc_len: np.ndarray  # int64 [n]
+  targets: list[np.ndarray] | None = None
 
   @property
   def num_tokens(self) -> int:
     return int(self.doc_len.sum())
 
   def take(self, idx) -> "Corpus":
-    return Corpus(self.arrays, self.doc_array[idx], self.doc_start[idx], self.doc_len[idx])
+    return Corpus(self.arrays, self.doc_array[idx], self.doc_start[idx], self.doc_len[idx],
+                  self.targets)
+
+  def truncated(self, max_len: int) -> "Corpus":
+    """The same documents cut to their first ``max_len`` tokens."""
+    return Corpus(self.arrays, self.doc_array, self.doc_start,
+                  np.minimum(self.doc_len, max_len), self.targets)
+
+  def read(self, doc: int, begin: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens ``[begin, begin + n)`` of document ``doc`` (int64) and their target flags."""
+    a, start = self.doc_array[doc], self.doc_start[doc] + begin
+    tokens = np.asarray(self.arrays[a][start:start + n], np.int64)
+    if self.targets is None:
+      return tokens, np.ones(len(tokens), bool)
+    return tokens, np.asarray(self.targets[a][start:start + n], bool)
 
 
 def concat(parts: Sequence[Corpus]) -> Corpus:
   return Corpus(parts[0].arrays, *(np.concatenate([getattr(p, f) for p in parts])
-                                    for f in ("doc_array", "doc_start", "doc_len")))
+                                    for f in ("doc_array", "doc_start", "doc_len")),
+                parts[0].targets)
 
 
 def resolve_paths(paths: str | Sequence[str]) -> list[str]:
@@ -109,31 +132,56 @@ def stdlib_files() -> list[str]:
                 if "site-packages" not in os.path.relpath(f, root).split(os.sep))
 
 
-def read_docs(path: str) -> list[bytes]:
-  """One document per plain-text file, one per line of a ``.jsonl`` (its ``text`` field)."""
+def read_docs(path: str, text_field: str = "text") -> list[tuple[bytes, bytes]]:
+  """(prompt, text) pairs: one per plain-text file (no prompt), one per line of a ``.jsonl``.
+
+  A JSONL record holds either string fields ``"prompt"`` and ``"completion"`` (the loss
+  falls on the completion only) or the string field ``text_field`` (prompt ``b""``).
+  """
   if not path.endswith(".jsonl"):
     with open(path, "rb") as f:
-      return [f.read()]
+      return [(b"", f.read())]
   docs = []
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
-      if line.strip():
-        try:
-          text = json.loads(line).get("text")
-        except (json.JSONDecodeError, AttributeError) as e:
-          raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
-        if not isinstance(text, str):
-          raise ValueError(f"{path}:{lineno}: JSONL record has no string 'text' field")
-        docs.append(text.encode("utf-8"))
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
+      if not isinstance(record, dict):
+        raise ValueError(f"{path}:{lineno}: not a JSON object: {line.strip()[:40]!r}")
+      if "prompt" in record or "completion" in record:
+        fields = ("prompt", "completion")
+      else:
+        fields = (text_field,)
+      values = [record.get(k) for k in fields]
+      if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{path}:{lineno}: JSONL record has no string "
+                         f"{' and '.join(repr(k) for k in fields)} field (records hold a "
+                         f"{text_field!r} field, set by DataConfig.text_field, or 'prompt' "
+                         f"and 'completion'); it has {sorted(record)}")
+      encoded = [v.encode("utf-8") for v in values]
+      docs.append(tuple(encoded) if len(encoded) == 2 else (b"", encoded[0]))
   return docs
 
 
-def text_corpus(files: Sequence[str], tokenizer) -> Corpus:
-  docs = [t for f in files for t in tokenizer.encode_batch(read_docs(f)) if t.size]
-  lengths = np.array([len(t) for t in docs], np.int64)
-  tokens = np.concatenate(docs) if docs else np.zeros(0, np.uint8)
+def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text") -> Corpus:
+  """Documents in file order; with any prompt/completion record, target flags (prompts
+  False)."""
+  pairs = [d for f in files for d in read_docs(f, text_field)]
+  prompts = tokenizer.encode_batch([p for p, _ in pairs])
+  texts = tokenizer.encode_batch([t for _, t in pairs])
+  docs = [(p, t) for p, t in zip(prompts, texts) if p.size + t.size]
+  lengths = np.array([p.size + t.size for p, t in docs], np.int64)
+  tokens = np.concatenate([x for d in docs for x in d]) if docs else np.zeros(0, np.uint8)
   starts = np.cumsum(lengths) - lengths
-  return Corpus([tokens], np.zeros(len(docs), np.int64), starts, lengths)
+  targets = None
+  if any(p.size for p, _ in docs):
+    targets = [np.concatenate([np.full(x.size, i == 1) for d in docs
+                               for i, x in enumerate(d)])]
+  return Corpus([tokens], np.zeros(len(docs), np.int64), starts, lengths, targets)
 
 
 def load_token_file(path: str, dtype: str) -> np.ndarray:

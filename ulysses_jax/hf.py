@@ -43,6 +43,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from ulysses_jax import sharding
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import Llama, LlamaConfig
 from ulysses_jax.rope import RopeScaling
 
@@ -69,7 +71,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   """
   model_type = hf.get("model_type")
   if model_type not in ARCHITECTURES:
-    raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(ARCHITECTURES)}.")
+    raise ConfigError(f"unsupported model_type {model_type!r}; supported: "
+                      f"{sorted(ARCHITECTURES)}.")
   problems = []
   if hf.get("hidden_act", "silu") != "silu":
     problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
@@ -102,7 +105,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   elif rope_type != "default":
     problems.append(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3')")
   if problems:
-    raise ValueError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems) + ".")
+    raise ConfigError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems)
+                      + ".")
   heads = hf["num_attention_heads"]
   return LlamaConfig(
       vocab_size=hf["vocab_size"], hidden_dim=hf["hidden_size"],
@@ -115,6 +119,41 @@ def config_from_hf(hf: dict) -> LlamaConfig:
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
       init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def read_config(path) -> LlamaConfig:
+  """The ``LlamaConfig`` of the Hugging Face checkpoint directory ``path`` (its
+  ``config.json``); ``ConfigError`` when there is none or it is unsupported."""
+  file = pathlib.Path(path) / "config.json"
+  if not file.is_file():
+    raise ConfigError(f"{path} is not a Hugging Face checkpoint directory: it has no "
+                      "config.json (give the directory that holds config.json and the "
+                      "*.safetensors files)")
+  try:
+    return config_from_hf(json.loads(file.read_text()))
+  except ConfigError as e:
+    raise ConfigError(f"{file}: {e}") from None
+
+
+def build_llama(config: LlamaConfig, mesh: Mesh, read, *,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> Llama:
+  """A ``Llama`` of ``config`` on ``mesh`` whose parameters come from ``read``.
+
+  ``read(path, shape)``, for every parameter (``path`` a tuple such as ``("layers", "attn",
+  "q_proj", "kernel")``, ``shape`` its global shape), returns ``shard(index)``: the host
+  value (``config.param_dtype``) of the slice ``index`` of the parameter. Each device's FSDP
+  shard is built from its own slice (``jax.make_array_from_callback``): a process reads only
+  what its devices hold, and no full parameter needs to exist on one device.
+  """
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(0))))
+  shardings = traverse_util.flatten_dict(
+      nnx.to_pure_dict(sharding.tree_shardings(abstract, mesh, rules)))
+  values = {key: jax.make_array_from_callback(value.shape, shardings[key],
+                                              read(key, value.shape))
+            for key, value in traverse_util.flatten_dict(nnx.to_pure_dict(abstract)).items()}
+  nnx.replace_by_pure_dict(abstract, traverse_util.unflatten_dict(values))
+  return nnx.merge(graphdef, abstract)
 
 
 def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
@@ -244,26 +283,21 @@ def load_llama(path, mesh: Mesh, *, dtype: str | None = None, param_dtype: str =
   Parameters go one at a time from the memory-mapped files to their FSDP shards; the host
   holds at most one (layer-stacked) parameter.
   """
-  path = pathlib.Path(path)
-  config = config_from_hf(json.loads((path / "config.json").read_text())).replace(
-      dtype=dtype or param_dtype, param_dtype=param_dtype, **config_overrides)
-  graphdef, abstract = nnx.split(
-      nnx.eval_shape(lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(0))))
-  shardings = traverse_util.flatten_dict(
-      nnx.to_pure_dict(sharding.tree_shardings(abstract, mesh, rules)))
-  values = {}
+  config = read_config(path).replace(dtype=dtype or param_dtype, param_dtype=param_dtype,
+                                     **config_overrides)
   with contextlib.ExitStack() as stack:
-    checkpoint = _Checkpoint(path, stack)
-    for key, value in traverse_util.flatten_dict(nnx.to_pure_dict(abstract)).items():
-      host = _read_param(checkpoint, key, value.shape, jnp.dtype(param_dtype))
-      values[key] = jax.make_array_from_callback(host.shape, shardings[key],
-                                                 lambda index, host=host: host[index])
+    checkpoint = _Checkpoint(pathlib.Path(path), stack)
+
+    def read(key, shape):
+      host = _read_param(checkpoint, key, shape, jnp.dtype(param_dtype))
+      return lambda index: host[index]
+
+    model = build_llama(config, mesh, read, rules=rules)
     unused = checkpoint.unused - ({"lm_head.weight"} if config.tie_embeddings else set())
   if unused:
     raise ValueError(f"checkpoint tensors that the model has no place for: "
                      f"{sorted(unused)[:10]}{' ...' if len(unused) > 10 else ''}.")
-  nnx.replace_by_pure_dict(abstract, traverse_util.unflatten_dict(values))
-  return nnx.merge(graphdef, abstract)
+  return model
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -271,50 +305,111 @@ def _host(x: jax.Array) -> np.ndarray:
                     multihost_utils.process_allgather(x, tiled=True))
 
 
-def save_llama(model: Llama, path, *, dtype: str | None = None,
-               max_shard_bytes: int = 5 * 2**30) -> None:
-  """Writes ``model`` as a Hugging Face checkpoint directory that
-  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads.
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
-  ``config.json`` (``config_to_hf``) and the weights in ``dtype`` (default: the parameter
-  dtype): ``model.safetensors``, or shards of at most ``max_shard_bytes`` plus
-  ``model.safetensors.index.json``. Tensors are gathered to the host one layer at a time;
-  the host holds at most one shard. Every process must call it (multi-host gathers);
-  process 0 writes. A ``mistral`` checkpoint comes back as ``llama`` (same architecture).
+
+def _write_safetensors(file, tensors):
+  """Streams ``tensors`` (name, shape, dtype, value thunk) into a safetensors ``file`` (None:
+  only evaluate the thunks, for processes that gather but do not write). The header is
+  built from the shapes, so the host holds one tensor at a time."""
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, shape, dtype, _ in tensors:
+    nbytes = math.prod(shape) * dtype.itemsize
+    header[name] = {"dtype": SAFETENSORS_DTYPES[dtype.name], "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes]}
+    offset += nbytes
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)
+  with contextlib.ExitStack() as stack:
+    f = None if file is None else stack.enter_context(open(file, "wb"))
+    if f:
+      f.write(len(encoded).to_bytes(8, "little") + encoded)
+    for name, shape, dtype, value in tensors:
+      x = np.ascontiguousarray(value())
+      if x.shape != tuple(shape) or x.dtype != dtype:
+        raise AssertionError(f"{name}: expected {dtype} {tuple(shape)}, got {x.dtype} {x.shape}")
+      if f:
+        f.write(x.reshape(-1).view(np.uint8).data)
+
+
+def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool = True,
+                     max_shard_bytes: int = 5 * 2**30, max_read_bytes: int = 2**30) -> None:
+  """Writes a Hugging Face checkpoint directory of ``config`` that ``transformers`` loads.
+
+  ``read(key, layers)`` returns the host value of our parameter ``key`` (see ``Llama``'s
+  docstring): whole for ``layers=None``, or the layer block ``layers`` (a slice of the
+  leading ``[L]`` axis) of a stacked ``layers.*`` parameter. Tensors are written parameter
+  by parameter (embedding; each stacked parameter for layers 0..L-1; final norm; head), each
+  converted to ``dtype`` and streamed to its file before the next; a stacked parameter is read
+  in blocks of as many layers as fit ``max_read_bytes`` (at least one), so the host holds one
+  block, or one unstacked parameter, plus one converted tensor. Files: ``config.json``
+  (``config_to_hf``, RoPE settings included), ``model.safetensors`` or shards of at most
+  ``max_shard_bytes`` plus ``model.safetensors.index.json`` (``transformers`` does not care
+  in which order or file tensors are). ``write=False`` calls ``read`` alike (every process
+  of a multi-host gather must) but writes nothing.
   """
-  save_file = _safetensors().numpy.save_file
-  config = model.config
-  dtype = jnp.dtype(dtype or config.param_dtype)
-  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-  entries = [(key, layer) for layer in [None, *range(config.num_layers)] for key in params
-             if (key[0] == "layers") == (layer is not None)]  # in Hugging Face order
-  shards, size = [[]], 0
-  for key, layer in entries:
-    nbytes = params[key].size // (1 if layer is None else config.num_layers) * dtype.itemsize
-    if shards[-1] and size + nbytes > max_shard_bytes:
-      shards, size = shards + [[]], 0
-    shards[-1].append((key, layer))
-    size += nbytes
+  dtype = jnp.dtype(dtype)
+  mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+  abstract = nnx.eval_shape(lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)))
+  shapes = {k: v.shape for k, v in traverse_util.flatten_dict(
+      nnx.to_pure_dict(nnx.state(abstract, nnx.Param))).items()}
+  order = sorted(shapes, key=lambda k: (k[0] != "embedding", k[0] != "layers", k))
+  block = {}  # the layer block read last: (key, start) -> value
+
+  def layer_value(key, layer, per_read):
+    start = layer // per_read * per_read
+    if (key, start) not in block:
+      block.clear()
+      stop = min(start + per_read, config.num_layers)
+      block[key, start] = np.asarray(read(key, slice(start, stop)))
+    return block[key, start][layer - start]
+
+  tensors, shards, size = {}, [[]], 0
+  for key in order:
+    stacked = key[0] == "layers"
+    shape = shapes[key][1:] if stacked else shapes[key]
+    layer_bytes = math.prod(shape) * jnp.dtype(config.param_dtype).itemsize
+    per_read = max(1, max_read_bytes // layer_bytes)
+    for layer in range(config.num_layers) if stacked else [None]:
+      name = _hf_name(key, layer)
+      hf_shape = _hf_shape(shape, _num_in(key))
+      nbytes = math.prod(hf_shape) * dtype.itemsize
+      if shards[-1] and size + nbytes > max_shard_bytes:
+        shards, size = shards + [[]], 0
+      value = lambda key=key, layer=layer, per_read=per_read: _to_hf(np.asarray(
+          read(key, None) if layer is None else layer_value(key, layer, per_read)).astype(
+              dtype, copy=False), _num_in(key))
+      shards[-1].append((name, hf_shape, dtype, value))
+      size += nbytes
+      tensors[name] = nbytes
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
   path = pathlib.Path(path)
-  write = jax.process_index() == 0
   if write:
     path.mkdir(parents=True, exist_ok=True)
-  weight_map, total = {}, 0
   for file, shard in zip(names, shards):
-    tensors = {}
-    for key, layer in shard:
-      name = _hf_name(key, layer)
-      x = params[key] if layer is None else params[key][layer]
-      tensors[name] = _to_hf(_host(x).astype(dtype), _num_in(key))
-      weight_map[name] = file
-      total += tensors[name].nbytes
-    if write:
-      save_file(tensors, str(path / file), metadata={"format": "pt"})
+    _write_safetensors(path / file if write else None, shard)
   if not write:
     return
   if len(shards) > 1:
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(tensors.values())},
+             "weight_map": {name: file for file, shard in zip(names, shards)
+                            for name, *_ in shard}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
   (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype.name), indent=2))
+
+
+def save_llama(model: Llama, path, *, dtype: str | None = None,
+               max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes ``model`` as a Hugging Face checkpoint directory that
+  ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads (``write_checkpoint``).
+
+  Weights in ``dtype`` (default: the parameter dtype), gathered to the host one parameter,
+  or one block of layers of a stacked parameter (at most 1 GiB), at a time. Every process
+  must call it (multi-host gathers); process 0 writes. A ``mistral`` checkpoint comes back as
+  ``llama`` (same architecture).
+  """
+  params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  read = lambda key, layers: _host(params[key] if layers is None else params[key][layers])
+  write_checkpoint(model.config, read, path, dtype=dtype or model.config.param_dtype,
+                   write=jax.process_index() == 0, max_shard_bytes=max_shard_bytes)

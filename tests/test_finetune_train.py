@@ -1,7 +1,6 @@
 """The trainer started from a Hugging Face checkpoint (``TrainConfig.init_from``), exporting at
 the end (``TrainConfig.export_at_end``) and resuming from its own checkpoints."""
 
-import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -14,13 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import finetune, train  # noqa: E402
+from ulysses_jax import finetune, gin_config, train  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif("init_from" not in {f.name for f in dataclasses.fields(train.TrainConfig)},
-                       reason="TrainConfig.init_from is not wired into the trainer yet")]
+pytestmark = pytest.mark.slow
 
 
 def test_fine_tune_from_hf_exports_and_resumes(tmp_path):
@@ -29,14 +25,19 @@ def test_fine_tune_from_hf_exports_and_resumes(tmp_path):
     for i in range(40):
       f.write(json.dumps({"prompt": f"Q{i}: ", "completion": "answer " * (i % 7 + 3)}) + "\n")
   workdir, out = tmp_path / "run", tmp_path / "exported"
-  flags = ["--gin_file=configs/finetune_tiny_cpu.gin", f"--workdir={workdir}",
-           f"--gin_param=TrainConfig.init_from='{tmp_path / 'hf'}'",
-           f"--gin_param=DataConfig.paths='{tmp_path / 'data.jsonl'}'",
-           f"--gin_param=TrainConfig.export_at_end='{out}'",
-           "--gin_param=DataConfig.seq_len=64", "--gin_param=TrainConfig.progress_bar=False",
-           "--gin_param=TrainConfig.eval_every=0"]
-  summary = train.main([*flags, "--gin_param=STEPS=6"])
+  params = [f"TrainConfig.init_from='{tmp_path / 'hf'}'",
+            f"DataConfig.paths='{tmp_path / 'data.jsonl'}'", f"TrainConfig.export_at_end='{out}'",
+            "DataConfig.seq_len=64", "TrainConfig.progress_bar=False",
+            "TrainConfig.eval_every=0", "TrainConfig.position_eval=True"]
+  run = lambda steps: train.train(str(workdir), gin_config.read(
+      ["configs/finetune_tiny_cpu.gin"], [*params, f"STEPS={steps}"]))
+  summary = run(6)
   assert summary["start_step"] == 0 and summary["step"] == 6
+  assert summary["exported"] == str(out)
+  # The per-position evaluation is logged at the eval step (the last).
+  with open(workdir / "metrics.jsonl", encoding="utf-8") as f:
+    last = json.loads(f.readlines()[-1])
+  assert {"eval_loss_pos_0_1", "eval_loss_pos_32_64"} <= set(last), last
   # The export holds the trained weights: transformers' logits equal ours.
   config = finetune.model_config(str(workdir), {})
   model = finetune.load_model(str(workdir), config, make_mesh(data=1, seq=8))
@@ -47,5 +48,5 @@ def test_fine_tune_from_hf_exports_and_resumes(tmp_path):
   start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
   assert np.abs(torch_logits(start, tokens) - ours).max() > 1e-2  # it did train
   # Running again resumes from the run's own checkpoint, not from init_from.
-  summary = train.main([*flags, "--gin_param=STEPS=8"])
+  summary = run(8)
   assert summary["start_step"] == 6 and summary["restored_step"] == 6

@@ -14,6 +14,7 @@ import os
 
 import gin
 
+from ulysses_jax import finetune
 from ulysses_jax.checkpoint import CheckpointConfig
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import DataConfig, RetrievalTask
@@ -52,10 +53,17 @@ def build(cls):
 
 
 def run_config() -> RunConfig:
-  """The ``RunConfig`` of the parsed bindings, with the operative config text."""
+  """The ``RunConfig`` of the parsed bindings, with the operative config text.
+
+  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint and the
+  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``).
+  """
   configs = {name: build(cls) for name, cls in (
       ("train", TrainConfig), ("model", LlamaConfig), ("data", DataConfig),
       ("optimizer", OptimizerConfig), ("checkpoint", CheckpointConfig))}
+  if configs["train"].init_from:
+    configs["model"] = finetune.model_config(configs["train"].init_from,
+                                             bound_fields(LlamaConfig))
   return RunConfig(**configs, gin=gin.operative_config_str())
 
 

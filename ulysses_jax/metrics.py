@@ -167,4 +167,6 @@ def format_summary(s: dict) -> str:
                  + (f", MFU {last['mfu']:.1%}" if "mfu" in last else ""))
   lines += [f"  metrics      {s['metrics']}  (tensorboard --logdir {s['tensorboard']})",
             f"  checkpoints  {s['checkpoints']}  (latest: step {s['latest_checkpoint']})"]
+  if s.get("exported"):
+    lines.append(f"  exported     {s['exported']}  (a Hugging Face checkpoint)")
   return "\n".join(lines)

@@ -41,6 +41,14 @@ class TrainConfig:
   progress_bar: show a tqdm bar on a terminal (else a log line per record).
   compilation_cache: directory of JAX's persistent compilation cache ("" = off): a
     restarted or repeated run loads its compiled programs instead of compiling again.
+  init_from: start from trained weights ("" = random init): a Hugging Face checkpoint
+    directory or a workdir / checkpoint of ours (``ulysses_jax.finetune``; weights only, a
+    fresh optimizer). The model's shapes come from it; a resumed run restores its own
+    checkpoints instead.
+  export_at_end: a directory to write the final weights to as a Hugging Face checkpoint
+    (``ulysses_jax.export``) when the run finishes ("" = no export).
+  position_eval: at eval steps also log the held-out loss by position in the row, in
+    log-spaced buckets (``eval_loss_pos_<start>_<end>``): does the long context help?
   """
   steps: int = dataclasses.field(default=1000, metadata=at_least(1))
   log_every: int = dataclasses.field(default=10, metadata=at_least(1))
@@ -61,6 +69,9 @@ class TrainConfig:
   peak_flops: float = dataclasses.field(default=0.0, metadata=at_least(0))
   progress_bar: bool = True
   compilation_cache: str = ""
+  init_from: str = ""
+  export_at_end: str = ""
+  position_eval: bool = False
 
   def __post_init__(self):
     check_fields(self)

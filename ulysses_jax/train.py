@@ -39,7 +39,8 @@ import jax
 from flax import nnx
 from tqdm import tqdm
 
-from ulysses_jax import distributed
+from ulysses_jax import distributed, export, finetune
+from ulysses_jax import evaluate as evaluate_lib
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
@@ -216,12 +217,14 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
       _log.warning("changed since the checkpoint of step %d: %s (the learning-rate schedule "
                    "follows the new values from here on)", start, change)
     workdir_lib.write_configs(workdir, config, start)
-  if run.restored is None:
-    state = init_train_state(init_llama(config.model, run.mesh, seed=cfg.seed), run.optimizer,
-                             memory=cfg.memory)[1]
+  if run.restored is None:  # a resumed run never reads init_from again
+    model = (finetune.load_model(cfg.init_from, config.model, run.mesh) if cfg.init_from
+             else init_llama(config.model, run.mesh, seed=cfg.seed))
+    state = init_train_state(model, run.optimizer, memory=cfg.memory)[1]
   else:
     state = run.restored.state
   eval_step = _make_eval_step(run.graphdef, config.data.source == "retrieval")
+  position_eval = evaluate_lib.PositionEval(run.graphdef) if cfg.position_eval else None
   record_args = dict(
       tokens=config.data.batch_size * config.data.seq_len,
       flops_per_token=metrics_lib.flops_per_token(config.model, config.data.seq_len),
@@ -266,6 +269,10 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
                                            steps=interval_steps, **record_args)
           if do_eval and run.eval_ds is not None:
             record.update(evaluate(eval_step, state.params, run.eval_ds, cfg.eval_batches))
+            if position_eval:
+              by_position = position_eval(state.params, run.eval_ds, cfg.eval_batches)
+              record.update({f"eval_loss_pos_{b['start']}_{b['end']}": b["loss"]
+                             for b in by_position["buckets"]})
           writer.write(record)
           interval_time, interval_steps = 0.0, 0
           if math.isfinite(record["loss"]):
@@ -295,6 +302,9 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
     bar.close()
     writer.close()
     ckpt.close()  # waits for an async save in flight
+  if cfg.export_at_end and lead and not summary["stopped"]:
+    with _config_errors():
+      summary["exported"] = export.export_checkpoint(workdir, cfg.export_at_end)
 
   # ---------------------------------------------------------------------------- summary
   summary.update(wall_time_s=time.perf_counter() - wall_start,

@@ -21,9 +21,9 @@ through the rules, mesh-axis names (``"data"``, ``("data", "seq")``, ...) as the
 parameters without it are replicated.
 """
 
-import contextlib
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,12 +92,6 @@ def logical_to_spec(axes, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None
   return P(*(_spec_entry(a, table, mesh) for a in axes))
 
 
-def mesh_rules(rules: Rules, mesh: Mesh) -> Rules:
-  """``rules`` less the mesh axes ``mesh`` lacks: Flax's ``sharding_rules`` metadata, with
-  which ``nnx.get_partition_spec`` and Flax's eager sharding resolve logical names."""
-  return tuple((name, _present(axes, mesh)) for name, axes in rules)
-
-
 def _num_shards(axes: str | tuple[str, ...], mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
@@ -153,35 +147,31 @@ def on_host(shardings):
   return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
 
 
-@contextlib.contextmanager
-def _placing(mesh: Mesh, rules: Rules = DEFAULT_RULES):
-  """The context in which Flax's eager sharding places a parameter created with
-  ``nnx.with_partitioning``: ``mesh`` as the current mesh, ``rules`` as Flax's logical-axis
-  rules."""
-  with jax.set_mesh(mesh), nnx.logical_axis_rules(mesh_rules(rules, mesh)):
-    yield
-
-
-def _abstract(make: Callable[[], nnx.Module], mesh: Mesh, rules: Rules):
+def _abstract(make: Callable[[], Any], mesh: Mesh, rules: Rules):
   """``make()``'s graphdef, abstract state and the state's shardings (no memory used)."""
-  with _placing(mesh, rules):
+  with nnx.use_eager_sharding(False):
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   return graphdef, tree_shardings(abstract_state, mesh, rules)
 
 
-def init_sharded(make: Callable[[], nnx.Module], mesh: Mesh,
-                 rules: Rules = DEFAULT_RULES) -> nnx.Module:
+def init_sharded(make: Callable[[], Any], mesh: Mesh, rules: Rules = DEFAULT_RULES):
   """Builds ``make()`` with every parameter created directly in its sharded layout.
 
   The one call for any NNX model, ours or your own mixing our layers with Flax's: each
-  parameter is placed by its ``out_sharding`` metadata (``tree_shardings``): FSDP for ours,
-  as ``nnx.with_partitioning`` says for Flax's, replicated without it. Shapes come from
-  ``nnx.eval_shape`` (no memory); the real initialisation runs under ``jit`` with
-  ``out_shardings``, so no device ever holds a full copy. ``make`` must create its own
-  ``nnx.Rngs`` (from a seed): random values do not depend on the sharding.
+  variable is placed by its ``out_sharding`` metadata (``tree_shardings``): FSDP for ours,
+  as ``nnx.with_partitioning`` says for Flax's, replicated without it. ``make`` returns a
+  module, or a tuple of them such as ``(model, nnx.Optimizer(model, tx, wrt=nnx.Param))``:
+  then the optimizer state is placed too (moments like their parameters, step counters
+  replicated on ``mesh``), so the first step changes no sharding and nothing compiles twice.
+
+  Shapes come from ``nnx.eval_shape`` (no memory); the real initialisation runs under ``jit``
+  with ``out_shardings``, so no device ever holds a full copy. Flax's eager sharding is off
+  while ``make`` runs (its variables record ``eager_sharding=False``), so no mesh context is
+  needed. ``make`` must create its own ``nnx.Rngs`` (from a seed): random values do not
+  depend on the sharding.
   """
   graphdef, shardings = _abstract(make, mesh, rules)
-  with _placing(mesh, rules):
+  with nnx.use_eager_sharding(False):
     state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 

@@ -1,7 +1,10 @@
 """The max-sequence-length search, the transformers comparison, the communication volume and
 the offline kernel-resource report, on tiny shapes (CPU)."""
 
+import ast
 import importlib.util
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -132,3 +135,22 @@ def test_kernel_resources_compiles_for_a_gpu(tmp_path):
       kernel_resources.triton_ir("dq", 64, large, segments=False), large, str(tmp_path))
   assert 0 < small["registers"] <= 255 and small["spill_bytes"] >= 0
   assert big["smem_KiB"] > small["smem_KiB"] > 0
+
+
+def test_benchmarks_write_json_only_where_asked(tmp_path, monkeypatch):
+  tracked = pathlib.Path(comm_volume.__file__).parent / "results" / "comm_volume.json"
+  before = tracked.read_bytes()
+  monkeypatch.chdir(tmp_path)  # where the old default path would have been created
+  small = ["--heads", "8:4", "--shards", "2", "--tokens-per-device", "16", "--fixed-seq-len",
+           "32", "--head-dim", "8"]
+  rows = comm_volume.main(small)
+  assert rows and not list(tmp_path.rglob("*.json")) and tracked.read_bytes() == before
+  comm_volume.main([*small, "--json", "out/comm.json"])
+  assert len(json.loads((tmp_path / "out" / "comm.json").read_text())["rows"]) == len(rows)
+  # No benchmark has a default output path: every --json defaults to "" (nothing written).
+  for script in pathlib.Path(comm_volume.__file__).parent.glob("*.py"):
+    for call in ast.walk(ast.parse(script.read_text())):
+      if (isinstance(call, ast.Call) and call.args and
+          getattr(call.args[0], "value", None) == "--json"):
+        defaults = [k.value.value for k in call.keywords if k.arg == "default"]
+        assert defaults == [""], (script.name, defaults)

@@ -202,8 +202,8 @@ class MLP(nnx.Module):
   exists: at most ``[B, P*chunk, F]`` (ALST's TiledMLP).
   """
 
-  def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
-               rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, mesh: Mesh,
+               rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     e, f = config.hidden_dim, config.mlp_dim
     dense = dict(mesh=mesh, dtype=config.dtype, param_dtype=config.param_dtype,
                  init_std=config.init_std, rules=rules, rngs=rngs)

@@ -82,15 +82,25 @@ def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, capsys):
   assert "--plot out.png needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
 
 
-def test_same_first_loss_as_transformers():
+def test_vs_transformers_same_losses_both_memory_policies_timed_with_spread(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   from benchmarks import vs_transformers
-  ours, theirs = vs_transformers.main(["--preset", "tiny-gqa", "--seq-lens", "64",
-                                       "--batch", "2", "--steps", "3"])
-  assert abs(ours["first_loss"] - theirs["first_loss"]) <= 1e-4 * abs(theirs["first_loss"])
-  assert abs(ours["last_loss"] - theirs["last_loss"]) <= 1e-3 * abs(theirs["last_loss"])
-  assert ours["last_loss"] < ours["first_loss"]
+  rows = vs_transformers.main(["--preset", "tiny-gqa", "--seq-lens", "64", "--batch", "2",
+                               "--repeats", "2", "--json", str(tmp_path / "vs.json")])
+  assert [r["memory_policy"] for r in rows] == ["none", "full"]
+  for row in rows:  # 3 AdamW steps each: one untimed, two timed
+    assert row["first_loss_rel_diff"] <= 1e-4
+    assert abs(row["ours_last_loss"] - row["torch_last_loss"]) <= 1e-3 * row["torch_last_loss"]
+    assert row["ours_last_loss"] < row["ours_first_loss"]
+    for side in ("ours", "torch"):
+      assert 0 < row[f"{side}_step_s_min"] <= row[f"{side}_step_s"] <= row[f"{side}_step_s_max"]
+    assert row["speed_ratio"] == pytest.approx(row["ours_tokens_per_s"] /
+                                               row["torch_tokens_per_s"])
+  written = json.loads((tmp_path / "vs.json").read_text())
+  assert written["environment"]["device_count"] == jax.device_count()
+  assert {"torch", "transformers", "torch_threads"} <= set(written["versions"])
+  assert [len(t["ulysses_jax"]) for t in written["step_times"]] == [2, 2]
 
 
 @pytest.mark.parametrize("scheme", ["ring", "hybrid"])

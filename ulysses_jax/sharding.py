@@ -148,7 +148,7 @@ def on_host(shardings):
 
 
 def _abstract(make: Callable[[], Any], mesh: Mesh, rules: Rules):
-  """``make()``'s graphdef, abstract state and the state's shardings (no memory used)."""
+  """``make()``'s graphdef and the shardings of its state (traced: no memory used)."""
   with nnx.use_eager_sharding(False):
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
   return graphdef, tree_shardings(abstract_state, mesh, rules)

@@ -169,7 +169,8 @@ def main():
   parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden // D")
   parser.add_argument("--sweep", action="store_true", help=f"also time ours at {SWEEP_BLOCKS}")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
-  parser.add_argument("--json", default="benchmarks/results/attention_kernels.json")
+  parser.add_argument("--json", default="", help="write the rows here as JSON "
+                      "(nothing is written without it)")
   args = parser.parse_args()
   if args.tiny:
     args.seq_lens, args.head_dims, args.tokens, args.hidden = "128,200", "64", 256, 128
@@ -222,9 +223,10 @@ def main():
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]
   print()
   print_table([{**r, "status": r["status"][:80]} for r in rows_out], columns)
-  write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
-             tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,
-             tokens=args.tokens, hidden=args.hidden)
+  if args.json:
+    write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
+               tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,
+               tokens=args.tokens, hidden=args.hidden)
 
 
 if __name__ == "__main__":

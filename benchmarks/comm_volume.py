@@ -110,19 +110,23 @@ def plot(rows, path, *, tokens_per_device, fixed_seq_len):
               "dashed: formula)", path)
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens-per-device", type=int, default=4096)
   parser.add_argument("--fixed-seq-len", type=int, default=32768)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--json", default="benchmarks/results/comm_volume.json")
+  parser.add_argument("--heads", default="32:32,32:8", help="Hq:Hkv pairs")
+  parser.add_argument("--shards", default="1,2,4,8", help="sequence shard counts P")
+  parser.add_argument("--json", default="", help="write the rows here as JSON "
+                      "(nothing is written without it)")
   parser.add_argument("--plot", default="", help="PNG path (needs matplotlib: the bench extra)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   check_plotting(parser, args.plot)
   rows = []
-  for q_heads, kv_heads in ((32, 32), (32, 8)):
-    for shards in (1, 2, 4, 8):
+  heads = [tuple(map(int, pair.split(":"))) for pair in args.heads.split(",")]
+  for q_heads, kv_heads in heads:
+    for shards in map(int, args.shards.split(",")):
       for seq_len in sorted({args.tokens_per_device * shards, args.fixed_seq_len}):
         for scheme in SCHEMES:
           if scheme == "hybrid" and shards < 2 * HYBRID_SEQ:
@@ -134,10 +138,12 @@ def main():
   print(f"Forward collective bytes per device, B=1, D={args.head_dim}, {args.dtype}, causal")
   print_table(rows, ["sweep", "scheme", "Hq", "Hkv", "S", "P", "seq", "ring", "collective",
                      "MiB_per_device", "expected_MiB", "ratio", "other_collective_bytes"])
-  write_json(args.json, rows)
+  if args.json:
+    write_json(args.json, rows)
   if args.plot:
     plot(rows, args.plot, tokens_per_device=args.tokens_per_device,
          fixed_seq_len=args.fixed_seq_len)
+  return rows
 
 
 if __name__ == "__main__":

@@ -177,7 +177,8 @@ def main(argv=None):
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--kernels", default=",".join(KERNELS))
   parser.add_argument("--sweep", action="store_true", help="also the tiles of SWEEP")
-  parser.add_argument("--json", default="benchmarks/results/kernel_resources.json")
+  parser.add_argument("--json", default="", help="write the rows here as JSON "
+                      "(nothing is written without it)")
   args = parser.parse_args(argv)
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
@@ -196,7 +197,8 @@ def main(argv=None):
         f"package); shared memory limit {limit} KiB per block")
   print_table(rows, ["kernel", "D", "segments", "block_q", "block_kv", "warps", "stages",
                      "table", "registers", "spill_bytes", "smem_KiB", "status"])
-  write_json(args.json, rows, capability=args.capability, smem_limit_kib=limit)
+  if args.json:
+    write_json(args.json, rows, capability=args.capability, smem_limit_kib=limit)
   return rows
 
 

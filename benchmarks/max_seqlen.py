@@ -245,8 +245,8 @@ def run_in_child(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -
 
 
 def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: int,
-            start_len: int, criterion: str, budget_gib: float, steps: int, time_max_tokens: int, on_gpu: bool,
-            peak_flops: float) -> dict:
+            start_len: int, criterion: str, budget_gib: float, steps: int,
+            time_max_tokens: int, on_gpu: bool, peak_flops: float) -> dict:
   """Searches the longest fitting S for one memory configuration and times a step there."""
   step = math.lcm(granularity, setup.seq)
   if criterion == "run":

@@ -1,19 +1,30 @@
-"""ulysses_jax against transformers + PyTorch: same model, weights, batch and optimizer.
+"""ulysses_jax against transformers + PyTorch: same model, weights, batch and memory policy.
 
-    python -m benchmarks.vs_transformers --preset llama3.2-1b --seq-lens 4096,8192,16384 \\
-        --find-max --plot benchmarks/plots/vs_transformers.png
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.vs_transformers \\
-        --preset small --seq-lens 256,512,1024
+        --preset small --seq-lens 512,1024 --memory-policies none,full --repeats 5 \\
+        --json /tmp/vs_transformers.json
+    python -m benchmarks.vs_transformers --preset llama3.2-1b --seq-lens 4096,8192,16384 \\
+        --find-max --plot /tmp/vs_transformers.png
 
 A model preset is initialised once (on the CPU), written with ``ulysses_jax.hf.save_llama``
 and read back by both sides: ``load_llama`` for ulysses_jax (sequence-sharded over all
-devices, per-layer ``full`` remat, chunked loss) and
-``transformers.AutoModelForCausalLM.from_pretrained`` for PyTorch (SDPA attention; on GPU
-float32 weights under bfloat16 autocast, like our float32 parameters with bfloat16 compute,
-and gradient checkpointing). Both train ``--steps`` steps of AdamW (betas 0.9/0.95, eps 1e-8,
-no weight decay, no clipping, constant ``--lr``) on the same batch (one document per row,
-labels = next token). The first-step loss of both is the sanity column: in float32 they
-agree to 1e-4 relative or better (tests/test_benchmarks.py).
+devices, chunked loss) and ``transformers.AutoModelForCausalLM.from_pretrained`` for PyTorch
+(SDPA attention; on GPU float32 weights under bfloat16 autocast, like our float32 parameters
+with bfloat16 compute). Both train on the same batch (one document per row, labels = next
+token) with AdamW (betas 0.9/0.95, eps 1e-8, no weight decay, no clipping, constant
+``--lr``), under the same memory policy, one row each (``--memory-policies``):
+
+  none   nothing recomputed: our ``remat_policy="none"``, transformers without gradient
+         checkpointing;
+  full   each layer's forward recomputed in the backward, keeping its input: our
+         ``remat_policy="full"``, transformers' ``gradient_checkpointing_enable()``.
+
+Timing: one untimed step (compilation, warm-up), then ``--repeats`` timed steps per side;
+each row gives the median step time with its min and max, the tokens/s of the median, and
+``speed_ratio`` = our tokens/s / transformers' (measured in the same process, one side right
+after the other). The first-step losses agree to 1e-4 relative or better in float32
+(tests/test_benchmarks.py). The JSON also records the device, the versions (jax, flax,
+torch, transformers) and PyTorch's thread count.
 
 Memory: ours is the compiled step's per-device ``args + out + temp - alias`` (``est``) and on
 GPU the allocator peak; PyTorch's is ``torch.cuda.max_memory_allocated`` (GPU only). With
@@ -23,6 +34,7 @@ runs before JAX allocates anything on the GPU, and frees its cache after.
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -37,7 +49,7 @@ from ulysses_jax.hf import load_llama, save_llama
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
-REMAT = "full"
+MEMORY_POLICIES = ("none", "full")  # our remat policy = transformers' checkpointing or not
 
 
 def optimizer_config(lr: float, steps: int) -> OptimizerConfig:
@@ -54,22 +66,25 @@ def export_initial_weights(preset: str, path: str, seed: int) -> llama.LlamaConf
   return model.config
 
 
-def timed_steps(one_step, steps: int) -> tuple[list[float], float]:
-  """Runs ``one_step() -> loss`` ``steps`` times; losses and the median time of steps 2+."""
-  losses, times = [], []
-  for _ in range(steps):
+def timed_steps(one_step, repeats: int) -> tuple[list[float], list[float]]:
+  """Runs ``one_step() -> loss`` once untimed, then ``repeats`` times timed: (all losses,
+  the timed steps' seconds)."""
+  losses, times = [one_step()], []
+  for _ in range(repeats):
     start = time.perf_counter()
     losses.append(one_step())
     times.append(time.perf_counter() - start)
-  return losses, statistics.median(times[1:] or times)
+  return losses, times
 
 
-def run_ours(path: str, batch: dict, *, dtype: str, lr: float, steps: int) -> dict:
-  """Trains our model loaded from ``path``: losses, step time, est and peak GiB per device."""
+def run_ours(path: str, batch: dict, *, dtype: str, lr: float, repeats: int,
+             policy: str) -> dict:
+  """Trains our model loaded from ``path`` with remat ``policy``: losses, step times, est and
+  peak GiB per device."""
   seq_len = batch["tokens"].shape[1]
   mesh = make_mesh(data=1, seq=jax.device_count())
-  model = load_llama(path, mesh, dtype=dtype, remat_policy=REMAT)
-  optimizer = make_optimizer(optimizer_config(lr, steps))
+  model = load_llama(path, mesh, dtype=dtype, remat_policy=policy)
+  optimizer = make_optimizer(optimizer_config(lr, repeats + 1))
   graphdef, state = train_step.init_train_state(model, optimizer)
   del model
   compiled = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,
@@ -80,22 +95,24 @@ def run_ours(path: str, batch: dict, *, dtype: str, lr: float, steps: int) -> di
     holder["state"], step_metrics = compiled(holder["state"], batch)
     return float(step_metrics["loss"])
 
-  losses, step_s = timed_steps(one_step, steps)
+  losses, times = timed_steps(one_step, repeats)
   peak = metrics.peak_memory_gib()
-  return {"losses": losses, "step_s": step_s,
+  return {"losses": losses, "times": times,
           "est_GiB": max_seqlen.device_bytes(compiled) / max_seqlen.GIB,
           "peak_GiB": float("nan") if peak is None else peak}
 
 
-def run_torch(path: str, batch: dict, *, lr: float, steps: int, on_gpu: bool) -> dict:
-  """Trains the ``transformers`` model loaded from ``path``: losses, step time, peak GiB."""
+def run_torch(path: str, batch: dict, *, lr: float, repeats: int, on_gpu: bool,
+              policy: str) -> dict:
+  """Trains the ``transformers`` model loaded from ``path``, with gradient checkpointing for
+  ``policy="full"``: losses, step times, peak GiB."""
   import torch
   import transformers
   device = "cuda" if on_gpu else "cpu"
   model = transformers.AutoModelForCausalLM.from_pretrained(
       path, dtype=torch.float32, attn_implementation="sdpa").to(device)
-  if on_gpu:
-    model.gradient_checkpointing_enable()
+  if policy == "full":  # transformers 5 renamed gradient_checkpointing_enable
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
   model.train()
   optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8,
                                 weight_decay=0.0)
@@ -106,31 +123,31 @@ def run_torch(path: str, batch: dict, *, lr: float, steps: int, on_gpu: bool) ->
 
   def one_step():
     with torch.autocast(device, dtype=torch.bfloat16, enabled=on_gpu):
-      logits = model(input_ids=tokens).logits
+      logits = model(input_ids=tokens).logits  # noqa: F821  (a closure cell, del'd below)
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                              ignore_index=-1)
     loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()  # noqa: F821
+    optimizer.zero_grad(set_to_none=True)  # noqa: F821
     value = loss.item()  # synchronises
     return value
 
   try:
-    losses, step_s = timed_steps(one_step, steps)
+    losses, times = timed_steps(one_step, repeats)
     peak = torch.cuda.max_memory_allocated() / max_seqlen.GIB if on_gpu else float("nan")
   finally:
     del model, optimizer
     if on_gpu:
       torch.cuda.empty_cache()
-  return {"losses": losses, "step_s": step_s, "peak_GiB": peak}
+  return {"losses": losses, "times": times, "peak_GiB": peak}
 
 
-def torch_fits(path: str, batch_size: int, seq_len: int, vocab: int) -> bool:
-  """Whether one PyTorch training step at ``seq_len`` runs without running out of memory."""
+def torch_fits(path: str, batch_size: int, seq_len: int, vocab: int, policy: str) -> bool:
+  """Whether PyTorch training steps at ``seq_len`` run without running out of memory."""
   import torch
   try:
-    run_torch(path, synthetic_batch(batch_size, seq_len, vocab, 0), lr=1e-5, steps=1,
-              on_gpu=True)
+    run_torch(path, synthetic_batch(batch_size, seq_len, vocab, 0), lr=1e-5, repeats=1,
+              on_gpu=True, policy=policy)
   except torch.cuda.OutOfMemoryError:
     torch.cuda.empty_cache()
     return False
@@ -138,26 +155,48 @@ def torch_fits(path: str, batch_size: int, seq_len: int, vocab: int) -> bool:
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
-  """Tokens/s and memory against sequence length, one line per implementation."""
+  """Tokens/s and memory against sequence length, one line per implementation and policy."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for impl in dict.fromkeys(r["impl"] for r in rows):
-    mine = [r for r in rows if r["impl"] == impl]
+  for policy in dict.fromkeys(r["memory_policy"] for r in rows):
+    mine = [r for r in rows if r["memory_policy"] == policy]
     lengths = [r["seq_len"] for r in mine]
-    axes[0].plot(lengths, [r["tokens_per_s"] for r in mine], "o-", label=impl)
-    for column, style in (("peak_GiB", "o-"), ("est_GiB", "x--")):
-      values = [r[column] for r in mine]
-      if not all(np.isnan(values)):
-        axes[1].plot(lengths, values, style, label=f"{impl} {column[:-4]}")
-  axes[0].set_ylabel("tokens/s")
+    for impl in ("ours", "torch"):
+      label = f"{'ulysses_jax' if impl == 'ours' else 'transformers'} ({policy})"
+      axes[0].plot(lengths, [r[f"{impl}_tokens_per_s"] for r in mine], "o-", label=label)
+      for column, style in (("peak_GiB", "o-"), ("est_GiB", "x--")):
+        values = [r.get(f"{impl}_{column}", float("nan")) for r in mine]
+        if not all(np.isnan(values)):
+          axes[1].plot(lengths, values, style, label=f"{label} {column[:-4]}")
+  axes[0].set_ylabel("tokens/s (median step)")
   axes[1].set_ylabel("GiB per device")
   for axis in axes:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("sequence length")
     axis.legend()
   common.save_figure(figure, title, path)
+
+
+def side_columns(impl: str, result: dict, tokens: int) -> dict:
+  """One side's columns of a row: losses, step-time median / min / max, tokens/s, memory."""
+  median = statistics.median(result["times"])
+  columns = {"first_loss": result["losses"][0], "last_loss": result["losses"][-1],
+             "step_s": median, "step_s_min": min(result["times"]),
+             "step_s_max": max(result["times"]), "tokens_per_s": tokens / median,
+             "peak_GiB": result["peak_GiB"]}
+  if "est_GiB" in result:
+    columns["est_GiB"] = result["est_GiB"]
+  return {f"{impl}_{k}": v for k, v in columns.items()}
+
+
+def versions() -> dict:
+  """PyTorch's side of the environment (``common.environment`` records JAX's)."""
+  import torch
+  import transformers
+  return {"torch": torch.__version__, "transformers": transformers.__version__,
+          "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count()}
 
 
 def main(argv=None) -> list[dict]:
@@ -168,53 +207,76 @@ def main(argv=None) -> list[dict]:
                       help="comma-separated sequence lengths")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
-  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--memory-policies", default=",".join(MEMORY_POLICIES),
+                      help=f"comma-separated, of {MEMORY_POLICIES} (see the module docstring)")
+  parser.add_argument("--repeats", type=int, default=5,
+                      help="timed steps per side, after one untimed step")
   parser.add_argument("--lr", type=float, default=1e-4)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--find-max", action="store_true",
                       help="also search each side's longest sequence (GPU only)")
   parser.add_argument("--granularity", type=int, default=1024)
   parser.add_argument("--max-len", type=int, default=2**20)
-  parser.add_argument("--json", default="")
+  parser.add_argument("--json", default="", help="write the rows here as JSON "
+                      "(nothing is written without it)")
   parser.add_argument("--plot", default="", help="PNG path")
   args = parser.parse_args(argv)
   common.check_plotting(parser, args.plot)
-  seq_lens = [int(s) for s in args.seq_lens.split(",")]
+  policies = args.memory_policies.split(",")
+  if unknown := [p for p in policies if p not in MEMORY_POLICIES]:
+    parser.error(f"unknown --memory-policies {unknown}; choose from {MEMORY_POLICIES}")
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  cases = [(int(s), policy) for s in args.seq_lens.split(",") for policy in policies]
 
   with tempfile.TemporaryDirectory() as path:
     config = export_initial_weights(args.preset, path, args.seed)
-    batches = [synthetic_batch(args.batch, s, config.vocab_size, 0) for s in seq_lens]
-    max_tokens = {"ours": "n/a", "torch": "n/a"}
+    batches = {s: synthetic_batch(args.batch, s, config.vocab_size, 0) for s, _ in cases}
+    max_tokens = {}
     if args.find_max and on_gpu:  # before either side holds GPU memory in this process
-      max_tokens["torch"] = max_seqlen.search(
-          lambda s: torch_fits(path, args.batch, s, config.vocab_size), args.granularity,
-          args.max_len)[0]
-      setup = max_seqlen.Setup(args.preset, args.dtype, 1, jax.device_count(), args.batch)
-      max_tokens["ours"] = max_seqlen.search(
-          lambda s: max_seqlen.run_in_child(setup, max_seqlen.MemoryConfig(REMAT), s, 1)["fits"],
-          max(args.granularity, jax.device_count()), args.max_len)[0]
+      for policy in policies:
+        max_tokens["torch", policy] = max_seqlen.search(
+            lambda s, policy=policy: torch_fits(path, args.batch, s, config.vocab_size, policy),
+            args.granularity, args.max_len)[0]
+        setup = max_seqlen.Setup(args.preset, args.dtype, 1, jax.device_count(), args.batch)
+        max_tokens["ours", policy] = max_seqlen.search(
+            lambda s, setup=setup, policy=policy: max_seqlen.run_in_child(
+                setup, max_seqlen.MemoryConfig(policy), s, 1)["fits"],
+            max(args.granularity, jax.device_count()), args.max_len)[0]
     # All PyTorch runs first: JAX's allocator keeps what it once held.
-    theirs = [run_torch(path, b, lr=args.lr, steps=args.steps, on_gpu=on_gpu) for b in batches]
-    ours = [run_ours(path, b, dtype=args.dtype, lr=args.lr, steps=args.steps) for b in batches]
+    common_args = dict(lr=args.lr, repeats=args.repeats)
+    theirs = [run_torch(path, batches[s], on_gpu=on_gpu, policy=p, **common_args)
+              for s, p in cases]
+    ours = [run_ours(path, batches[s], dtype=args.dtype, policy=p, **common_args)
+            for s, p in cases]
 
-  rows, differences = [], []
-  for seq_len, mine, other in zip(seq_lens, ours, theirs):
-    differences.append(abs(mine["losses"][0] - other["losses"][0]) / abs(other["losses"][0]))
-    rows += [{"impl": name, "seq_len": seq_len, "first_loss": result["losses"][0],
-              "last_loss": result["losses"][-1], "step_s": result["step_s"],
-              "tokens_per_s": args.batch * seq_len / result["step_s"],
-              "est_GiB": result.get("est_GiB", float("nan")), "peak_GiB": result["peak_GiB"],
-              "max_tokens": max_tokens[key]}
-             for name, key, result in (("ulysses_jax", "ours", mine),
-                                       ("transformers", "torch", other))]
+  rows = []
+  for (seq_len, policy), mine, other in zip(cases, ours, theirs):
+    tokens = args.batch * seq_len
+    row = {"seq_len": seq_len, "memory_policy": policy, **side_columns("ours", mine, tokens),
+           **side_columns("torch", other, tokens)}
+    row["speed_ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
+    row["first_loss_rel_diff"] = abs(mine["losses"][0] - other["losses"][0]) / abs(
+        other["losses"][0])
+    row["ours_max_tokens"] = max_tokens.get(("ours", policy), "n/a")
+    row["torch_max_tokens"] = max_tokens.get(("torch", policy), "n/a")
+    rows.append(row)
   print(f"{args.preset}, batch {args.batch}, {args.dtype}, {jax.device_count()} "
-        f"{jax.devices()[0].platform} device(s) for ulysses_jax; first-step loss relative "
-        f"difference per length: {', '.join(f'{d:.1e}' for d in differences)}")
-  common.print_table(rows, list(rows[0]))
+        f"{jax.devices()[0].platform} device(s) for ulysses_jax, {versions()}; step times: "
+        f"median [min, max] of {args.repeats} timed steps after one untimed")
+  common.print_table([{**r, "ours_step_s": f"{r['ours_step_s']:.3g} [{r['ours_step_s_min']:.3g}, "
+                              f"{r['ours_step_s_max']:.3g}]",
+                       "torch_step_s": f"{r['torch_step_s']:.3g} [{r['torch_step_s_min']:.3g}, "
+                                       f"{r['torch_step_s_max']:.3g}]"} for r in rows],
+                     ["seq_len", "memory_policy", "ours_step_s", "ours_tokens_per_s",
+                      "torch_step_s", "torch_tokens_per_s", "speed_ratio", "first_loss_rel_diff",
+                      "ours_est_GiB", "ours_peak_GiB", "torch_peak_GiB"])
   if args.json:
-    common.write_json(args.json, rows, first_loss_relative_difference=differences,
+    common.write_json(args.json, rows, versions=versions(), repeats=args.repeats,
                       losses=[{"ulysses_jax": m["losses"], "transformers": t["losses"]}
-                              for m, t in zip(ours, theirs)])
+                              for m, t in zip(ours, theirs)],
+                      step_times=[{"ulysses_jax": m["times"], "transformers": t["times"]}
+                                  for m, t in zip(ours, theirs)])
   if args.plot:
     plot(rows, args.plot, f"{args.preset}, batch {args.batch}, {args.dtype}")
   return rows

@@ -1,7 +1,10 @@
 """The max-sequence-length search, the transformers comparison, the communication volume and
 the offline kernel-resource report, on tiny shapes (CPU)."""
 
+import ast
 import importlib.util
+import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -79,15 +82,25 @@ def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, capsys):
   assert "--plot out.png needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
 
 
-def test_same_first_loss_as_transformers():
+def test_vs_transformers_same_losses_both_memory_policies_timed_with_spread(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   from benchmarks import vs_transformers
-  ours, theirs = vs_transformers.main(["--preset", "tiny-gqa", "--seq-lens", "64",
-                                       "--batch", "2", "--steps", "3"])
-  assert abs(ours["first_loss"] - theirs["first_loss"]) <= 1e-4 * abs(theirs["first_loss"])
-  assert abs(ours["last_loss"] - theirs["last_loss"]) <= 1e-3 * abs(theirs["last_loss"])
-  assert ours["last_loss"] < ours["first_loss"]
+  rows = vs_transformers.main(["--preset", "tiny-gqa", "--seq-lens", "64", "--batch", "2",
+                               "--repeats", "2", "--json", str(tmp_path / "vs.json")])
+  assert [r["memory_policy"] for r in rows] == ["none", "full"]
+  for row in rows:  # 3 AdamW steps each: one untimed, two timed
+    assert row["first_loss_rel_diff"] <= 1e-4
+    assert abs(row["ours_last_loss"] - row["torch_last_loss"]) <= 1e-3 * row["torch_last_loss"]
+    assert row["ours_last_loss"] < row["ours_first_loss"]
+    for side in ("ours", "torch"):
+      assert 0 < row[f"{side}_step_s_min"] <= row[f"{side}_step_s"] <= row[f"{side}_step_s_max"]
+    assert row["speed_ratio"] == pytest.approx(row["ours_tokens_per_s"] /
+                                               row["torch_tokens_per_s"])
+  written = json.loads((tmp_path / "vs.json").read_text())
+  assert written["environment"]["device_count"] == jax.device_count()
+  assert {"torch", "transformers", "torch_threads"} <= set(written["versions"])
+  assert [len(t["ulysses_jax"]) for t in written["step_times"]] == [2, 2]
 
 
 @pytest.mark.parametrize("scheme", ["ring", "hybrid"])
@@ -132,3 +145,22 @@ def test_kernel_resources_compiles_for_a_gpu(tmp_path):
       kernel_resources.triton_ir("dq", 64, large, segments=False), large, str(tmp_path))
   assert 0 < small["registers"] <= 255 and small["spill_bytes"] >= 0
   assert big["smem_KiB"] > small["smem_KiB"] > 0
+
+
+def test_benchmarks_write_json_only_where_asked(tmp_path, monkeypatch):
+  tracked = pathlib.Path(comm_volume.__file__).parent / "results" / "comm_volume.json"
+  before = tracked.read_bytes()
+  monkeypatch.chdir(tmp_path)  # where the old default path would have been created
+  small = ["--heads", "8:4", "--shards", "2", "--tokens-per-device", "16", "--fixed-seq-len",
+           "32", "--head-dim", "8"]
+  rows = comm_volume.main(small)
+  assert rows and not list(tmp_path.rglob("*.json")) and tracked.read_bytes() == before
+  comm_volume.main([*small, "--json", "out/comm.json"])
+  assert len(json.loads((tmp_path / "out" / "comm.json").read_text())["rows"]) == len(rows)
+  # No benchmark has a default output path: every --json defaults to "" (nothing written).
+  for script in pathlib.Path(comm_volume.__file__).parent.glob("*.py"):
+    for call in ast.walk(ast.parse(script.read_text())):
+      if (isinstance(call, ast.Call) and call.args and
+          getattr(call.args[0], "value", None) == "--json"):
+        defaults = [k.value.value for k in call.keywords if k.arg == "default"]
+        assert defaults == [""], (script.name, defaults)

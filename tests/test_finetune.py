@@ -48,7 +48,7 @@ def _batch(seed=0, rows=2, vocab=128):
 
 
 def _our_loss(model, tokens, labels):
-  sums = nnx.jit(lambda m, t, l: m.loss(t, l))(model, jnp.asarray(tokens, jnp.int32),
+  sums = nnx.jit(lambda m, t, y: m.loss(t, y))(model, jnp.asarray(tokens, jnp.int32),
                                                jnp.asarray(labels, jnp.int32))
   return float(sums.mean())
 
@@ -220,5 +220,5 @@ def test_command_line_errors_are_one_line(workdir, tmp_path, module, flags, mess
       capture_output=True, text=True, check=False, timeout=300,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert result.returncode == 1
-  lines = [l for l in result.stderr.splitlines() if not l.startswith("WARNING:absl")]
+  lines = [line for line in result.stderr.splitlines() if not line.startswith("WARNING:absl")]
   assert len(lines) == 1 and re.match(message, lines[0]), result.stderr

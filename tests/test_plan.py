@@ -1,10 +1,15 @@
 """The layout planner: its recommendation and its memory model against XLA's buffer assignment."""
 
+import json
+import re
+
+import gin
 import jax
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import make_mesh, plan
+from ulysses_jax import hf, make_mesh, plan, plan_cli
+from ulysses_jax import train as train_lib
 from ulysses_jax import train_step as train_step_lib
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
@@ -115,7 +120,7 @@ def test_memory_terms_scale_as_documented():
 
 
 def test_layouts_factorise_the_devices_and_divide_the_batch():
-  found = {(l.data, l.seq, l.ring) for l in plan.layouts(8, 2, remats=("full",))}
+  found = {(x.data, x.seq, x.ring) for x in plan.layouts(8, 2, remats=("full",))}
   assert found == {(1, 1, 8), (1, 2, 4), (1, 4, 2), (1, 8, 1), (2, 1, 4), (2, 2, 2), (2, 4, 1)}
 
 
@@ -126,21 +131,93 @@ def test_layer_parameters_on_the_host_need_the_optimizer_state_there():
 
 
 def test_command_line(capsys):
-  best = plan.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=32", "--gpu-mem=80",
+  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=32", "--gpu-mem=80",
                     "--intra-node=8"])
   out = capsys.readouterr().out
-  assert "recommended: make_mesh(data=1, seq=" in out and best["layout"].ring > 1
-  assert plan.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=2"]) is None
-  assert "no layout fits" in capsys.readouterr().out
+  assert "in Python: make_mesh(data=1, seq=" in out and best["layout"].ring > 1
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=2"])
+  assert exit_info.value.code == 1
+  assert capsys.readouterr().err.startswith("error: no layout fits in memory")
   # One 80 GB GPU: float32 parameters, gradients and an optimizer temporary alone need 96 GB;
   # with the layer parameters on the host (and 128 GB of the host's 2 TB) they fit.
-  best = plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"])
+  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"])
   assert best["layout"].offload_params and best["memory"]["host"] > 128e9
-  assert plan.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1",
-                    "--host-mem=128"]) is None
-  best = plan.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
+  with pytest.raises(SystemExit):
+    plan_cli.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1", "--host-mem=128"])
+  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
                     "--mlp-chunk=2048", "--param-dtype=bfloat16"])
   assert (best["layout"].remat, best["layout"].offload_optimizer) == ("full_offload", True)
   with pytest.raises(SystemExit):
-    plan.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights"])
+    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights"])
   assert "give param_dtype='bfloat16'" in capsys.readouterr().err
+
+
+def _gin_params(out):
+  return re.findall(r"--gin_param='([^']*)'", out)
+
+
+def test_recommends_only_layouts_the_trainer_accepts(capsys):
+  # 131071 tokens divide over no sequence shards, and one row over no data shards.
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main(["--model=llama3.2-1b", "--seq-len=131071", "--devices=8"])
+  err = capsys.readouterr().err.strip()
+  assert exit_info.value.code == 1 and len(err.splitlines()) == 1
+  assert err.startswith("error: no layout of 8 devices splits the work as the trainer needs")
+  model = plan.Model.from_config(llama.preset("llama3.2-1b"))
+  rows = plan.plan(model, seq_len=3 * 2**15, devices=8, batch=4, accum_steps=2,
+                   hardware=plan.Hardware())
+  assert rows
+  for row in rows:
+    lay = row["layout"]
+    assert (3 * 2**15) % (lay.seq * lay.ring) == 0 and 4 % (lay.data * 2) == 0
+    assert not lay.offload_params  # the trainer keeps accumulated gradients on the device
+
+
+def test_prints_the_trainers_gin_settings(capsys):
+  best = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--batch=4",
+                    "--accum-steps=2", "--param-dtype=bfloat16", "--master-weights"])["layout"]
+  params = _gin_params(capsys.readouterr().out)
+  train_lib.parse_gin(["configs/tiny_cpu.gin"], params)
+  try:
+    run, model, data = train_lib.TrainConfig(), train_lib.LlamaConfig(), train_lib.DataConfig()
+  finally:
+    gin.clear_config()
+  assert (run.mesh_data, run.mesh_seq, run.mesh_ring) == (best.data, best.seq, best.ring)
+  assert (run.offload_optimizer, run.offload_params) == (best.offload_optimizer,
+                                                          best.offload_params)
+  assert (run.accum_steps, run.master_weights, data.seq_len, data.batch_size) == (
+      2, True, 65536, 4)
+  assert (model.remat_policy, model.remat_group, model.dtype, model.param_dtype) == (
+      best.remat, best.remat_group, "bfloat16", "bfloat16")
+
+
+def test_model_from_a_config_json_or_a_gin_file(tmp_path, capsys):
+  config = llama.preset("qwen2.5-7b")
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(config)))
+  args = ["--seq-len=131072", "--devices=8"]
+  expected = plan_cli.main(["--model=qwen2.5-7b", *args])
+  for model in (tmp_path, tmp_path / "config.json"):
+    assert plan_cli.main([f"--model={model}", *args]) == expected
+  # A gin file gives the model and the defaults of --seq-len, --batch and --accum-steps.
+  best = plan_cli.main(["--model=configs/llama1b_128k.gin", "--devices=8"])["layout"]
+  params = dict(p.split("=", 1) for p in _gin_params(capsys.readouterr().out))
+  assert (params["DataConfig.seq_len"], params["DataConfig.batch_size"],
+          params["TrainConfig.accum_steps"]) == ("131072", "8", "4")
+  assert 8 % (best.data * 4) == 0
+
+
+@pytest.mark.parametrize("model,message", [
+    ("llama9", r"error: unknown model 'llama9': give a preset \(llama3.1-8b, llama3.2-1b, "),
+    ("{bad_json}", r"error: .*config.json: not a usable Hugging Face config.json"),
+    ("{bad_gin}", r"error: .*bad.gin: "),
+])
+def test_bad_input_is_one_error_line_and_exit_2(model, message, tmp_path, capsys):
+  (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+  (tmp_path / "bad.gin").write_text("LlamaConfig.hidden_dimm = 3\n")
+  model = model.format(bad_json=tmp_path / "config.json", bad_gin=tmp_path / "bad.gin")
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([f"--model={model}", "--seq-len=1024", "--devices=8"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+  assert re.match(message, err), err

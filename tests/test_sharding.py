@@ -82,7 +82,8 @@ def test_compiled_step_arguments_are_one_eighth_of_single_device():
   argument_bytes, expected_bytes = {}, {}
   for shape in ((1, 1), (2, 4)):
     mesh = mesh_of(*shape)
-    model = sharding.put_sharded(lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)), state, mesh)
+    model = sharding.put_sharded(lambda mesh=mesh: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)),
+                                 state, mesh)
     graphdef, train_state = train_step.init_train_state(model, optimizer)
     step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh, seq_len=32)
     memory = step.lower(train_state, batch).compile().memory_analysis()

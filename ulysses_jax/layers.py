@@ -1,7 +1,9 @@
 """Building blocks shared by ``UlyssesAttention`` and the models: ``Dense``, ``RMSNorm``.
 
-Parameters are stored in ``param_dtype`` (float32) with ``logical_axes`` metadata (see
-``ulysses_jax.sharding``) and cast to the compute ``dtype`` at use.
+Parameters are stored in ``param_dtype`` (float32) and cast to the compute ``dtype`` at use.
+Each carries Flax's partitioning metadata (``param``): built eagerly, a layer's parameters
+are already in their FSDP layout on ``mesh``; ``sharding.init_sharded`` creates them there
+without a full copy on any device.
 """
 
 from collections.abc import Sequence
@@ -9,30 +11,53 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from ulysses_jax import sharding
+
+
+def param(value: jax.Array, axes: Sequence[str | None], *, mesh: Mesh,
+          rules: sharding.Rules = sharding.DEFAULT_RULES) -> nnx.Param:
+  """``value`` placed by its logical ``axes`` (one name per dimension), as an ``nnx.Param``.
+
+  The names go into Flax's ``out_sharding`` metadata, as ``nnx.with_partitioning`` puts them
+  (``nnx.get_partition_spec`` shows them; ``sharding.tree_shardings`` resolves them). The
+  value is placed here, on ``mesh`` by ``rules`` (a sharding constraint under a trace), so
+  Flax's own eager sharding is off: it would need a mesh context. The metadata holds no
+  mesh, so the parameter moves to other meshes. ``logical_axes`` repeats the names for
+  ``optimizer.split_layers``, which reads that key.
+  """
+  axes = tuple(axes)
+  spec = sharding.logical_to_spec(axes, rules, mesh)
+  if isinstance(value, jax.core.Tracer):
+    value = jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
+  else:
+    sharding.check_divisible(f"parameter {axes}", value.shape, spec, mesh)
+    value = jax.device_put(value, NamedSharding(mesh, spec))
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False, logical_axes=axes)
 
 
 class Dense(nnx.Module):
   """``y = x @ kernel (+ bias)``, contracting the last ``len(in_shape)`` dims of x.
 
-  kernel: ``in_shape + out_shape``, normal(0, ``init_std``), logical axes ``axes``;
-  bias (optional): ``out_shape``, zeros. At use the kernel is cast to ``dtype`` and
-  all-gathered from its FSDP shards (``sharding.gather``).
+  kernel: ``in_shape + out_shape``, normal(0, ``init_std``), logical axes ``axes`` (FSDP
+  over the ``embed`` one by ``rules``); bias (optional): ``out_shape``, zeros. At use the
+  kernel is cast to ``dtype`` and all-gathered from its FSDP shards (``sharding.gather``).
   """
 
   def __init__(self, in_shape: Sequence[int], out_shape: Sequence[int], *,
                axes: Sequence[str], mesh: Mesh, use_bias: bool = False, dtype=jnp.float32,
-               param_dtype=jnp.float32, init_std: float = 0.02, rngs: nnx.Rngs):
+               param_dtype=jnp.float32, init_std: float = 0.02,
+               rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     in_shape, out_shape, axes = tuple(in_shape), tuple(out_shape), tuple(axes)
     if len(axes) != len(in_shape) + len(out_shape):
       raise ValueError(f"axes {axes} must name all {len(in_shape) + len(out_shape)} kernel "
                        "dimensions.")
     shape = in_shape + out_shape
-    self.kernel = nnx.Param(init_std * jax.random.normal(rngs.params(), shape, param_dtype),
-                            logical_axes=axes)
-    self.bias = (nnx.Param(jnp.zeros(out_shape, param_dtype), logical_axes=axes[len(in_shape):])
+    place = dict(mesh=mesh, rules=rules)
+    self.kernel = param(init_std * jax.random.normal(rngs.params(), shape, param_dtype), axes,
+                        **place)
+    self.bias = (param(jnp.zeros(out_shape, param_dtype), axes[len(in_shape):], **place)
                  if use_bias else None)
     self.num_in = len(in_shape)
     self.mesh = mesh
@@ -51,11 +76,12 @@ class Dense(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-  """``x / rms(x) * scale`` over the last axis, computed in float32; scale ``[dim]`` = 1."""
+  """``x / rms(x) * scale`` over the last axis, computed in float32; scale ``[dim]`` = 1,
+  logical axis ``norm`` (replicated by the default rules)."""
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.float32,
-               param_dtype=jnp.float32):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+  def __init__(self, dim: int, *, mesh: Mesh, eps: float = 1e-6, dtype=jnp.float32,
+               param_dtype=jnp.float32, rules: sharding.Rules = sharding.DEFAULT_RULES):
+    self.scale = param(jnp.ones((dim,), param_dtype), ("norm",), mesh=mesh, rules=rules)
     self.eps = eps
     self.dtype = jnp.dtype(dtype)
 

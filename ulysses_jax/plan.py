@@ -1,8 +1,10 @@
 """Layout planner: which (data, seq, ring, remat, offload) to train a model at a sequence length.
 
     python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
-        [--intra-node=8] [--host-mem=2048] [--batch=1] [--dtype=bfloat16] \\
+        [--intra-node=8] [--host-mem=2048] [--batch=1] [--accum-steps=1] [--dtype=bfloat16] \\
         [--param-dtype=bfloat16 --master-weights]
+
+(the command line: ``ulysses_jax.plan_cli``).
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
@@ -10,7 +12,11 @@ policy, the optimizer state on the device or the host (``offload_optimizer``) an
 layer parameters and gradients (``offload_params``), it predicts
 per-device memory on the device and on the host (``predict_memory``) and the time of one
 training step (``predict_step``), drops the layouts that do not fit, and recommends the
-fastest.
+fastest. Only layouts the trainer accepts are tried: ``seq·ring`` divides the sequence
+length, ``data·accum_steps`` divides the batch, layer parameters on the host only without
+gradient accumulation. With ``accum_steps`` micro-batches the activations are those of one
+micro-batch, the gradients are summed in float32 (4·params/N more), and FSDP gathers and
+reduce-scatters once per micro-batch.
 
 Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
 the compute / parameter dtype, w bytes of the weights the optimizer updates: 4 with float32
@@ -60,7 +66,6 @@ overlap with compute; the update's streams (the optimizer state in and out; the 
 gradients the gradient norm and the update read, the parameters written back) do not.
 """
 
-import argparse
 import dataclasses
 import itertools
 
@@ -162,13 +167,13 @@ def _optimizer_bytes(param_dtype, master_weights):
 
 def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
                    dtype: str = "bfloat16", param_dtype: str = "float32",
-                   master_weights: bool = False) -> dict:
+                   master_weights: bool = False, accum_steps: int = 1) -> dict:
   """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
   c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
   o, w = _optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
-  seqs, per_seq, t = _tokens(layout, batch, seq_len)
+  seqs, per_seq, t = _tokens(layout, batch // accum_steps, seq_len)
   heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
   mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
@@ -190,7 +195,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   device_params = model.params - host_params + model.layer_params * layout.offload_params
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
-      "grads": (p + (0 if offload else w)) * device_params / n,
+      "grads": (p + (0 if offload else w) + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
       "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
@@ -231,8 +236,8 @@ def _host_activation_bytes(model, layout, t, c):
 
 
 def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
-                 hardware: Hardware, dtype: str = "bfloat16",
-                 param_dtype: str = "float32", master_weights: bool = False) -> dict:
+                 hardware: Hardware, dtype: str = "bfloat16", param_dtype: str = "float32",
+                 master_weights: bool = False, accum_steps: int = 1) -> dict:
   """Per-device communication bytes and predicted seconds of one training step."""
   c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
   o, _ = _optimizer_bytes(param_dtype, master_weights)
@@ -240,33 +245,37 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   _, _, t = _tokens(layout, batch, seq_len)
   heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
-  l, e, d = model.num_layers, model.hidden_dim, model.head_dim
+  n_layers, e, d = model.num_layers, model.hidden_dim, model.head_dim
   bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
   # Attention passes: forward, backward, and the forward again unless nothing is recomputed
   # (save_names keeps q, k, v but not the lse, so attention is recomputed); remat groups
   # recompute the forward once more.
   regroup = layout.remat_group > 1
   passes = (2 if layout.remat == "none" else 3) + regroup
-  a2a = (2 * hq + 2 * hkv) * d * t * c * (layout.seq - 1) / layout.seq * l * passes
+  a2a = (2 * hq + 2 * hkv) * d * t * c * (layout.seq - 1) / layout.seq * n_layers * passes
   kv_block = hkv * d * t  # one K (or V) block on each device
   ring = 0
   if layout.ring > 1:  # K/V rotate in each pass; float32 dK/dV travel home in the backward
-    ring = l * (passes * 2 * (layout.ring - 1) * kv_block * c + 2 * layout.ring * kv_block * 4)
-  fsdp = (2 * c + p) * model.params * (n - 1) / n  # gather twice (c), reduce-scatter (p)
-  attn_flops = 2 * l * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
+    ring = n_layers * (passes * 2 * (layout.ring - 1) * kv_block * c
+                       + 2 * layout.ring * kv_block * 4)
+  # Per micro-batch: gather twice (c), reduce-scatter (p).
+  fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
+  attn_flops = 2 * n_layers * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
   forward = 2 * model.params * t + attn_flops
-  projections = 2 * l * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
+  projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
   compute = (3 * forward + recompute + forward * regroup) / hardware.flops
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
-  merge = l * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw if layout.ring > 1 else 0
+  merge = (n_layers * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw
+           if layout.ring > 1 else 0)
   # Offloaded activations go to the host and back, and offloaded layer weights come to the
   # device in every forward pass (recomputed ones included) and their gradients go back,
   # overlapped with compute; the update's streams are exposed (see the module docstring).
-  moved_inputs = l + (l // layout.remat_group if regroup else 0)  # layers', groups' inputs
-  moved = {"full_offload": moved_inputs * e, "offload": l * _named_per_token(model)}
+  # The layers' inputs, and the groups' inputs with remat groups.
+  moved_inputs = n_layers + (n_layers // layout.remat_group if regroup else 0)
+  moved = {"full_offload": moved_inputs * e, "offload": n_layers * _named_per_token(model)}
   host_param_bytes = p * _host_param_count(model, layout) / n
   fetches = 1 + (layout.remat != "none") + regroup
   overlapped = 2 * t * c * moved.get(layout.remat, 0) + (fetches + 1) * host_param_bytes
@@ -284,40 +293,45 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
           "step_s": sum(times.values())}
 
 
-def layouts(devices: int, batch: int, *, remats=REMATS, offload_optimizer=(False, True),
-            remat_groups=(1,)):
-  """Every ``Layout`` with data·seq·ring = devices and data dividing the batch (remat groups
-  with the ``full`` policies only; layer parameters on the host or not when the optimizer
-  state is)."""
+def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps: int = 1,
+            remats=REMATS, offload_optimizer=(False, True), remat_groups=(1,)):
+  """Every ``Layout`` the trainer accepts with data·seq·ring = devices: data·accum_steps
+  dividing the batch, seq·ring dividing ``seq_len`` (when given), remat groups with the
+  ``full`` policies only, layer parameters on the host or not when the optimizer state is
+  (and there is no gradient accumulation)."""
   for data in range(1, devices + 1):
-    if devices % data or batch % data:
+    if devices % data or batch % (data * accum_steps):
       continue
     for seq in range(1, devices // data + 1):
-      if (devices // data) % seq == 0:
-        for remat in remats:
-          groups = remat_groups if remat in ("full", "full_offload") else (1,)
-          for opt, group in itertools.product(offload_optimizer, groups):
-            for params in (False, True) if opt else (False,):
-              yield Layout(data, seq, devices // data // seq, remat, opt, group, params)
+      ring = devices // data // seq
+      if (devices // data) % seq or (seq_len is not None and seq_len % (seq * ring)):
+        continue
+      for remat in remats:
+        groups = remat_groups if remat in ("full", "full_offload") else (1,)
+        for opt, group in itertools.product(offload_optimizer, groups):
+          for params in (False, True) if opt and accum_steps == 1 else (False,):
+            yield Layout(data, seq, ring, remat, opt, group, params)
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
          dtype: str = "bfloat16", param_dtype: str = "float32",
-         master_weights: bool = False) -> list[dict]:
+         master_weights: bool = False, accum_steps: int = 1) -> list[dict]:
   """Feasible layouts, fastest first; each row has ``layout``, ``memory`` and ``step``."""
-  if seq_len < 1 or devices < 1 or batch < 1:
-    raise ValueError(f"seq_len, devices and batch must be >= 1, got {seq_len}, {devices}, "
-                     f"{batch}.")
+  sizes = dict(seq_len=seq_len, devices=devices, batch=batch, accum_steps=accum_steps)
+  if min(sizes.values()) < 1:
+    raise ValueError(f"seq_len, devices, batch and accum_steps must be >= 1, got {sizes}.")
   if master_weights and param_dtype == "float32":
     raise ValueError("master weights are a float32 copy of lower-precision parameters; with "
                      "master_weights give param_dtype='bfloat16' (or 'float16').")
-  dtypes = dict(dtype=dtype, param_dtype=param_dtype, master_weights=master_weights)
+  dtypes = dict(dtype=dtype, param_dtype=param_dtype, master_weights=master_weights,
+                accum_steps=accum_steps)
   budget = hardware.memory_gb * _GB * hardware.usable
   host_budget = hardware.host_memory_gb * _GB * hardware.usable / min(devices,
                                                                       hardware.intra_node)
   rows = []
   groups = tuple(k for k in REMAT_GROUPS if model.num_layers % k == 0)
-  for layout in layouts(devices, batch, remat_groups=groups):
+  for layout in layouts(devices, batch, seq_len=seq_len, accum_steps=accum_steps,
+                        remat_groups=groups):
     memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, **dtypes)
     if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,
@@ -326,71 +340,6 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
   return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
 
 
-def _on_host_label(layout):
-  return "opt+params" if layout.offload_params else "opt" if layout.offload_optimizer else "-"
-
-
-def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'on host':>10} "
-            f"{'mem GB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} {'comm s':>7} "
-            f"{'step s':>8} {'tok/s':>9}")
-  lines = [header]
-  for r in rows:
-    lay, mem, step = r["layout"], r["memory"], r["step"]
-    comm = step["step_s"] - step["compute_s"]
-    lines.append(
-        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
-        f"{_on_host_label(lay):>10} {mem['total'] / _GB:>7.1f} "
-        f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} {step['ring_bytes'] / _GB:>7.2f} "
-        f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
-        f"{batch * seq_len / step['step_s']:>9.0f}")
-  return "\n".join(lines)
-
-
-def main(argv=None):
-  from ulysses_jax.models import llama
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", required=True, help=f"one of {sorted(llama.PRESETS)}")
-  parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-  parser.add_argument("--devices", type=int, required=True)
-  parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB per device")
-  parser.add_argument("--intra-node", type=int, default=8, help="devices per node")
-  parser.add_argument("--host-mem", type=float, default=Hardware.host_memory_gb,
-                      help="host GB per node")
-  parser.add_argument("--batch", type=int, default=1, help="sequences per step")
-  parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_BYTES))
-  parser.add_argument("--param-dtype", default="float32", choices=sorted(_DTYPE_BYTES),
-                      help="LlamaConfig.param_dtype (parameters, gradients, Adam moments)")
-  parser.add_argument("--master-weights", action="store_true",
-                      help="the optimizer updates a float32 copy of the parameters")
-  parser.add_argument("--mlp-chunk", type=int, default=None, help="tokens per MLP tile")
-  parser.add_argument("--top", type=int, default=12, help="rows to print")
-  args = parser.parse_args(argv)
-  overrides = {} if args.mlp_chunk is None else {"mlp_chunk": args.mlp_chunk}
-  model = Model.from_config(llama.preset(args.model, **overrides))
-  hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node,
-                      host_memory_gb=args.host_mem)
-  try:
-    rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
-                batch=args.batch, dtype=args.dtype, param_dtype=args.param_dtype,
-                master_weights=args.master_weights)
-  except ValueError as e:
-    parser.error(str(e))
-  print(f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x {args.seq_len} "
-        f"tokens on {args.devices} devices of {args.gpu_mem:g} GB "
-        f"({hardware.usable:.0%} usable), {args.intra_node} per node with {args.host_mem:g} GB "
-        f"of host memory")
-  if not rows:
-    print("no layout fits: add devices, lower --seq-len, or tile the MLP (--mlp-chunk).")
-    return None
-  print(_format(rows[:args.top], args.batch, args.seq_len))
-  best = rows[0]["layout"]
-  print(f"recommended: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}), "
-        f"remat_policy={best.remat!r}, remat_group={best.remat_group}, "
-        f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}; "
-        f"{len(rows)} feasible layouts")
-  return rows[0]
-
-
 if __name__ == "__main__":
-  main()
+  from ulysses_jax import plan_cli
+  plan_cli.main()

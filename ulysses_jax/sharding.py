@@ -12,18 +12,25 @@ names (``"embed"``, ``"act_seq"``, ...). ``DEFAULT_RULES`` maps each name to mes
 
 Pure FSDP vs FSDP + sequence parallelism vs the hybrid is the mesh shape (``seq``, ``ring``),
 not a rule change: rules name every mesh axis, and axes a mesh lacks are dropped.
-Parameters carry their logical names as ``nnx.Variable`` metadata ``logical_axes``.
+
+Parameters carry their names in Flax's own partitioning metadata, ``out_sharding`` (what
+``nnx.with_partitioning`` sets and ``nnx.get_partition_spec`` reads): our layers
+(``ulysses_jax.layers``) set it to logical names, a Flax layer to whatever its
+``nnx.with_partitioning`` says. ``init_sharded`` places every parameter by it: logical names
+through the rules, mesh-axis names (``"data"``, ``("data", "seq")``, ...) as they are;
+parameters without it are replicated.
 """
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ulysses_jax.mesh import DATA, RING, SEQ, sequence_axes, sequence_shards
+from ulysses_jax.mesh import DATA, RING, RING_AXES, SEQ, sequence_axes, sequence_shards
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -50,30 +57,47 @@ DEFAULT_RULES: Rules = (
 
 def _present(mesh_axes, mesh: Mesh | None):
   """``mesh_axes`` (a name, tuple or None) less the axes ``mesh`` lacks, as a spec entry."""
-  if mesh_axes is None or mesh is None:
-    return mesh_axes
-  kept = tuple(a for a in ((mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes)
-               if a in mesh.axis_names)
+  if mesh_axes is None:
+    return None
+  names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+  kept = tuple(a for a in names if mesh is None or a in mesh.axis_names)
   return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
-def logical_to_spec(axes: tuple[str | None, ...], rules: Rules = DEFAULT_RULES,
-                    mesh: Mesh | None = None) -> P:
-  """Maps logical axis names (None = replicated) to a PartitionSpec via ``rules``; with
-  ``mesh``, mesh axes it lacks (e.g. ``ring``) are left out."""
+def _spec_entry(entry, table: dict, mesh: Mesh | None):
+  """One dimension's names (None, a name, or a tuple of names) -> its mesh axes: logical names
+  through ``table``, mesh-axis names as they are, axes ``mesh`` lacks left out."""
+  if entry is None:
+    return None
+  mesh_axes = set(RING_AXES) | set(() if mesh is None else mesh.axis_names)
+  axes = []
+  for name in entry if isinstance(entry, tuple) else (entry,):
+    if name in table:
+      mapped = table[name]
+      axes += [] if mapped is None else [mapped] if isinstance(mapped, str) else list(mapped)
+    elif name in mesh_axes:
+      axes.append(name)
+    else:
+      raise ValueError(f"logical axes [{name!r}] are not in the sharding rules nor mesh axes; "
+                       f"known names: {sorted(table)}, mesh axes {sorted(mesh_axes)}. Add them "
+                       "to the rules table.")
+  return _present(axes or None, mesh)
+
+
+def logical_to_spec(axes, rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None) -> P:
+  """Maps one name per dimension to a PartitionSpec: logical names via ``rules``, mesh-axis
+  names (``"data"``, ``("data", "seq")``) as they are, None = replicated; with ``mesh``,
+  mesh axes it lacks (e.g. ``ring``) are left out."""
   table = dict(rules)
-  unknown = [a for a in axes if a is not None and a not in table]
-  if unknown:
-    raise ValueError(f"logical axes {unknown} are not in the sharding rules; known names: "
-                     f"{sorted(table)}. Add them to the rules table.")
-  return P(*(None if a is None else _present(table[a], mesh) for a in axes))
+  return P(*(_spec_entry(a, table, mesh) for a in axes))
 
 
 def _num_shards(axes: str | tuple[str, ...], mesh: Mesh) -> int:
   return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
-def _check_divisible(name, shape, spec, mesh):
+def check_divisible(name: str, shape, spec: P, mesh: Mesh):
+  """Raises unless each dimension of ``shape`` divides into its shards under ``spec``."""
   for dim, (size, axes) in enumerate(zip(shape, spec)):
     if axes is None:
       continue
@@ -88,22 +112,23 @@ def _check_divisible(name, shape, spec, mesh):
 def tree_shardings(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
   """NamedShardings for a tree of (abstract) arrays and ``nnx.Variable``s.
 
-  A Variable with ``logical_axes`` metadata gets ``rules`` applied (its dimensions must be
-  divisible by their shard counts); every other array leaf (step counters, ...) is
+  A Variable with Flax's ``out_sharding`` metadata (one name per leading dimension; see the
+  module docstring) gets that spec through ``rules`` (its dimensions must be divisible by
+  their shard counts); every other Variable and array leaf (step counters, ...) is
   replicated. Works on parameter states, gradients and optax states alike, since optax
   moments keep the parameters' Variables and metadata. Returns the same tree with each
   Variable's value (or leaf) replaced by its NamedSharding.
   """
   def one(path, x):
     if isinstance(x, nnx.Variable):
-      axes = x.get_metadata().get("logical_axes")
-      if axes is None:
+      names = x.get_metadata().get("out_sharding")
+      if not names:
         return x.replace(NamedSharding(mesh, P()))
-      if len(axes) != len(x.shape):
-        raise ValueError(f"{jax.tree_util.keystr(path)}: logical_axes {axes} do not match "
-                         f"shape {tuple(x.shape)}.")
-      spec = logical_to_spec(axes, rules, mesh)
-      _check_divisible(jax.tree_util.keystr(path), x.shape, spec, mesh)
+      if len(names) > len(x.shape):
+        raise ValueError(f"{jax.tree_util.keystr(path)}: out_sharding {tuple(names)} names "
+                         f"more dimensions than its shape {tuple(x.shape)} has.")
+      spec = logical_to_spec(names, rules, mesh)
+      check_divisible(jax.tree_util.keystr(path), x.shape, spec, mesh)
       return x.replace(NamedSharding(mesh, spec))
     return NamedSharding(mesh, P())
   return jax.tree_util.tree_map_with_path(one, tree,
@@ -122,17 +147,32 @@ def on_host(shardings):
   return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
 
 
-def init_sharded(make: Callable[[], nnx.Module], mesh: Mesh,
-                 rules: Rules = DEFAULT_RULES) -> nnx.Module:
+def _abstract(make: Callable[[], Any], mesh: Mesh, rules: Rules):
+  """``make()``'s graphdef and the shardings of its state (traced: no memory used)."""
+  with nnx.use_eager_sharding(False):
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
+  return graphdef, tree_shardings(abstract_state, mesh, rules)
+
+
+def init_sharded(make: Callable[[], Any], mesh: Mesh, rules: Rules = DEFAULT_RULES):
   """Builds ``make()`` with every parameter created directly in its sharded layout.
 
-  Shapes come from ``nnx.eval_shape`` (no memory); the real initialisation runs under
-  ``jit`` with ``out_shardings``, so no device ever holds a full copy. ``make`` must create
-  its own ``nnx.Rngs`` (from a seed): random values do not depend on the sharding.
+  The one call for any NNX model, ours or your own mixing our layers with Flax's: each
+  variable is placed by its ``out_sharding`` metadata (``tree_shardings``): FSDP for ours,
+  as ``nnx.with_partitioning`` says for Flax's, replicated without it. ``make`` returns a
+  module, or a tuple of them such as ``(model, nnx.Optimizer(model, tx, wrt=nnx.Param))``:
+  then the optimizer state is placed too (moments like their parameters, step counters
+  replicated on ``mesh``), so the first step changes no sharding and nothing compiles twice.
+
+  Shapes come from ``nnx.eval_shape`` (no memory); the real initialisation runs under ``jit``
+  with ``out_shardings``, so no device ever holds a full copy. Flax's eager sharding is off
+  while ``make`` runs (its variables record ``eager_sharding=False``), so no mesh context is
+  needed. ``make`` must create its own ``nnx.Rngs`` (from a seed): random values do not
+  depend on the sharding.
   """
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-  shardings = tree_shardings(abstract_state, mesh, rules)
-  state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
+  graphdef, shardings = _abstract(make, mesh, rules)
+  with nnx.use_eager_sharding(False):
+    state = jax.jit(lambda: nnx.split(make())[1], out_shardings=shardings)()
   return nnx.merge(graphdef, state)
 
 
@@ -144,8 +184,7 @@ def put_sharded(make: Callable[[], nnx.Module], state, mesh: Mesh,
   or layout; ``state`` stays valid (a donating train step cannot delete it). ``make`` is
   only traced, never run.
   """
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(make))
-  shardings = tree_shardings(abstract_state, mesh, rules)
+  graphdef, shardings = _abstract(make, mesh, rules)
   return nnx.merge(graphdef, jax.device_put(state, shardings, may_alias=False))
 
 

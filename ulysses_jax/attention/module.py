@@ -4,7 +4,7 @@ Drop it into any NNX model whose activations are ``[B, S, E]`` sharded ``(data, 
 
     attn = UlyssesAttention(embed_dim=512, num_heads=8, num_kv_heads=2, mesh=mesh,
                             rngs=nnx.Rngs(0))
-    y_BSE = attn(x_BSE, positions_BS, segment_ids_BS)
+    y_BSE = attn(x_BSE, positions=positions_BS, segment_ids=segment_ids_BS)
 
 Inside: q/k/v projections (token-local, on the sequence shards), optional qk-norm, RoPE
 from the global ``positions``, the two Ulysses all-to-alls around exact local attention,
@@ -13,8 +13,12 @@ and the output projection. GQA when ``num_kv_heads < num_heads``.
 Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
 ``q_proj.kernel [E, Hq, D]``, ``k_proj.kernel / v_proj.kernel [E, Hkv, D]`` (+ ``bias``
 ``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]``, ``q_norm.scale / k_norm.scale
-[D]`` with ``qk_norm``.
+[D]`` with ``qk_norm``. Kernels are FSDP-sharded along E over every device (``rules``), from
+the moment they are created (``ulysses_jax.layers.param``).
 """
+
+import warnings
+
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +78,8 @@ class UlyssesAttention(nnx.Module):
     if backend not in backends.BACKENDS:
       raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}.")
     e, hq, hkv, d = embed_dim, num_heads, num_kv_heads, head_dim
-    dense = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, init_std=init_std, rngs=rngs)
+    dense = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, init_std=init_std,
+                 rules=rules, rngs=rngs)
     self.q_proj = Dense((e,), (hq, d), axes=("embed", "heads", "head_dim"), use_bias=qkv_bias,
                         **dense)
     self.k_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
@@ -82,7 +87,7 @@ class UlyssesAttention(nnx.Module):
     self.v_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
                         use_bias=qkv_bias, **dense)
     self.o_proj = Dense((hq, d), (e,), axes=("heads", "head_dim", "embed"), **dense)
-    norm = dict(eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+    norm = dict(mesh=mesh, eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rules=rules)
     self.q_norm = RMSNorm(d, **norm) if qk_norm else None
     self.k_norm = RMSNorm(d, **norm) if qk_norm else None
     self.head_dim = d
@@ -93,25 +98,56 @@ class UlyssesAttention(nnx.Module):
     self.backend = backend
     self.rules = rules
 
-  def __call__(self, x_BSE: jax.Array, positions_BS: jax.Array | None = None,
+  def __call__(self, x_BSE: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, *, positions_BS: jax.Array | None = None,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
     """``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
 
     ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
     each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
+    ``positions_BS`` / ``segment_ids_BS``: their old names, deprecated.
     """
+    positions = _renamed(positions, positions_BS, "positions")
+    segment_ids = _renamed(segment_ids, segment_ids_BS, "segment_ids")
     b, s, _ = x_BSE.shape
-    if positions_BS is None:
-      positions_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
+      _check_ids(name, ids, x_BSE.shape)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
     q, k, v = (constrain(proj(x_BSE)) for proj in (self.q_proj, self.k_proj, self.v_proj))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-    q, k = (rope.apply_rope(t, positions_BS, inv_freq) for t in (q, k))
+    q, k = (rope.apply_rope(t, positions, inv_freq) for t in (q, k))
     q, k, v = (checkpoint_name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
-                            segment_ids=segment_ids_BS, backend=self.backend)
+                            segment_ids=segment_ids, backend=self.backend)
     out = checkpoint_name(constrain(out), ATTN_OUT)
     return sharding.constrain(self.o_proj(out), ("act_batch", "act_seq", "act_embed"),
                               self.mesh, self.rules)
+
+
+def _renamed(value, old_value, name: str):
+  """``value``, or ``old_value`` given under the deprecated keyword ``{name}_BS``."""
+  if old_value is None:
+    return value
+  if value is not None:
+    raise TypeError(f"UlyssesAttention got both {name}= and its deprecated name {name}_BS=; "
+                    f"pass {name}= only.")
+  warnings.warn(f"UlyssesAttention({name}_BS=...) is deprecated and will be removed in the "
+                f"next release; pass {name}=... instead.", DeprecationWarning, stacklevel=3)
+  return old_value
+
+
+def _check_ids(name: str, ids, x_shape):
+  """Raises unless ``ids`` is None or an integer ``[B, S]`` array for ``x`` ``[B, S, E]``."""
+  if ids is None:
+    return
+  expected = tuple(x_shape[:2])
+  shape, dtype = tuple(jnp.shape(ids)), jnp.result_type(ids)
+  if shape != expected or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(
+        f"UlyssesAttention: {name} must be an integer [batch, seq] array of shape {expected} "
+        f"(x is [B, S, E] = {tuple(x_shape)}), got {dtype} {shape}; give one value per token, "
+        f"e.g. jnp.broadcast_to(jnp.arange({expected[1]}), {expected}) for positions.")

@@ -30,7 +30,7 @@ from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.common import PAD_SEGMENT
-from ulysses_jax.layers import Dense, RMSNorm
+from ulysses_jax.layers import Dense, RMSNorm, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
     PRESETS, REMAT_POLICIES, LlamaConfig, preset)
@@ -93,10 +93,11 @@ class MLP(nnx.Module):
   exists: at most ``[B, P*chunk, F]`` (ALST's TiledMLP).
   """
 
-  def __init__(self, config: LlamaConfig, *, mesh: Mesh, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, mesh: Mesh,
+               rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     e, f = config.hidden_dim, config.mlp_dim
     dense = dict(mesh=mesh, dtype=config.dtype, param_dtype=config.param_dtype,
-                 init_std=config.init_std, rngs=rngs)
+                 init_std=config.init_std, rules=rules, rngs=rngs)
     self.gate_proj = Dense((e,), (f,), axes=("embed", "mlp"), **dense)
     self.up_proj = Dense((e,), (f,), axes=("embed", "mlp"), **dense)
     self.down_proj = Dense((f,), (e,), axes=("mlp", "embed"), **dense)
@@ -120,7 +121,8 @@ class DecoderLayer(nnx.Module):
   def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
                rngs: nnx.Rngs):
     c = config
-    norm = dict(eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+    norm = dict(mesh=mesh, eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype,
+                rules=rules)
     self.attn_norm = RMSNorm(c.hidden_dim, **norm)
     self.attn = UlyssesAttention(
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -128,7 +130,7 @@ class DecoderLayer(nnx.Module):
         qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend, dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
-    self.mlp = MLP(c, mesh=mesh, rngs=rngs)
+    self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
     self.mesh = mesh
     self.rules = rules
 
@@ -145,9 +147,9 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, mesh: Mesh,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     c = config
-    self.embedding = nnx.Param(
+    self.embedding = param(
         c.init_std * jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_dim),
-                                       c.param_dtype), logical_axes=("vocab", "embed"))
+                                       c.param_dtype), ("vocab", "embed"), mesh=mesh, rules=rules)
 
     @nnx.split_rngs(splits=c.num_layers)
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers",
@@ -156,11 +158,11 @@ class Llama(nnx.Module):
       return DecoderLayer(c, mesh=mesh, rules=rules, rngs=rngs)
 
     self.layers = make_layers(rngs)
-    self.final_norm = RMSNorm(c.hidden_dim, eps=c.norm_eps, dtype=c.dtype,
-                              param_dtype=c.param_dtype)
+    self.final_norm = RMSNorm(c.hidden_dim, mesh=mesh, eps=c.norm_eps, dtype=c.dtype,
+                              param_dtype=c.param_dtype, rules=rules)
     self.lm_head = None if c.tie_embeddings else Dense(
         (c.hidden_dim,), (c.vocab_size,), axes=("embed", "vocab"), mesh=mesh, dtype=c.dtype,
-        param_dtype=c.param_dtype, init_std=c.init_std, rngs=rngs)
+        param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.config = c
     self.mesh = mesh
     self.rules = rules

@@ -41,6 +41,9 @@ def _assert_one_error_line(out, message):
 
 
 @pytest.mark.parametrize("param, message", [
+    ("DataConfig.seq_len = 256.0", "DataConfig.seq_len must be an int, got 256.0"),
+    ("DataConfig.batch_size = 0", "DataConfig.batch_size must be >= 1, got 0"),
+    ("DataConfig.seq_len = 'abc'", "DataConfig.seq_len must be an int, got 'abc'"),
     ("OptimizerConfig.learning_rate = '3e-3'",
      "OptimizerConfig.learning_rate must be a float, got '3e-3'"),
     ("TrainConfig.steps = 2.5", "TrainConfig.steps must be an int, got 2.5"),

@@ -17,7 +17,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from benchmarks import common  # noqa: E402
-from ulysses_jax import plan  # noqa: E402
+from ulysses_jax import gin_config, plan  # noqa: E402
 from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_and_report  # noqa: E402
 from ulysses_jax.aot.step import build_train_step  # noqa: E402
@@ -29,10 +29,10 @@ CONFIGS = (("configs/llama1b_128k.gin", "1x1x8"), ("configs/llama8b_512k.gin", "
 
 def compare(gin_file: str, topology: str, gpu: str) -> dict:
   """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
-  from ulysses_jax import train  # the gin-bound configs, as build_train_step parsed them
   slices, hosts, _ = parse_topology(topology)
   built = build_train_step([gin_file], [], gpu_devices(gpu, topology))
-  cfg, model_cfg, data_cfg = train.TrainConfig(), train.LlamaConfig(), train.DataConfig()
+  config = gin_config.read([gin_file], [])
+  cfg, model_cfg, data_cfg = config.train, config.model, config.data
   layout = plan.Layout(data=built.mesh.shape["data"], seq=built.mesh.shape["seq"],
                        ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
                        offload_optimizer=cfg.offload_optimizer,

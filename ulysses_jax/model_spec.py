@@ -38,14 +38,12 @@ def _from_hf(path: pathlib.Path) -> LlamaConfig:
 
 def _from_gin(path: pathlib.Path) -> tuple[LlamaConfig, dict]:
   import gin
-  from ulysses_jax import train  # registers the gin-configurable dataclasses
+  from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
   try:
-    train.parse_gin([str(path)], [])
-    config = train.LlamaConfig()
-    data, run = train.DataConfig(), train.TrainConfig()
+    config = gin_config.read([str(path)], [])
   except Exception as e:  # gin reports parse and binding errors as many exception types
     raise ValueError(f"{path}: {str(e).splitlines()[0]}") from e
   finally:
     gin.clear_config()
-  return config, {"seq_len": data.seq_len, "batch": data.batch_size,
-                  "accum_steps": run.accum_steps}
+  return config.model, {"seq_len": config.data.seq_len, "batch": config.data.batch_size,
+                        "accum_steps": config.train.accum_steps}

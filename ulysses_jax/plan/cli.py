@@ -132,6 +132,3 @@ def main(argv=None) -> dict:
         + _recommendation(rows[0]["layout"], args))
   return rows[0]
 
-
-if __name__ == "__main__":
-  main()

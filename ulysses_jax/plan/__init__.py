@@ -4,7 +4,7 @@
         [--intra-node=8] [--host-mem=2048] [--batch=1] [--accum-steps=1] [--dtype=bfloat16] \\
         [--param-dtype=bfloat16 --master-weights]
 
-(the command line: ``ulysses_jax.plan_cli``).
+(the command line: ``ulysses_jax.plan.cli``).
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
@@ -70,6 +70,7 @@ import dataclasses
 import itertools
 
 from ulysses_jax.attention.ulysses import plan_heads
+from ulysses_jax.train_step import MemoryOptions
 
 REMATS = ("full", "full_offload", "save_names", "offload", "none")
 REMAT_GROUPS = (1, 2, 4, 8)  # layers per rematerialised group that the planner tries
@@ -128,8 +129,8 @@ class Hardware:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """A mesh (``make_mesh(data, seq, ring)``), ``LlamaConfig.remat_policy`` and
-  ``make_train_step(offload_optimizer=...)``.
+  """A mesh (``make_mesh(data, seq, ring)``), ``LlamaConfig.remat_policy`` and the state's
+  placement (``memory``: the ``train_step.MemoryOptions`` the trainer would be given).
 
   ``remat="offload"`` is ``save_names`` with the named activations (q, k, v, attention
   output) kept on the host instead of the device; ``"full_offload"`` is ``full`` with each
@@ -147,9 +148,13 @@ class Layout:
   offload_params: bool = False
 
   def __post_init__(self):
-    if self.offload_params and not self.offload_optimizer:
-      raise ValueError("Layout(offload_params=True) needs offload_optimizer=True, as "
-                       "make_train_step does: set both or neither.")
+    _ = self.memory  # the trainer's rules, checked in one place (MemoryOptions)
+
+  @property
+  def memory(self) -> MemoryOptions:
+    """The placement as the trainer takes it."""
+    return MemoryOptions(offload_optimizer=self.offload_optimizer,
+                         offload_params=self.offload_params)
 
 
 def _tokens(layout, batch, seq_len):
@@ -339,7 +344,3 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
       rows.append({"layout": layout, "memory": memory, "step": step})
   return sorted(rows, key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
 
-
-if __name__ == "__main__":
-  from ulysses_jax import plan_cli
-  plan_cli.main()

@@ -33,6 +33,7 @@ RoPE needs no permutation: ``ulysses_jax.rope`` uses Hugging Face's rotate-half 
 import contextlib
 import json
 import math
+import os
 import pathlib
 
 import jax
@@ -266,8 +267,9 @@ def _read_param(checkpoint: _Checkpoint, path, shape, dtype) -> np.ndarray:
   return out
 
 
-def load_llama(path, mesh: Mesh, *, dtype: str | None = None, param_dtype: str = "float32",
-               rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides) -> Llama:
+def load_llama(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = None,
+               param_dtype: str = "float32", rules: sharding.Rules = sharding.DEFAULT_RULES,
+               **config_overrides) -> Llama:
   """A ``Llama`` with the weights of a Hugging Face checkpoint directory, sharded on ``mesh``.
 
   Args:
@@ -399,7 +401,7 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
   (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype.name), indent=2))
 
 
-def save_llama(model: Llama, path, *, dtype: str | None = None,
+def save_llama(model: Llama, path: str | os.PathLike, *, dtype: str | None = None,
                max_shard_bytes: int = 5 * 2**30) -> None:
   """Writes ``model`` as a Hugging Face checkpoint directory that
   ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads (``write_checkpoint``).

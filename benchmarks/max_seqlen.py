@@ -1,9 +1,9 @@
-"""Longest sequence a full training step fits, per memory configuration, and its speed there.
+"""Longest sequence a training step (or the eval forward) fits per memory config; speed there.
 
     python -m benchmarks.max_seqlen --preset llama3.2-1b \\
-        --configs none,full,full+opt,offload+opt+mlp2048
+        --configs none,full,full+opt,offload+opt+mlp2048,eval
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m benchmarks.max_seqlen \\
-        --preset small --budget-gib 0.25 --configs none,full,full+opt
+        --preset small --budget-gib 0.25 --configs none,full,full+opt,eval
 
 A memory configuration is ``POLICY[+groupK][+opt][+params][+master][+mlpN]``: the per-layer
 remat policy (one of ``llama.REMAT_POLICIES``), ``+groupK`` for rematerialised groups of K
@@ -12,7 +12,10 @@ streamed through the device a layer at a time (``offload_optimizer``), ``+params
 ``+opt``) for the layer parameters and their gradients there too (``offload_params``),
 ``+master`` for float32 master weights of lower-precision parameters (``master_weights``;
 with ``--param-dtype bfloat16``), ``+mlpN`` for the MLP tiled into chunks of N tokens per
-device.
+device. ``eval[+mlpN]`` is not a training step but the evaluation forward pass of
+``ulysses_jax.evaluate.PositionEval`` (per-token losses summed by position; no gradients, no
+optimizer state, no remat), sequence-parallel on the same mesh: how much longer S evaluation
+reaches than training on the same devices.
 
 The search doubles S from ``--start-len`` (default: ``--granularity``; both rounded to
 multiples of the granularity and the seq axis) while the step fits, up to ``--max-len``, then
@@ -48,30 +51,37 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # tries run in children
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
-from ulysses_jax import make_mesh, metrics, train_step  # noqa: E402
+from ulysses_jax import evaluate, make_mesh, metrics, sharding, train_step  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 
 GIB = 2**30
+EVAL_NOTE = ("eval = the evaluation forward pass (evaluate.PositionEval: no gradients, no "
+             "optimizer state); its step is a forward pass, its flops_per_token a third")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryConfig:
   """Remat policy and group, optimizer state (and layer parameters) on the host or not,
-  float32 master weights or not, MLP tile (0 = untiled)."""
+  float32 master weights or not, MLP tile (0 = untiled); ``evaluate``: the evaluation forward
+  pass instead of a training step (remat ``none``, nothing offloaded)."""
   remat: str = "full"
   remat_group: int = 1
   offload_optimizer: bool = False
   offload_params: bool = False
   master_weights: bool = False
   mlp_chunk: int = 0
+  evaluate: bool = False
 
   @property
   def name(self) -> str:
-    return "+".join([self.remat] + [f"group{self.remat_group}"] * (self.remat_group > 1) +
+    return "+".join(["eval" if self.evaluate else self.remat] +
+                    [f"group{self.remat_group}"] * (self.remat_group > 1) +
                     ["opt"] * self.offload_optimizer + ["params"] * self.offload_params +
                     ["master"] * self.master_weights +
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
@@ -85,9 +95,11 @@ class MemoryConfig:
 
 def parse_config(spec: str) -> MemoryConfig:
   """``"full+opt+mlp1024"`` -> ``MemoryConfig("full", offload_optimizer=True,
-  mlp_chunk=1024)``."""
+  mlp_chunk=1024)``; ``"eval+mlp1024"`` -> ``MemoryConfig("none", mlp_chunk=1024,
+  evaluate=True)``."""
   remat, *flags = spec.split("+")
-  config = MemoryConfig(remat=remat)
+  evaluate = remat == "eval"
+  config = MemoryConfig(remat="none" if evaluate else remat, evaluate=evaluate)
   for flag in flags:
     if flag == "opt":
       config = dataclasses.replace(config, offload_optimizer=True)
@@ -101,10 +113,14 @@ def parse_config(spec: str) -> MemoryConfig:
       config = dataclasses.replace(config, mlp_chunk=int(flag[3:]))
     else:
       raise ValueError(f"unknown flag {flag!r} in memory config {spec!r}: expected "
-                       f"POLICY[+groupK][+opt][+params][+master][+mlpN], e.g. "
-                       f"full+opt+mlp1024.")
-  if remat not in llama.REMAT_POLICIES:
-    raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES}.")
+                       f"POLICY[+groupK][+opt][+params][+master][+mlpN] or eval[+mlpN], "
+                       f"e.g. full+opt+mlp1024.")
+  if evaluate and config != MemoryConfig("none", mlp_chunk=config.mlp_chunk, evaluate=True):
+    raise ValueError(f"{spec!r}: eval is a forward pass (no remat, gradients or optimizer "
+                     f"state); only +mlpN goes with it.")
+  if config.remat not in llama.REMAT_POLICIES:
+    raise ValueError(f"remat policy of {spec!r} must be one of {llama.REMAT_POLICIES} "
+                     f"(or eval).")
   if config.offload_params and not config.offload_optimizer:
     raise ValueError(f"{spec!r}: +params needs +opt (offload_params needs offload_optimizer).")
   return config
@@ -181,27 +197,54 @@ def device_bytes(compiled, host_state=()) -> int:
   return total
 
 
+def abstract_params(config: llama.LlamaConfig, mesh):
+  """``(graphdef, model state of ShapeDtypeStruct)`` sharded as in training: shapes only."""
+  graphdefs = []
+
+  def build():
+    graphdef, params = nnx.split(llama.init_llama(config, mesh))
+    graphdefs.append(graphdef)
+    return params
+
+  params = jax.eval_shape(build)
+  return graphdefs[0], jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+      sharding.tree_shardings(params, mesh))
+
+
 def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: bool):
-  """Compiles the train step at ``seq_len``. Returns ``(compiled, state, batch, bytes)``;
-  with ``abstract`` the state and batch are ShapeDtypeStructs."""
+  """Compiles the train step at ``seq_len`` (with ``memory.evaluate``, the evaluation forward
+  ``PositionEval.step`` on one window of S tokens per row). Returns ``(compiled, state, batch,
+  bytes)``, the state a ``TrainState`` (the model state alone for eval); with ``abstract``
+  the state and batch are ShapeDtypeStructs."""
   mesh = make_mesh(data=setup.data, seq=setup.seq,
                    devices=jax.devices()[:setup.data * setup.seq])
   optimizer = make_optimizer(OptimizerConfig())
   config = setup.model_config(memory)
-  if abstract:
-    graphdef, state = abstract_state(config, mesh, optimizer, **memory.state_flags)
-    batch = {k: jax.ShapeDtypeStruct((setup.batch, seq_len), "int32")
-             for k in ("tokens", "labels")}
-  else:
-    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
-                                                  **memory.state_flags)
-    batch = synthetic_batch(setup.batch, seq_len, config.vocab_size, 0)
   offload = dict(offload_optimizer=memory.offload_optimizer,
                  offload_params=memory.offload_params)
-  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=seq_len,
-                                    **offload)
+  if memory.evaluate:
+    graphdef, state = (abstract_params(config, mesh) if abstract else
+                       nnx.split(llama.init_llama(config, mesh)))
+    step = evaluate.PositionEval(graphdef).step
+    shardings = sharding.tree_shardings(state, mesh)
+  else:
+    graphdef, state = (abstract_state(config, mesh, optimizer, **memory.state_flags)
+                       if abstract else train_step.init_train_state(
+                           llama.init_llama(config, mesh), optimizer, **memory.state_flags))
+    step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,
+                                      seq_len=seq_len, **offload)
+    shardings = train_step.state_shardings(state, mesh, **offload)
+  # Eval rows are whole windows, as evaluate's: positions 0..S-1, one segment per row.
+  batch_sharding = NamedSharding(mesh, sharding.batch_spec(mesh, seq_len))
+  if abstract:
+    keys = ("tokens", "labels") + ("positions", "segment_ids") * memory.evaluate
+    batch = {k: jax.ShapeDtypeStruct((setup.batch, seq_len), "int32", sharding=batch_sharding)
+             for k in keys}
+  else:
+    batch = jax.device_put(synthetic_batch(setup.batch, seq_len, config.vocab_size,
+                                           seq_len if memory.evaluate else 0), batch_sharding)
   compiled = step.lower(state, batch).compile()
-  shardings = train_step.state_shardings(state, mesh, **offload)
   host_state = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
                 if s.memory_kind == "pinned_host"]
@@ -215,7 +258,8 @@ def compiled_bytes(setup: Setup, memory: MemoryConfig, seq_len: int) -> int:
 
 
 def run_steps(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -> dict:
-  """Compiles and runs ``steps`` timed steps (after 2 warm-up steps) at ``seq_len``.
+  """Compiles and runs ``steps`` timed steps (after 2 warm-up steps) at ``seq_len`` (eval:
+  forward passes).
 
   Returns ``{"fits": False}`` when the device runs out of memory, else ``fits``, ``step_s``,
   ``est_GiB`` (compiled analysis) and ``peak_GiB`` (allocator peak; NaN where unreported).
@@ -225,6 +269,8 @@ def run_steps(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -> d
     holder = {"state": state}
 
     def one_step():
+      if memory.evaluate:  # the forward pass: sums out, the parameters unchanged
+        return compiled(holder["state"], batch)
       holder["state"], step_metrics = compiled(holder["state"], batch)
       return step_metrics
 
@@ -264,9 +310,10 @@ def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: in
     timed = (run_in_child if on_gpu else run_steps)(setup, memory, best, steps)
     if timed["fits"]:
       tokens_per_s = setup.batch * best / timed["step_s"]
+      flops_per_token = (metrics.flops_per_token(setup.model_config(memory), best) /
+                         (3 if memory.evaluate else 1))  # forward: a third of 6*N + 6*L*S*h
       row.update(step_s=timed["step_s"], tokens_per_s=tokens_per_s, peak_GiB=timed["peak_GiB"],
-                 MFU=metrics.flops_per_token(setup.model_config(memory), best) * tokens_per_s
-                 / peak_flops)
+                 MFU=flops_per_token * tokens_per_s / peak_flops)
   return row
 
 
@@ -291,7 +338,8 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", default="small", choices=sorted(llama.PRESETS))
   parser.add_argument("--configs", default="none,full,full+opt",
-                      help="comma-separated POLICY[+opt][+mlpN]")
+                      help="comma-separated POLICY[+groupK][+opt][+params][+master][+mlpN], "
+                           "or eval[+mlpN] for the evaluation forward pass")
   parser.add_argument("--data", type=int, default=1)
   parser.add_argument("--seq", type=int, default=-1, help="seq axis (default: devices/data)")
   parser.add_argument("--batch", type=int, default=0, help="global batch (default: data axis)")
@@ -337,10 +385,13 @@ def main(argv=None) -> list[dict]:
         f"fits = {criterion}")
   print("est = compiled args + out + temp - alias per device; peak = allocator peak (GPU)")
   print(FORMULA)
+  notes = {"eval_note": EVAL_NOTE} if any(r["config"].startswith("eval") for r in rows) else {}
+  if notes:
+    print(EVAL_NOTE)
   common.print_table(rows, list(rows[0]))
   if args.json:
     common.write_json(args.json, rows, setup=dataclasses.asdict(setup), criterion=criterion,
-                      formula=FORMULA)
+                      formula=FORMULA, **notes)
   if args.plot:
     plot(rows, args.plot, f"{args.preset}: {criterion}")
   return rows

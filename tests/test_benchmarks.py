@@ -4,6 +4,7 @@ the offline kernel-resource report, on tiny shapes (CPU)."""
 import ast
 import importlib.util
 import json
+import math
 import pathlib
 
 import jax
@@ -71,6 +72,38 @@ def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
   with pytest.raises(SystemExit):
     max_seqlen.main(["--preset", "tiny", "--criterion", "run"])
   assert "--criterion run needs a GPU" in capsys.readouterr().err
+
+
+def test_eval_forward_reaches_at_least_the_training_length_without_optimizer_state():
+  setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
+  budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("full"), GRANULARITY)
+  rows = max_seqlen.main(["--preset", "tiny", "--configs", "full,eval",
+                          "--granularity", str(GRANULARITY), "--max-len", str(2 * GRANULARITY),
+                          "--budget-gib", str(budget / max_seqlen.GIB),
+                          "--time-max-tokens", "0"])
+  train, forward = rows
+  assert train["config"] == "full" and forward["config"] == "eval"
+  assert forward["max_tokens"] >= train["max_tokens"] >= GRANULARITY
+  assert forward["est_GiB"] * max_seqlen.GIB <= budget
+  # The compiled forward takes the parameters and the batch, nothing else: no optimizer
+  # state, no gradients (the training step's arguments hold at least parameters + 2 moments).
+  evaluate = max_seqlen.parse_config("eval")
+  compiled, params, batch, _ = max_seqlen.compile_step(setup, evaluate, GRANULARITY,
+                                                       abstract=True)
+  shard_bytes = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                 for x in jax.tree.leaves(tree))
+  assert set(batch) == {"tokens", "labels", "positions", "segment_ids"}
+  assert compiled.memory_analysis().argument_size_in_bytes == (shard_bytes(params) +
+                                                               shard_bytes(batch))
+  assert compiled.memory_analysis().output_size_in_bytes < shard_bytes(params)
+  train_compiled = max_seqlen.compile_step(setup, max_seqlen.MemoryConfig("full"), GRANULARITY,
+                                           abstract=True)[0]
+  assert train_compiled.memory_analysis().argument_size_in_bytes >= 3 * shard_bytes(params)
+  assert max_seqlen.parse_config("eval+mlp64") == max_seqlen.MemoryConfig(
+      "none", mlp_chunk=64, evaluate=True)
+  assert max_seqlen.parse_config("eval+mlp64").name == "eval+mlp64"
+  with pytest.raises(ValueError, match="only \\+mlpN"):
+    max_seqlen.parse_config("eval+opt")
 
 
 def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, capsys):

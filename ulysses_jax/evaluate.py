@@ -87,10 +87,12 @@ class PositionEval:
 
   One jitted forward per batch; sums are kept on the host in float64. ``params``: the model
   state (``nnx.split(model)[1]``, or ``TrainState.params``), sharded as in training.
+  ``step``: that jitted forward, ``(params, batch) -> per-batch sums`` (no gradients, no
+  optimizer state; ``benchmarks.max_seqlen`` compiles it to size the longest S).
   """
 
   def __init__(self, graphdef):
-    self._step = jax.jit(lambda params, batch: _batch_sums(nnx.merge(graphdef, params), batch))
+    self.step = jax.jit(lambda params, batch: _batch_sums(nnx.merge(graphdef, params), batch))
 
   def sums(self, params, dataset: Dataset, max_batches: int | None = None) -> dict:
     """Per-position sums ``[S]`` over the batches, and per-row values over all rows."""
@@ -98,7 +100,7 @@ class PositionEval:
       raise ValueError("nothing to evaluate: the dataset is an endless training stream or "
                        "has no rows (documents of one token predict nothing)")
     n = dataset.num_batches if max_batches is None else min(max_batches, dataset.num_batches)
-    batches = [jax.device_get(self._step(params, dataset.batch(i))) for i in range(n)]
+    batches = [jax.device_get(self.step(params, dataset.batch(i))) for i in range(n)]
     return {k: (np.concatenate if k.startswith("row") else sum)(
         [np.asarray(b[k], np.float64) for b in batches]) for k in batches[0]}
 

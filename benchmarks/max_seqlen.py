@@ -87,10 +87,11 @@ class MemoryConfig:
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
 
   @property
-  def state_flags(self) -> dict:
-    """The keyword arguments of ``train_step.init_train_state`` this config sets."""
-    return dict(offload_optimizer=self.offload_optimizer, offload_params=self.offload_params,
-                master_weights=self.master_weights)
+  def state_memory(self) -> train_step.MemoryOptions:
+    """The train state's ``MemoryOptions`` this config sets."""
+    return train_step.MemoryOptions(offload_optimizer=self.offload_optimizer,
+                                    offload_params=self.offload_params,
+                                    master_weights=self.master_weights)
 
 
 def parse_config(spec: str) -> MemoryConfig:
@@ -168,13 +169,13 @@ def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, i
   return low, high
 
 
-def abstract_state(config: llama.LlamaConfig, mesh, optimizer, **state_flags):
+def abstract_state(config: llama.LlamaConfig, mesh, optimizer, memory):
   """``(graphdef, TrainState of ShapeDtypeStruct)``: shapes only, nothing allocated."""
   graphdefs = []
 
   def build():
     graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
-                                                  **state_flags)
+                                                  memory=memory)
     graphdefs.append(graphdef)
     return state
 
@@ -221,20 +222,19 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
                    devices=jax.devices()[:setup.data * setup.seq])
   optimizer = make_optimizer(OptimizerConfig())
   config = setup.model_config(memory)
-  offload = dict(offload_optimizer=memory.offload_optimizer,
-                 offload_params=memory.offload_params)
   if memory.evaluate:
     graphdef, state = (abstract_params(config, mesh) if abstract else
                        nnx.split(llama.init_llama(config, mesh)))
     step = evaluate.PositionEval(graphdef).step
     shardings = sharding.tree_shardings(state, mesh)
   else:
-    graphdef, state = (abstract_state(config, mesh, optimizer, **memory.state_flags)
+    placement = memory.state_memory
+    graphdef, state = (abstract_state(config, mesh, optimizer, placement)
                        if abstract else train_step.init_train_state(
-                           llama.init_llama(config, mesh), optimizer, **memory.state_flags))
+                           llama.init_llama(config, mesh), optimizer, memory=placement))
     step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,
-                                      seq_len=seq_len, **offload)
-    shardings = train_step.state_shardings(state, mesh, **offload)
+                                      seq_len=seq_len, memory=placement)
+    shardings = train_step.state_shardings(state, mesh, memory=placement)
   # Eval rows are whole windows, as evaluate's: positions 0..S-1, one segment per row.
   batch_sharding = NamedSharding(mesh, sharding.batch_spec(mesh, seq_len))
   if abstract:

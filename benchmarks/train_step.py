@@ -74,15 +74,16 @@ def main(argv=None):
                         remat_policy=args.remat, remat_group=args.remat_group,
                         mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
                         attention_backend=args.backend)
-  flags = dict(offload_optimizer=args.offload_optimizer, offload_params=args.offload_params)
+  memory = train_step.MemoryOptions(offload_optimizer=args.offload_optimizer,
+                                    offload_params=args.offload_params,
+                                    master_weights=args.master_weights)
   start = time.perf_counter()
   model = llama.init_llama(config, mesh)
   optimizer = make_optimizer(OptimizerConfig())
-  graphdef, state = train_step.init_train_state(model, optimizer,
-                                                master_weights=args.master_weights, **flags)
+  graphdef, state = train_step.init_train_state(model, optimizer, memory=memory)
   del model
   step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=args.seq_len,
-                                    **flags)
+                                    memory=memory)
   batch = synthetic_batch(batch_size, args.seq_len, config.vocab_size, args.doc_len)
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start

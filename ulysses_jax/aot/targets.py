@@ -40,19 +40,18 @@ class Gpu:
   cudnn_version: tuple[int, int, int]
 
 
+_H100 = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
+            accelerated_features=True, sm_count=132, fp32_lanes_per_sm=128,
+            shared_memory_per_sm=233472, shared_memory_per_block_optin=232448,
+            clock_ghz=1.98, memory_bytes=84942979072, memory_bandwidth=3.35232e12,
+            l2_bytes=52428800, bf16_flops=989.4e12, nvlink_bandwidth=450 * GB,
+            network_bandwidth=50 * GB, pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0))
+
 GPUS = {
-    "h100": Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
-                accelerated_features=True, sm_count=132, fp32_lanes_per_sm=128,
-                shared_memory_per_sm=233472, shared_memory_per_block_optin=232448,
-                clock_ghz=1.98, memory_bytes=84942979072, memory_bandwidth=3.35232e12,
-                l2_bytes=52428800, bf16_flops=989.4e12, nvlink_bandwidth=450 * GB,
-                network_bandwidth=50 * GB, pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0)),
-    "h200": Gpu(name="NVIDIA H200 141GB HBM3e", compute_capability=(9, 0),
-                accelerated_features=True, sm_count=132, fp32_lanes_per_sm=128,
-                shared_memory_per_sm=233472, shared_memory_per_block_optin=232448,
-                clock_ghz=1.98, memory_bytes=151397597184, memory_bandwidth=4.8e12,
-                l2_bytes=52428800, bf16_flops=989.4e12, nvlink_bandwidth=450 * GB,
-                network_bandwidth=50 * GB, pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0)),
+    "h100": _H100,
+    # The same Hopper chip as the H100 SXM, with 141 GB of faster HBM3e.
+    "h200": dataclasses.replace(_H100, name="NVIDIA H200 141GB HBM3e",
+                                memory_bytes=151397597184, memory_bandwidth=4.8e12),
     "a100": Gpu(name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0),
                 accelerated_features=False, sm_count=108, fp32_lanes_per_sm=64,
                 shared_memory_per_sm=167936, shared_memory_per_block_optin=166912,

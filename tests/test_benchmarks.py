@@ -55,6 +55,7 @@ def test_parse_config():
     max_seqlen.parse_config("most")
 
 
+@pytest.mark.slow
 def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
   setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
   budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("none"), GRANULARITY)
@@ -74,6 +75,7 @@ def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
   assert "--criterion run needs a GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_forward_reaches_at_least_the_training_length_without_optimizer_state():
   setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
   budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("full"), GRANULARITY)
@@ -115,6 +117,7 @@ def test_plot_without_matplotlib_stops_before_measuring(monkeypatch, capsys):
   assert "--plot out.png needs matplotlib: pip install -e '.[bench]'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_vs_transformers_same_losses_both_memory_policies_timed_with_spread(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")

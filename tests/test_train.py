@@ -331,6 +331,7 @@ def test_host_offloaded_optimizer_gives_the_same_losses(reference, cache_dir, tm
   np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bfloat16_parameters_with_host_master_weights_train_and_resume(reference, cache_dir,
                                                                        tmp_path):
   """bfloat16 parameters, float32 master weights and moments in host memory (streamed update),

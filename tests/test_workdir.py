@@ -59,6 +59,7 @@ def test_bad_values_are_one_error_line_and_no_workdir(tmp_path, param, message):
   assert not workdir.exists()
 
 
+@pytest.mark.slow
 def test_the_workdir_tells_the_truth(tmp_path):
   workdir, cache = tmp_path / "run", str(tmp_path / "cache")
   config_gin, history = workdir / "config.gin", workdir / "config_history"

@@ -128,11 +128,13 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
                                                   vocab_size=config.model.vocab_size)
     restored = None
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
+      # Checked before restoring: a restore into other shapes fails deep in orbax, and its
+      # pending reads print tracebacks of their own.
+      mismatch = workdir_lib.why_no_restore(os.path.join(workdir, "checkpoints"), config)
+      if mismatch:
+        raise ConfigError(mismatch)
       with Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint) as ckpt:
-        try:
-          restored = ckpt.restore(abstract)
-        except RuntimeError as e:
-          raise ConfigError(workdir_lib.why_no_restore(ckpt.directory, config) or str(e)) from e
+        restored = ckpt.restore(abstract)
     if restored is not None:
       train_ds.set_state(restored.data_state)
   return Run(config, mesh, optimizer, graphdef, abstract, step_fn, restored, train_ds, eval_ds)
@@ -363,6 +365,8 @@ def _configure_logging():
   """Our log lines with a timestamp; the libraries' own chatter (orbax, absl) at warnings."""
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+  # gin warns for each search-path entry an include is not found in before the one it is.
+  handler.addFilter(lambda record: not str(record.msg).startswith("Path not found"))
   root = logging.getLogger()
   root.handlers[:] = [handler]
   root.setLevel(logging.WARNING)

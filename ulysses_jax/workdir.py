@@ -26,15 +26,23 @@ def write_configs(workdir: str, config: RunConfig, start: int):
     os.replace(path + ".tmp", path)
 
 
+# Settings that change the train state's tree or shapes: a checkpoint saved with other values
+# cannot restore. (Placement, remat and tiling can change on resume.)
+STATE_FIELDS = {"model": ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
+                          "head_dim", "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm"),
+                "train": ("master_weights",)}
+
+
 def why_no_restore(directory: str, config: RunConfig) -> str | None:
-  """Names the settings that differ from the newest checkpoint's run, when it has one."""
+  """Names the settings that change the train state and differ from those of the newest
+  checkpoint's run, when it has a run config; None when none differs."""
   try:
     step, saved = read_run_config(directory)
   except Exception:  # pylint: disable=broad-except  # no run config: an older checkpoint
     return None
   now = json.loads(json.dumps(config.to_dict()))  # tuples as lists, as saved
-  state_fields = {"model": now["model"], "train": {k: now["train"][k] for k in (
-      "offload_optimizer", "offload_params", "master_weights")}}
+  state_fields = {section: {k: now[section][k] for k in keys}
+                  for section, keys in STATE_FIELDS.items()}
   diffs = [f"{section}.{k} = {saved[section][k]!r} (this run: {v!r})"
            for section, fields in state_fields.items() for k, v in fields.items()
            if k in saved.get(section, {}) and saved[section][k] != v]

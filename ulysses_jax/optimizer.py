@@ -204,6 +204,6 @@ def apply_update(tx, grads, params, opt_state: OptimizerState, *, scale, apply,
   params_layers, layers = jax.lax.fori_loop(0, _num_layers(params_layers), one_layer,
                                             (params_layers, layers))
   params_rest, rest = update(grads_rest, params_rest,
-                             jax.device_put(rest, opt_shardings.rest))
+                             jax.device_put(rest, sharding.on_device(opt_shardings.rest)))
   rest = jax.device_put(rest, sharding.on_host(opt_shardings.rest))
   return nnx.merge_state(params_layers, params_rest), OptimizerState(layers, rest)

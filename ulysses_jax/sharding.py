@@ -135,16 +135,34 @@ def tree_shardings(tree, mesh: Mesh, rules: Rules = DEFAULT_RULES):
                                           is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def in_memory(mesh: Mesh, spec: P, memory_kind: str) -> NamedSharding:
+  """``NamedSharding(mesh, spec)`` in ``memory_kind`` ("device" or "pinned_host").
+
+  Devices that expose no memory spaces (the compile-only GPUs of ``ulysses_jax.aot``) drop a
+  memory kind when the sharding is built on them; the same sharding on ``mesh``'s abstract
+  mesh keeps it, and jit arguments, results and in-program copies then land where they would
+  on the real devices (host arguments, host-to-device copies, host outputs).
+  """
+  placed = NamedSharding(mesh, spec, memory_kind=memory_kind)
+  if placed.memory_kind == memory_kind or isinstance(mesh, jax.sharding.AbstractMesh):
+    return placed
+  return NamedSharding(mesh.abstract_mesh, spec, memory_kind=memory_kind)
+
+
 def layer_slice(shardings, memory_kind: str = "device"):
   """Shardings of one layer of stacked ``[L, ...]`` arrays (the leading axis dropped), in
   ``memory_kind`` ("device" or "pinned_host")."""
-  return jax.tree.map(lambda s: NamedSharding(s.mesh, P(*s.spec[1:]), memory_kind=memory_kind),
-                      shardings)
+  return jax.tree.map(lambda s: in_memory(s.mesh, P(*s.spec[1:]), memory_kind), shardings)
 
 
 def on_host(shardings):
   """The same shardings in ``pinned_host`` memory."""
-  return jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
+  return jax.tree.map(lambda s: in_memory(s.mesh, s.spec, "pinned_host"), shardings)
+
+
+def on_device(shardings):
+  """The same shardings in device memory, explicitly (a copy there from the host)."""
+  return jax.tree.map(lambda s: in_memory(s.mesh, s.spec, "device"), shardings)
 
 
 def _abstract(make: Callable[[], Any], mesh: Mesh, rules: Rules):

@@ -1,39 +1,29 @@
 """Compile a train step for GPUs and read off what the GPU compiler decided: memory per device
 (on the GPU and on the host), collectives, kernels, FLOPs, and the roofline prediction.
 
-Memory kinds. The compile-only devices of ``get_topology_desc`` expose no memory spaces
-(``addressable_memories()`` is empty, ``default_memory()`` is UNIMPLEMENTED), and jaxlib
-canonicalises a sharding's ``memory_kind`` against its devices' memory spaces when the
-sharding is built (``CheckAndCanonicalizeMemoryKind``), so on these devices
-``memory_kind="pinned_host"`` comes back as None: the jitted step's offloaded arguments get
-device layouts, ``host_argument_size_in_bytes`` is 0 and the compiler counts the offloaded
-state as device arguments. Offload *inside* the program (the remat policies' ``offload_dst``)
-is unaffected and shows as host temporaries. So the state the config puts on the host is
-counted here by hand (``TrainStep.host_state``, bytes per device) and moved from the device
-column to the host column; on a client that does keep the memory kinds nothing is moved.
+Memory kinds. The compile-only devices of ``get_topology_desc`` expose no memory spaces, and
+jaxlib drops a sharding's ``memory_kind`` when the sharding is built on such devices (it
+checks the kind against the devices' memory spaces), so a step built with plain
+``NamedSharding(mesh, spec, memory_kind="pinned_host")`` would be compiled with its offloaded
+state on the device and its in-program host copies gone. ``sharding.in_memory`` builds
+those shardings on the mesh's abstract mesh, which keeps the kind: the compiled program has
+the host arguments, copies and outputs a real GPU would run, and ``memory_analysis()``
+counts them where they live (``host_argument_size_in_bytes``, host temporaries).
 """
 
 import re
 import time
 
-import jax
 
 from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
-from ulysses_jax.aot.step import TrainStep, bytes_per_device
+from ulysses_jax.aot.step import TrainStep
 from ulysses_jax.aot.targets import Gpu
 from ulysses_jax.metrics import flops_per_token
 
 GIB = 2**30
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu", "cudnn": "__cudnn$",
            "cublas": "__cublas$"}
-
-
-def _dropped_host_bytes(built: TrainStep) -> int:
-  """Bytes per device of the host state whose memory kind the client dropped."""
-  dropped = [x for x in jax.tree.leaves(built.host_state)
-             if x.sharding.memory_kind != "pinned_host"]
-  return bytes_per_device(dropped)
 
 
 def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int) -> dict:
@@ -43,12 +33,11 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int) -> dict:
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   m = compiled.memory_analysis()
-  moved = _dropped_host_bytes(built)
-  device = {"arguments": m.argument_size_in_bytes - moved,
+  device = {"arguments": m.argument_size_in_bytes,
             "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
             "temporaries": m.temp_size_in_bytes,
             "code": m.generated_code_size_in_bytes}
-  host = {"offloaded_state": moved + m.host_argument_size_in_bytes,
+  host = {"offloaded_state": m.host_argument_size_in_bytes,
           "temporaries": m.host_temp_size_in_bytes,
           "outputs": m.host_output_size_in_bytes - m.host_alias_size_in_bytes}
   device_bytes, host_bytes = sum(device.values()), sum(host.values())

@@ -6,7 +6,6 @@ accumulation, through the trainer's own public functions. Nothing is allocated: 
 batch are ``ShapeDtypeStruct``s carrying their shardings, ready for ``step.lower(...)``.
 """
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -15,7 +14,6 @@ from jax.sharding import NamedSharding
 
 from ulysses_jax import sharding as sharding_lib
 from ulysses_jax.mesh import make_mesh
-from ulysses_jax.optimizer import split_layers
 from ulysses_jax.train_step import BATCH_KEYS
 
 
@@ -25,7 +23,6 @@ class TrainStep(NamedTuple):
   state: object             # TrainState of ShapeDtypeStructs with shardings
   batch: dict               # int32 [B, S] ShapeDtypeStructs, sharded like the trainer's
   mesh: jax.sharding.Mesh
-  host_state: object        # the state's leaves the config puts in pinned_host memory
   model_config: object      # LlamaConfig
   tokens_per_step: int
   seq_len: int
@@ -56,22 +53,6 @@ def build_train_step(gin_files: list[str], gin_params: list[str],
   batch_sharding = NamedSharding(mesh, sharding_lib.batch_spec(mesh, data_cfg.seq_len))
   batch = {k: jax.ShapeDtypeStruct((data_cfg.batch_size, data_cfg.seq_len), jnp.int32,
                                    sharding=batch_sharding) for k in BATCH_KEYS}
-  # The trainer's placement rule (train_step.state_shardings): the optimizer state on the
-  # host with offload_optimizer, the stacked layer parameters too with offload_params.
-  host = []
-  if cfg.memory.offload_optimizer:
-    host.append(state.opt_state)
-  if cfg.memory.offload_params:
-    host.append(split_layers(state.params)[0])
-  return TrainStep(step, state, batch, mesh, host, config.model,
+  return TrainStep(step, state, batch, mesh, config.model,
                    data_cfg.batch_size * data_cfg.seq_len, data_cfg.seq_len)
 
-
-def bytes_per_device(tree) -> int:
-  """Bytes of one device's shards of ``tree``'s ShapeDtypeStructs (the largest, if uneven)."""
-  per_device = {}
-  for x in jax.tree.leaves(tree):
-    nbytes = math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-    for device in x.sharding.device_set:
-      per_device[device] = per_device.get(device, 0) + nbytes
-  return max(per_device.values(), default=0)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
@@ -203,25 +203,31 @@ class Llama(nnx.Module):
     x_BSE = sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
 
     graphdef, layer_states = nnx.split(self.layers)
-    # The stacked layer weights may live in host memory (``make_train_step(offload_params=
-    # True)``): each layer copies its own slice to the device (a no-op for device arrays), and
-    # the transpose of that copy writes the layer's gradient back to the host.
+    # The stacked layer weights may live in host memory (``MemoryOptions(offload_params=
+    # True)``): each layer (or group of layers) copies its own slice to the device when it
+    # runs (a no-op for device arrays), and the transpose of that copy writes the slice's
+    # gradient back to the host.
     slice_shardings = sharding.layer_slice(
         sharding.tree_shardings(layer_states, self.mesh, self.rules))
-
-    def layer(x_BSE, layer_state):
-      layer_state = jax.device_put(layer_state, slice_shardings)
-      return nnx.merge(graphdef, layer_state)(x_BSE, positions_BS, segment_ids_BS), None
-
     c = self.config
-    if c.remat_policy != "none":
-      layer = jax.checkpoint(layer, prevent_cse=False,
-                             policy=remat_policy(c.remat_policy, c.remat_names))
+    remat = lambda f: f if c.remat_policy == "none" else jax.checkpoint(
+        f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
+    run = lambda x_BSE, state: nnx.merge(graphdef, state)(x_BSE, positions_BS, segment_ids_BS)
+
     if c.remat_group == 1:
+      layer = remat(lambda x, state: (run(x, jax.device_put(state, slice_shardings)), None))
       x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
       return self.final_norm(x_BSE)
 
+    # A group copies its layers' weights to the device at once, so only the outer loop moves
+    # weights and gradients between host and device: XLA's GPU compiler cannot place
+    # gradients that nested loops stack into host memory.
+    group_shardings = jax.tree.map(
+        lambda s: sharding.in_memory(s.mesh, P(None, *s.spec), "device"), slice_shardings)
+    layer = remat(lambda x, state: (run(x, state), None))
+
     def group(x_BSE, group_states):
+      group_states = jax.device_put(group_states, group_shardings)
       return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group_states)[0], None
 
     group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))

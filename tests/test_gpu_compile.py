@@ -5,8 +5,10 @@ test-gpu-compile`` builds ``.venv-gpu-compile`` and runs them). Every test compi
 GPU compiler for compile-only H100 devices: the HLO checked is the program the GPUs would run.
 """
 
+import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ulysses_jax import aot, hlo, make_mesh, ulysses_attention
+from ulysses_jax import aot, hlo, make_mesh, sharding, ulysses_attention
 from ulysses_jax.kernels.flash_attention import flash_attention
 from ulysses_jax.mesh import sequence_axes
 
@@ -138,6 +140,47 @@ def test_cli_says_what_does_not_fit(tmp_path):
                    "--gin_param=DataConfig.batch_size=4")
   assert status == 1 and not r["fits"]
   assert r["shortfall_bytes"] == r["device_bytes"] - r["device_capacity_bytes"] > 0
+
+
+def test_offloaded_state_compiles_as_host_arguments_copied_in_the_program():
+  """Compile-only devices drop a concrete sharding's memory kind; ``sharding.on_host`` keeps
+  it, so the program has the host arguments and host-device copies a real GPU would run."""
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
+  device = NamedSharding(mesh, P(None, "seq"))
+  [host] = jax.tree.leaves(sharding.on_host([device]))
+  assert host.memory_kind == "pinned_host"
+  w = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=host)
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=device)
+  to_device = jax.tree.leaves(sharding.on_device([device]))[0]
+  step = lambda w, x: jax.device_put(jax.device_put(w, to_device) * x, host)
+  compiled = jax.jit(step, in_shardings=(host, device), out_shardings=host).lower(w, x).compile()
+  stats = compiled.memory_analysis()
+  shard_bytes = 1024 * 128 * 4
+  assert stats.host_argument_size_in_bytes == stats.host_output_size_in_bytes == shard_bytes
+  assert stats.argument_size_in_bytes == shard_bytes  # x only: w is on the host
+
+
+def _shipped_gpu_configs():
+  """(config, gpu, topology) of every config whose header gives its aot command."""
+  found = []
+  for path in sorted(glob.glob("configs/*.gin")):
+    header = "".join(line for line in open(path, encoding="utf-8") if line.startswith("#"))
+    command = re.search(r"ulysses_jax\.aot --gpu=(\w+) \\?\s*#?\s*--topology=(\S+)", header)
+    if command:
+      found.append(pytest.param(path, *command.groups(), id=os.path.basename(path)))
+  return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,gpu,topology", _shipped_gpu_configs())
+def test_every_shipped_gpu_config_fits_the_cluster_its_header_names(tmp_path, config, gpu,
+                                                                     topology):
+  status, r = _cli(tmp_path, f"--gpu={gpu}", f"--topology={topology}", f"--gin_file={config}")
+  assert status == 0 and r["fits"] and r["device_bytes"] <= r["device_capacity_bytes"]
+  # Host memory per GPU within a DGX H100's 2 TB for 8 GPUs, the offloaded state included.
+  assert r["host_bytes"] <= 256e9
+  if "TrainConfig.offload_optimizer = True" in open(config, encoding="utf-8").read():
+    assert r["host_breakdown"]["offloaded_state"] > 0
 
 
 def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():

@@ -204,6 +204,21 @@ def test_remat_groups_give_same_gradients_and_keep_one_input_per_group(policy, c
   assert not [line for line in saved if f"[4,2,16,{config.hidden_dim}]" in line], saved
 
 
+def test_attention_head_chunks_give_the_plain_models_loss_and_gradients():
+  """attn_head_chunks=2 (one KV head per chunk, replicated over seq=4) inside remat groups
+  with the layer inputs on the host: the loss and gradients of the plain model."""
+  config = preset("tiny-gqa", num_layers=4, remat_policy="none")
+  state, mesh = initial_state(config), mesh_of(2, 4)
+  batch = packed_batch(4, 2, 24, config.vocab_size)
+  loss, grads = loss_and_grads(model_on(config, mesh, state), batch)
+  chunked = config.replace(attn_head_chunks=2, remat_policy="full_offload", remat_group=2)
+  chunked_loss, chunked_grads = loss_and_grads(model_on(chunked, mesh, state), batch)
+  assert relative_error(chunked_loss, loss) < 1e-6
+  assert_trees_close(chunked_grads, grads)
+  with pytest.raises(ValueError, match=r"attn_head_chunks \(3\) must divide num_kv_heads"):
+    config.replace(attn_head_chunks=3)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["offload", "full_offload"])
 def test_offload_policies_use_host_memory_on_gpu(policy):

@@ -66,6 +66,35 @@ def test_matches_dense_reference_with_gradients(mesh_shape, seq_len, features):
   assert_trees_close(grads, jax.jit(jax.grad(dense, argnums=(0, 1)))(state, x))
 
 
+def test_head_chunks_with_the_norm_inside_match_the_plain_layer():
+  """Heads in 2 chunks (1 query group each, padded to the 4 seq shards) with the pre-norm
+  applied inside each chunk: the same output and gradients (parameters, input, norm scale) as
+  the plain layer on the normalised input."""
+  mesh = mesh_of(2, 4)
+  graphdef, state = nnx.split(_attention(mesh, qkv_bias=True, qk_norm=True))
+  chunked = nnx.graphdef(_attention(mesh, qkv_bias=True, qk_norm=True, head_chunks=2))
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(2), len(leaves) + 2)
+  state = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape)
+                                       for x, k in zip(leaves, keys)])
+  scale = 1.0 + 0.1 * jax.random.normal(keys[-2], (E,))
+  batch = packed_batch(3, 2, 24, 2)
+  x = jax.random.normal(keys[-1], (2, 24, E))
+  pos, seg = batch["positions"], batch["segment_ids"]
+
+  def loss(graph, norm_inside):
+    def f(s, x, scale):
+      attn, norm = nnx.merge(graph, s), lambda x: _rms(x, scale)
+      y = attn(x, pos, seg, norm=norm) if norm_inside else attn(norm(x), pos, seg)
+      return jnp.sum(jnp.sin(y))
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+  value, grads = loss(chunked, True)(state, x, scale)
+  expected_value, expected_grads = loss(graphdef, False)(state, x, scale)
+  assert relative_error(value, expected_value) < 1e-5
+  assert_trees_close(grads, expected_grads)
+
+
 def test_packed_document_sees_only_itself_at_restarted_positions():
   mesh = mesh_of(1, 8)
   attn = nnx.jit(lambda a, *args: a(*args))
@@ -143,6 +172,8 @@ def test_bad_arguments_raise_before_work():
     UlyssesAttention(E, 6, num_kv_heads=4, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"embed_dim \(30\) is not divisible by num_heads \(4\)"):
     UlyssesAttention(30, 4, mesh=mesh, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"head_chunks \(3\) must divide num_kv_heads \(2\)"):
+    UlyssesAttention(E, 4, num_kv_heads=2, head_chunks=3, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="backend must be one of"):
     UlyssesAttention(E, 4, mesh=mesh, backend="flash", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="RopeScaling.kind must be one of"):

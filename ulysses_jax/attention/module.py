@@ -17,8 +17,8 @@ Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
 the moment they are created (``ulysses_jax.layers.param``).
 """
 
+import functools
 import warnings
-
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,14 @@ class UlyssesAttention(nnx.Module):
     qkv_bias: biases on the q/k/v projections (Qwen2).
     norm_eps: epsilon of the qk-norm.
     backend: local attention backend, one of ``backends.BACKENDS``.
+    head_chunks: run the layer over this many chunks of heads one after another (it must
+      divide ``num_kv_heads``): projections, RoPE, attention and the output projection of
+      Hq/n query heads at a time, each chunk recomputed in the backward pass, so q, k, v and
+      the attention output exist for one chunk at a time (a memory saving of about
+      (2·Hq + 2·Hkv)·D·(1 - 1/n) elements per token, for one more attention forward in the
+      backward pass). Under Ulysses a chunk's heads are spread over the seq axis like all of
+      them (``plan_heads``): where P exceeds a chunk's key/value heads they are replicated,
+      more all-to-all traffic. Default 1: the plain layer.
     dtype, param_dtype: compute and parameter dtypes.
     init_std: standard deviation of the normal kernel init.
     rules: logical-axis sharding rules (``ulysses_jax.sharding``).
@@ -62,10 +70,14 @@ class UlyssesAttention(nnx.Module):
                head_dim: int | None = None, mesh: Mesh, causal: bool = True,
                rope_theta: float = 10_000.0, rope_scaling: rope.RopeScaling | None = None,
                qk_norm: bool = False, qkv_bias: bool = False, norm_eps: float = 1e-6,
-               backend: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
-               init_std: float = 0.02, rules: sharding.Rules = sharding.DEFAULT_RULES,
-               rngs: nnx.Rngs):
+               backend: str = "auto", head_chunks: int = 1, dtype=jnp.float32,
+               param_dtype=jnp.float32, init_std: float = 0.02,
+               rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if head_chunks < 1 or num_kv_heads % head_chunks:
+      raise ValueError(f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) "
+                       "so that each chunk holds whole query groups; pick a divisor, or 1 for "
+                       "the unchunked layer.")
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                        f"({num_kv_heads}): each key/value head serves num_heads/num_kv_heads "
@@ -96,12 +108,16 @@ class UlyssesAttention(nnx.Module):
     self.mesh = mesh
     self.causal = causal
     self.backend = backend
+    self.head_chunks = head_chunks
     self.rules = rules
 
   def __call__(self, x_BSE: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, positions_BS: jax.Array | None = None,
-               segment_ids_BS: jax.Array | None = None) -> jax.Array:
-    """``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
+               segment_ids_BS: jax.Array | None = None, norm=None) -> jax.Array:
+    """``attention(norm(x))``: ``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
+
+    ``norm``: a pre-norm (``[B, S, E]`` -> ``[B, S, E]``) or None. With ``head_chunks`` > 1
+    each chunk applies it again, so the normalised input never exists whole.
 
     ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
     each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
@@ -114,18 +130,67 @@ class UlyssesAttention(nnx.Module):
       _check_ids(name, ids, x_BSE.shape)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    norm = norm or (lambda x: x)
+    if self.head_chunks == 1:
+      return self._attend(norm(x_BSE), self._kernels(), positions, segment_ids, names=True)
+    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids)
+
+  def _kernels(self) -> dict:
+    """Compute-dtype, all-gathered projection kernels and q/k/v biases (None without)."""
+    kernels = {name: getattr(self, name).compute_kernel()
+               for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    for name in ("q_proj", "k_proj", "v_proj"):
+      bias = getattr(self, name).bias
+      kernels[name + "_bias"] = None if bias is None else bias[...].astype(self.q_proj.dtype)
+    return kernels
+
+  def _attend(self, x_BSE, kernels, positions, segment_ids, *, names: bool):
+    """The layer on the heads ``kernels`` hold: ``[B, S, E]`` -> ``[B, S, E]``."""
     constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
-    q, k, v = (constrain(proj(x_BSE)) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    x_BSE = x_BSE.astype(self.q_proj.dtype)
+    name = checkpoint_name if names else (lambda x, _: x)
+
+    def project(kind):
+      y = jnp.tensordot(x_BSE, kernels[kind], axes=1)
+      bias = kernels[kind + "_bias"]
+      return constrain(y if bias is None else y + bias)
+
+    q, k, v = (project(kind) for kind in ("q_proj", "k_proj", "v_proj"))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
     q, k = (rope.apply_rope(t, positions, inv_freq) for t in (q, k))
-    q, k, v = (checkpoint_name(t, QKV) for t in (q, k, v))
+    q, k, v = (name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
                             segment_ids=segment_ids, backend=self.backend)
-    out = checkpoint_name(constrain(out), ATTN_OUT)
-    return sharding.constrain(self.o_proj(out), ("act_batch", "act_seq", "act_embed"),
-                              self.mesh, self.rules)
+    out = name(constrain(out), ATTN_OUT)
+    y_BSE = jnp.tensordot(out, kernels["o_proj"], axes=2)
+    return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
+                              self.rules)
+
+  def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids):
+    """``_attend(norm(x))`` over ``head_chunks`` chunks of heads in a ``lax.scan``, summing
+    the chunks' output projections; each chunk (its norm too) is recomputed in the backward
+    pass."""
+    n = self.head_chunks
+    kernels = self._kernels()
+    # Query head h belongs to key/value head h // (Hq/Hkv): splitting both head axes into n
+    # contiguous chunks keeps each query group with its key/value head.
+    heads_axis = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0, "q_proj_bias": 0,
+                  "k_proj_bias": 0, "v_proj_bias": 0}
+    chunked = {name: None if w is None else jnp.moveaxis(
+        w.reshape(*w.shape[:heads_axis[name]], n, -1, *w.shape[heads_axis[name] + 1:]),
+        heads_axis[name], 0) for name, w in kernels.items()}
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one_chunk(y_BSE, chunk_kernels):
+      return y_BSE + self._attend(norm(x_BSE), chunk_kernels, positions, segment_ids,
+                                  names=False)
+
+    y_BSE = jnp.zeros(x_BSE.shape, self.q_proj.dtype)
+    y_BSE = sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
+                               self.rules)
+    return jax.lax.scan(lambda y, w: (one_chunk(y, w), None), y_BSE, chunked)[0]
 
 
 def _renamed(value, old_value, name: str):

@@ -54,7 +54,10 @@ class LlamaConfig:
   input per group, in host memory under ``full_offload``, and recomputes the group's forward
   to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
   pass), ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
-  per device per cross-entropy chunk).
+  per device per cross-entropy chunk), ``attn_head_chunks`` (attention runs over this many
+  chunks of heads, each recomputed in the backward, so q, k, v and the attention output exist
+  for 1/n of the heads at a time; it must divide ``num_kv_heads``; 1 = unchunked; see
+  ``UlyssesAttention``'s ``head_chunks``).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -79,6 +82,7 @@ class LlamaConfig:
   remat_group: int = _field(1)
   mlp_chunk: int = _field(0)
   loss_chunk: int = _field(1)
+  attn_head_chunks: int = _field(1)
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -95,6 +99,9 @@ class LlamaConfig:
     if self.num_layers % self.remat_group:
       raise ConfigError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
                         f"({self.remat_group}), the layers per rematerialised group.")
+    if self.num_kv_heads % self.attn_head_chunks:
+      raise ConfigError(f"attn_head_chunks ({self.attn_head_chunks}) must divide num_kv_heads "
+                        f"({self.num_kv_heads}): each chunk holds whole query groups.")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                         f"({self.num_kv_heads}).")
@@ -133,7 +140,8 @@ _DEFAULTS = dict(
     head_dim=128, mlp_dim=14_336, rope_theta=500_000.0, rope_scaling=None, norm_eps=1e-5,
     tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
     param_dtype="float32", attention_backend="auto", remat_policy="full",
-    remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024)
+    remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
+    attn_head_chunks=1)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

@@ -104,13 +104,16 @@ class MLP(nnx.Module):
     self.chunk = config.mlp_chunk
     self.mesh = mesh
 
-  def __call__(self, x_BSE: jax.Array) -> jax.Array:
+  def __call__(self, x_BSE: jax.Array, norm=None) -> jax.Array:
+    """``mlp(norm(x))``; ``norm`` (e.g. the pre-norm, default none) runs inside each tile, so
+    the normalised ``[B, S, E]`` input and its gradient never exist whole."""
     kernels = [p.compute_kernel() for p in (self.gate_proj, self.up_proj, self.down_proj)]
-    x_BSE = x_BSE.astype(kernels[0].dtype)
+    norm = norm or (lambda x: x)
+    block = lambda x: _swiglu(norm(x).astype(kernels[0].dtype), *kernels)
     if not self.chunk:
-      return _swiglu(x_BSE, *kernels)
+      return block(x_BSE)
     x_NBPcE = sharding.to_local_chunks(x_BSE, mesh=self.mesh, chunk=self.chunk)
-    tile = jax.checkpoint(lambda x: _swiglu(x, *kernels), prevent_cse=False)
+    tile = jax.checkpoint(block, prevent_cse=False)
     _, y_NBPcE = jax.lax.scan(lambda _, x: (None, tile(x)), None, x_NBPcE)
     return sharding.from_local_chunks(y_NBPcE, x_BSE.shape[1], mesh=self.mesh)
 
@@ -127,7 +130,8 @@ class DecoderLayer(nnx.Module):
     self.attn = UlyssesAttention(
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
-        qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend, dtype=c.dtype,
+        qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend,
+        head_chunks=c.attn_head_chunks, dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
     self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
@@ -137,8 +141,9 @@ class DecoderLayer(nnx.Module):
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
-    x_BSE = constrain(x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS))
-    return constrain(x_BSE + self.mlp(self.mlp_norm(x_BSE)))
+    x_BSE = constrain(x_BSE + self.attn(x_BSE, positions_BS, segment_ids_BS,
+                                        norm=self.attn_norm))
+    return constrain(x_BSE + self.mlp(x_BSE, norm=self.mlp_norm))
 
 
 class Llama(nnx.Module):

@@ -5,7 +5,12 @@ R devices each hold S/R tokens of q, k, v. K/V blocks travel around the ring wit
 currently holds and merges the partial result into a float32 accumulator with log-sum-exp
 statistics. After R steps each query has seen every key. The backward rotates K/V again, and
 the dK/dV accumulated for a block travel with it, one last hop bringing them home; only the
-local q, k, v, the output and the lse are saved, never one K/V block per step. Per-device
+local q, k, v, the output and the lse are saved, never one K/V block per step. The travelling
+dK/dV are in the inputs' dtype: each device adds its float32 part and rounds once per hop
+(float32 sums in flight would hold two more float32 blocks per device, 4 GiB each for
+Llama-3.1-8B at 8M tokens per ring device, and double their traffic). With bfloat16 inputs
+and R = 4 the relative error of dK/dV against a float32 reference goes from 2.3-3.1e-3 to
+3.0-3.2e-3; dQ stays a float32 sum on its device. Per-device
 traffic is 2·(R−1)/R·B·S·Hkv·D elements forward (K and V), about O(S) whatever R is.
 
 **Zigzag layout.** With a causal mask and the sequence in natural order, device R−1's queries
@@ -353,24 +358,25 @@ def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
 
 def _backward_rule(ring, residuals, d_out):
   q, k, v, segment_ids, out, lse = residuals
-  f32 = lambda x: jnp.zeros(x.shape, jnp.float32)
 
   def accumulate(t, k, v, kv_seg, dq, dk, dv):
     dq_t, dk_t, dv_t = _step_grads(ring, q, k, v, segment_ids, kv_seg, out, lse, d_out, t)
-    return dq + dq_t, dk + dk_t, dv + dv_t
+    add = lambda total, part, dtype: (total.astype(jnp.float32) + part).astype(dtype)
+    return add(dq, dq_t, jnp.float32), add(dk, dk_t, k.dtype), add(dv, dv_t, v.dtype)
 
   def step(t, carry):
     k, v, kv_seg, dq, dk, dv = carry
     incoming = ring.rotate((k, v, kv_seg))
     dq, dk, dv = accumulate(t, k, v, kv_seg, dq, dk, dv)
-    # dK/dV of a block travel with it.
+    # dK/dV of a block travel with it, in the inputs' dtype (module docstring).
     return (*incoming, dq, *ring.rotate((dk, dv)))
 
   k_last, v_last, seg_last, dq, dk, dv = lax.fori_loop(
-      0, ring.size - 1, step, (k, v, segment_ids, f32(q), f32(k), f32(v)))
+      0, ring.size - 1, step,
+      (k, v, segment_ids, jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v)))
   dq, dk, dv = accumulate(ring.size - 1, k_last, v_last, seg_last, dq, dk, dv)
   dk, dv = ring.rotate((dk, dv))  # the last hop home
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return dq.astype(q.dtype), dk, dv, None
 
 
 _ring_attention_shard.defvjp(_forward_rule, _backward_rule)

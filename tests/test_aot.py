@@ -131,6 +131,36 @@ def test_cost_counts_ops_per_launch_and_loop_trips():
   assert ops["q"].flops == 0
 
 
+_HLO_CONDITIONAL = """\
+%small (p: bf16[64,128]) -> bf16[64,32] {
+  %p = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,32]{1,0} constant({...})
+  ROOT %small_dot = bf16[64,32]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%big (p: bf16[64,128]) -> bf16[64,32] {
+  %p = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,128]{1,0} constant({...})
+  %h = bf16[64,128]{1,0} dot(%p, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %w2 = bf16[128,32]{1,0} constant({...})
+  ROOT %big_dot = bf16[64,32]{1,0} dot(%h, %w2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (i: s32[], a: bf16[64,128]) -> bf16[64,32] {
+  %i = s32[] parameter(0)
+  %a = bf16[64,128]{1,0} parameter(1)
+  ROOT %c = bf16[64,32]{1,0} conditional(%i, %a, %a), branch_computations={%small, %big}
+}
+"""
+
+
+def test_cost_counts_the_costliest_branch_of_a_conditional_only():
+  """One branch of a conditional runs (the ring's causal step 0 or its tiles): the costliest
+  one counts, not both."""
+  ops = {op.name for op in aot.cost.operations(_HLO_CONDITIONAL)}
+  assert ops == {"h", "big_dot"}
+
+
 def test_roofline_adds_compute_links_and_pcie():
   gpu = aot.GPUS["h100"]
   ops = [aot.cost.Op("mm", "fusion", 2, flops=gpu.bf16_flops, bytes=1)]

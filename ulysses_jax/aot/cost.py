@@ -6,7 +6,8 @@ and counts a while loop's body once however often it runs. This walk does neithe
 
 * It visits the operations the GPU launches: the instructions of the entry computation and,
   recursively, of the bodies of while loops (weighted by XLA's ``known_trip_count``),
-  conditionals (every branch, as if it ran) and calls. A fusion is one operation.
+  conditionals (the branch with the most FLOPs, then bytes: one branch runs, and which is
+  known only at run time) and calls. A fusion is one operation.
 * FLOPs of an operation: 2 x (output elements) x (contracted elements) for each ``dot`` in it
   (inside a fusion's computation too) and for cuBLAS GEMM custom calls; for our flash
   attention kernels, 4 (forward), 6 (dq) and 8 (dk/dv) x B x Hq x Sq x Skv x D, halved when
@@ -109,20 +110,36 @@ def operations(hlo_text: str) -> list[Op]:
   computations = _parse(hlo_text)
   found: dict[tuple[str, str], Op] = {}
 
-  def visit(computation, weight):
+  def costliest(branches, weight):
+    """The operations of the branch with the most FLOPs (then bytes)."""
+    visited = []
+    for branch in branches:
+      ops: dict[tuple[str, str], Op] = {}
+      visit(branch, weight, ops)
+      visited.append(ops)
+    total = lambda ops: (sum(o.count * o.flops for o in ops.values()),
+                         sum(o.count * o.bytes for o in ops.values()))
+    return max(visited, key=total, default={})
+
+  def visit(computation, weight, found):
     instructions = computations.get(computation, [])
     shapes = {i["name"]: i["shape"] for i in instructions}
     for i in instructions:
       op, attrs = i["op"], i["attrs"]
       if op == "while":
         trips = _TRIP_COUNT.search(attrs)
-        visit(re.search(r"\bbody=%([\w.\-]+)", attrs)[1], weight * (int(trips[1]) if trips else 1))
+        visit(re.search(r"\bbody=%([\w.\-]+)", attrs)[1], weight * (int(trips[1]) if trips else 1),
+              found)
         continue
       if op in ("call", "conditional"):
-        for callee in re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+        callees = re.findall(r"%([\w.\-]+)", " ".join(re.findall(
             r"\b(?:to_apply|calls|branch_computations|true_computation|false_computation)="
-            r"(\{[^}]*\}|%[\w.\-]+)", attrs))):
-          visit(callee, weight)
+            r"(\{[^}]*\}|%[\w.\-]+)", attrs)))
+        if op == "conditional":
+          found.update(costliest(callees, weight))
+        else:
+          for callee in callees:
+            visit(callee, weight, found)
         continue
       if op in _FREE or _COLLECTIVE.search(op):
         continue
@@ -140,5 +157,5 @@ def operations(hlo_text: str) -> list[Op]:
       key = (computation, i["name"])
       found[key] = Op(i["name"], op, weight, flops, nbytes)
 
-  visit("ENTRY", 1)
+  visit("ENTRY", 1, found)
   return list(found.values())

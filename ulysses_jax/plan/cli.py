@@ -20,7 +20,8 @@ def _on_host_label(layout):
 
 
 def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'on host':>10} "
+  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'chunks':>6} "
+            f"{'on host':>10} "
             f"{'mem GB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} "
             f"{'comm s':>7} {'step s':>8} {'tok/s':>9}")
   lines = [header]
@@ -29,7 +30,7 @@ def _format(rows, batch, seq_len):
     comm = step["step_s"] - step["compute_s"]
     lines.append(
         f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
-        f"{_on_host_label(lay):>10} {mem['total'] / _GB:>7.1f} "
+        f"{lay.attn_head_chunks:>6} {_on_host_label(lay):>10} {mem['total'] / _GB:>7.1f} "
         f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} "
         f"{step['ring_bytes'] / _GB:>7.2f} "
         f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
@@ -46,6 +47,7 @@ def _recommendation(best: Layout, args) -> str:
       "TrainConfig.offload_params": best.offload_params,
       "TrainConfig.master_weights": args.master_weights,
       "LlamaConfig.remat_policy": best.remat, "LlamaConfig.remat_group": best.remat_group,
+      "LlamaConfig.attn_head_chunks": best.attn_head_chunks,
       "LlamaConfig.mlp_chunk": args.model_config.mlp_chunk,
       "LlamaConfig.dtype": args.dtype, "LlamaConfig.param_dtype": args.param_dtype,
       "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
@@ -54,6 +56,7 @@ def _recommendation(best: Layout, args) -> str:
   return (f"for python -m ulysses_jax.train:\n{flags}\n"
           f"in Python: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}); "
           f"LlamaConfig(remat_policy={best.remat!r}, remat_group={best.remat_group}, "
+          f"attn_head_chunks={best.attn_head_chunks}, "
           f"mlp_chunk={args.model_config.mlp_chunk}); init_train_state / make_train_step("
           f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}, "
           f"master_weights={args.master_weights}) with accum_steps={args.accum_steps}")

@@ -10,6 +10,7 @@ import pytest
 
 from ulysses_jax import gin_config, hf, make_mesh, plan
 from ulysses_jax import train_step as train_step_lib
+from ulysses_jax.aot.devices import cuda_plugin_installed
 from ulysses_jax.plan import cli as plan_cli
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
@@ -231,6 +232,30 @@ def test_command_line(capsys):
   with pytest.raises(SystemExit):
     plan_cli.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights"])
   assert "give param_dtype='bfloat16'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(cuda_plugin_installed(), reason="this Python can compile for GPUs")
+def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
+  args = ["--model=llama3.2-1b", "--seq-len=196608", "--verify"]
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([*args, "--devices=8"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+  assert err.startswith("error: --verify: compiling for GPUs needs JAX's CUDA plugin")
+  with pytest.raises(SystemExit):
+    plan_cli.main([*args, "--devices=12"])  # 1.5 nodes of 8
+  assert "must be a multiple of --intra-node (8)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_verify_compiles_the_recommendation(capsys):
+  best = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--verify"])
+  out = capsys.readouterr().out
+  compiled = re.search(r"\n  device +([0-9.]+) +([0-9.]+) ", out)
+  assert compiled, out
+  assert float(compiled[1]) == pytest.approx(best["memory"]["total"] / 2**30, abs=0.01)
+  assert float(compiled[2]) > 0  # remat="none" is recommended here: a rough estimate (-23 %)
 
 
 def _gin_params(out):

@@ -2,9 +2,10 @@
 
     python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
         [--intra-node=8] [--host-mem=2048] [--batch=1] [--accum-steps=1] [--dtype=bfloat16] \\
-        [--param-dtype=bfloat16 --master-weights]
+        [--param-dtype=bfloat16 --master-weights] [--verify [--gpu=h100]]
 
-(the command line: ``ulysses_jax.plan.cli``).
+(the command line: ``ulysses_jax.plan.cli``; ``--verify`` compiles the recommendation with
+``ulysses_jax.aot``).
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation

@@ -4,11 +4,11 @@
     .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --json \\
         benchmarks/results/plan_vs_compiler.json
 
-For each config, on the cluster its header names: ``ulysses_jax.plan.predict_memory`` for the
-config's layout (micro-batch of ``batch_size / accum_steps`` rows) next to the compiled step's
-per-device memory (``python -m ulysses_jax.aot``'s figures: device arguments + outputs +
-temporaries, host state + host temporaries). Compiling takes 1.5 to 2 minutes per config on
-2 CPU cores; no GPU needed.
+For each config (with the ``--gin_param`` overrides listed beside it), on the cluster its
+header names: ``ulysses_jax.plan.predict_memory`` for the config's layout (micro-batch of
+``batch_size / accum_steps`` rows) next to the compiled step's per-device memory (``python -m
+ulysses_jax.aot``'s figures: device arguments + outputs + temporaries, host state + host
+temporaries). Compiling takes 10 s to 2 minutes per config on 2 CPU cores; no GPU needed.
 """
 
 import argparse
@@ -23,27 +23,34 @@ from ulysses_jax.aot.report import compile_and_report  # noqa: E402
 from ulysses_jax.aot.step import build_train_step  # noqa: E402
 
 GIB = 2**30
-CONFIGS = (("configs/llama1b_128k.gin", "1x1x8"), ("configs/llama8b_512k.gin", "1x1x8"),
-           ("configs/llama8b_1gpu_512k.gin", "1x1x1"))
+# (gin file, topology, --gin_param overrides)
+CONFIGS = (("configs/llama1b_128k.gin", "1x1x8", ()), ("configs/llama8b_512k.gin", "1x1x8", ()),
+           ("configs/llama8b_1gpu_512k.gin", "1x1x1", ()),
+           ("configs/llama8b_1gpu_1m.gin", "1x1x1", ()),
+           ("configs/llama8b_8gpu_8m.gin", "1x1x8", ()),
+           ("configs/llama8b_8gpu_8m.gin", "1x1x8", ("LlamaConfig.attn_head_chunks=4",)),
+           ("configs/llama8b_32gpu_32m.gin", "4x1x8", ()))
 
 
-def compare(gin_file: str, topology: str, gpu: str) -> dict:
+def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> dict:
   """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
   slices, hosts, _ = parse_topology(topology)
-  built = build_train_step([gin_file], [], gpu_devices(gpu, topology))
-  config = gin_config.read([gin_file], [])
+  built = build_train_step([gin_file], list(params), gpu_devices(gpu, topology))
+  config = gin_config.read([gin_file], list(params))
   cfg, model_cfg, data_cfg = config.train, config.model, config.data
   layout = plan.Layout(data=built.mesh.shape["data"], seq=built.mesh.shape["seq"],
                        ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
                        offload_optimizer=cfg.offload_optimizer,
-                       remat_group=model_cfg.remat_group, offload_params=cfg.offload_params)
+                       remat_group=model_cfg.remat_group, offload_params=cfg.offload_params,
+                       attn_head_chunks=model_cfg.attn_head_chunks)
   predicted = plan.predict_memory(
       plan.Model.from_config(model_cfg), layout, batch=data_cfg.batch_size // cfg.accum_steps,
       seq_len=data_cfg.seq_len, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
       master_weights=cfg.master_weights)
   compiled = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts)
   device, host = compiled["device_bytes"] / GIB, compiled["host_bytes"] / GIB
-  return {"config": os.path.basename(gin_file), "cluster": f"{topology} {gpu}",
+  name = " ".join([os.path.basename(gin_file), *(p.split(".", 1)[1] for p in params)])
+  return {"config": name, "cluster": f"{topology} {gpu}",
           "plan_device_gib": round(predicted["total"] / GIB, 2),
           "compiled_device_gib": round(device, 2),
           "device_error": f"{predicted['total'] / GIB / device - 1:+.0%}",
@@ -57,7 +64,8 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--gpu", default="h100")
   parser.add_argument("--json", default="")
   args = parser.parse_args(argv)
-  rows = [compare(gin_file, topology, args.gpu) for gin_file, topology in CONFIGS]
+  rows = [compare(gin_file, topology, params, args.gpu)
+          for gin_file, topology, params in CONFIGS]
   print("GiB per device: ulysses_jax.plan.predict_memory vs the compiled GPU step "
         "(python -m ulysses_jax.aot)")
   common.print_table(rows, list(rows[0]))

@@ -10,6 +10,7 @@ import pytest
 
 from ulysses_jax import gin_config, hf, make_mesh, plan
 from ulysses_jax import train_step as train_step_lib
+from ulysses_jax.aot.devices import cuda_plugin_installed
 from ulysses_jax.plan import cli as plan_cli
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
@@ -60,6 +61,86 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
                                               remat_group=config.remat_group), batch=batch,
                                   seq_len=seq_len, dtype="float32")["total"]
   assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
+
+
+# Compiled for H100s on 2026-11-24 (jax 0.10.2) from main at 4ca867f with
+#   JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python -m ulysses_jax.aot --gpu=h100 \
+#       --topology=TOPOLOGY --gin_file=CONFIG [--gin_param=PARAM]
+# (device arguments + outputs + temporaries, host state + host temporaries), GiB per device:
+# (config, (data, seq, ring) of TOPOLOGY, --gin_param overrides, device GiB, host GiB).
+COMPILED_H100 = [
+    ("configs/llama8b_1gpu_1m.gin", (1, 1, 1), [], 63.21, 151.92),
+    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), [], 70.86, 102.99),
+    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=4"], 63.14, 102.99),
+    ("configs/llama8b_32gpu_32m.gin", (1, 8, 4), [], 76.64, 97.75),
+]
+
+
+def _config_layout(gin_file, mesh_shape, params):
+  """The config's model, layout and predict_memory keywords (gin read on CPU, no compile)."""
+  try:
+    config = gin_config.read([gin_file], params)
+  finally:
+    gin.clear_config()
+  run, model, data = config.train, config.model, config.data
+  layout = plan.Layout(*mesh_shape, remat=model.remat_policy,
+                       offload_optimizer=run.offload_optimizer, remat_group=model.remat_group,
+                       offload_params=run.offload_params,
+                       attn_head_chunks=model.attn_head_chunks)
+  sizes = dict(batch=data.batch_size // run.accum_steps, seq_len=data.seq_len,
+               dtype=model.dtype, param_dtype=model.param_dtype,
+               master_weights=run.master_weights)
+  return plan.Model.from_config(model), layout, sizes
+
+
+@pytest.mark.parametrize("gin_file,mesh_shape,params,device_gib,host_gib", COMPILED_H100)
+def test_memory_prediction_matches_the_gpu_compiler(gin_file, mesh_shape, params, device_gib,
+                                                    host_gib):
+  model, layout, sizes = _config_layout(gin_file, mesh_shape, params)
+  predicted = plan.predict_memory(model, layout, **sizes)
+  assert predicted["total"] / 2**30 == pytest.approx(device_gib, rel=0.1)
+  assert predicted["host"] / 2**30 == pytest.approx(host_gib, rel=0.1)
+
+
+def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():
+  # The compiles above: all-to-all 2560 GiB per device per step with 1 head chunk, 5120 GiB
+  # with 4 (each chunk's 2 KV heads replicated over the 8 GPUs, its attention recomputed);
+  # the 32-GPU ring's collective permutes 14912 GiB. The compiler counts every byte, the
+  # planner (P-1)/P of the all-to-all (a device keeps its own part).
+  traffic = {}
+  for gin_file, mesh_shape, params, _, _ in COMPILED_H100[1:]:
+    model, layout, sizes = _config_layout(gin_file, mesh_shape, params)
+    step = plan.predict_step(model, layout, hardware=plan.Hardware(), **sizes)
+    traffic[layout.ring, layout.attn_head_chunks] = (
+        step["all_to_all_bytes"] / 2**30 * 8 / 7, step["ring_bytes"] / 2**30, step["step_s"])
+  assert traffic[1, 1][0] == pytest.approx(2560) and traffic[1, 4][0] == pytest.approx(5120)
+  assert traffic[4, 4][:2] == pytest.approx((5120, 14912), rel=0.01)
+  assert traffic[1, 4][2] > traffic[1, 1][2]  # the recomputed attention costs time
+
+
+def test_plans_llama8b_at_a_million_tokens_on_one_gpu_with_head_chunks():
+  model = plan.Model.from_config(llama.preset("llama3.1-8b").replace(mlp_chunk=2048))
+  rows = plan.plan(model, seq_len=2**20, devices=1, param_dtype="bfloat16",
+                   hardware=plan.Hardware(memory_gb=80, host_memory_gb=256))
+  assert rows, "no layout fits"
+  best = rows[0]
+  assert best["layout"].attn_head_chunks > 1 and best["layout"].offload_params
+  assert best["memory"]["total"] <= 0.9 * 80e9 and best["memory"]["host"] <= 0.9 * 256e9
+  assert all(r["layout"].attn_head_chunks > 1 for r in rows)  # whole heads do not fit
+
+
+def test_head_chunks_must_divide_the_kv_heads():
+  model = plan.Model.from_config(llama.preset("llama3.1-8b"))
+  predict = lambda layout: plan.predict_memory(model, layout, batch=1, seq_len=2**15)
+  with pytest.raises(ValueError, match=r"must divide num_kv_heads \(8\), got 3; use one of"):
+    predict(plan.Layout(1, 1, 1, attn_head_chunks=3))
+  with pytest.raises(ValueError, match=r"'full' or 'full_offload' only"):
+    predict(plan.Layout(1, 1, 1, "save_names", attn_head_chunks=2))
+  with pytest.raises(ValueError, match=r"attn_head_chunks must be >= 1"):
+    plan.Layout(1, 1, 1, attn_head_chunks=0)
+  found = {x.attn_head_chunks for x in plan.layouts(1, 1, head_chunks=(1, 2, 4))
+           if x.remat == "save_names"}
+  assert found == {1}
 
 
 def test_recommends_a_hybrid_for_llama8b_at_a_million_tokens_on_32_gpus():
@@ -153,6 +234,30 @@ def test_command_line(capsys):
   assert "give param_dtype='bfloat16'" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(cuda_plugin_installed(), reason="this Python can compile for GPUs")
+def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
+  args = ["--model=llama3.2-1b", "--seq-len=196608", "--verify"]
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([*args, "--devices=8"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+  assert err.startswith("error: --verify: compiling for GPUs needs JAX's CUDA plugin")
+  with pytest.raises(SystemExit):
+    plan_cli.main([*args, "--devices=12"])  # 1.5 nodes of 8
+  assert "must be a multiple of --intra-node (8)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_verify_compiles_the_recommendation(capsys):
+  best = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--verify"])
+  out = capsys.readouterr().out
+  compiled = re.search(r"\n  device +([0-9.]+) +([0-9.]+) ", out)
+  assert compiled, out
+  assert float(compiled[1]) == pytest.approx(best["memory"]["total"] / 2**30, abs=0.01)
+  assert float(compiled[2]) > 0  # remat="none" is recommended here: a rough estimate (-23 %)
+
+
 def _gin_params(out):
   return re.findall(r"--gin_param='([^']*)'", out)
 
@@ -190,6 +295,7 @@ def test_prints_the_trainers_gin_settings(capsys):
       2, True, 65536, 4)
   assert (model.remat_policy, model.remat_group, model.dtype, model.param_dtype) == (
       best.remat, best.remat_group, "bfloat16", "bfloat16")
+  assert model.attn_head_chunks == best.attn_head_chunks
 
 
 def test_model_from_a_config_json_or_a_gin_file(tmp_path, capsys):

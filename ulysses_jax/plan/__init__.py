@@ -2,26 +2,29 @@
 
     python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=1048576 --devices=32 --gpu-mem=80 \\
         [--intra-node=8] [--host-mem=2048] [--batch=1] [--accum-steps=1] [--dtype=bfloat16] \\
-        [--param-dtype=bfloat16 --master-weights]
+        [--param-dtype=bfloat16 --master-weights] [--verify [--gpu=h100]]
 
-(the command line: ``ulysses_jax.plan.cli``).
+(the command line: ``ulysses_jax.plan.cli``; ``--verify`` compiles the recommendation with
+``ulysses_jax.aot``).
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
 policy, the optimizer state on the device or the host (``offload_optimizer``) and with it the
-layer parameters and gradients (``offload_params``), it predicts
-per-device memory on the device and on the host (``predict_memory``) and the time of one
-training step (``predict_step``), drops the layouts that do not fit, and recommends the
+layer parameters and gradients (``offload_params``), and with the ``full`` policies every
+remat group (``remat_group``) and attention head chunk count (``attn_head_chunks``), it
+predicts per-device memory on the device and on the host (``predict_memory``) and the time of
+one training step (``predict_step``), drops the layouts that do not fit, and recommends the
 fastest. Only layouts the trainer accepts are tried: ``seq·ring`` divides the sequence
-length, ``data·accum_steps`` divides the batch, layer parameters on the host only without
-gradient accumulation. With ``accum_steps`` micro-batches the activations are those of one
-micro-batch, the gradients are summed in float32 (4·params/N more), and FSDP gathers and
-reduce-scatters once per micro-batch.
+length, ``data·accum_steps`` divides the batch, head chunks divide ``num_kv_heads``, layer
+parameters on the host only without gradient accumulation. With ``accum_steps``
+micro-batches the activations are those of one micro-batch, the gradients are summed in
+float32 (4·params/N more), and FSDP gathers and reduce-scatters once per micro-batch.
 
 Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
 the compute / parameter dtype, w bytes of the weights the optimizer updates: 4 with float32
 master weights (``master_weights``), else p; parameters, gradients and optimizer state
-FSDP-sharded over all N devices):
+FSDP-sharded over all N devices; n = ``attn_head_chunks``, Hq' and Hkv' one chunk's query
+and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and replicated):
 
   state      (p + o)·params/N            parameters and optimizer state (the step's
                                          arguments), o = 2w (Adam moments) + w with master
@@ -35,7 +38,8 @@ FSDP-sharded over all N devices):
                                          in and out, the state of the parameters outside the
                                          layers whole). With the layer parameters on the host
                                          too, "params" in state and grads counts other_params
-                                         and one layer's
+                                         and the k layers of a remat group (a group copies
+                                         its layers' weights to the device at once)
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
@@ -46,24 +50,46 @@ FSDP-sharded over all N devices):
   host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
              residuals; per device, against
              ``Hardware.host_memory_gb`` shared by the devices of a node
-  working    T·c·(11·E + 7.5·F')         one layer's recomputed forward and its backward
-             + 2·B'·H'·b²·4              two float32 score tiles of the XLA attention (b <= 512)
-             + ring buffers              K/V in flight, float32 accumulators (ring > 1)
+  working    T·c·(6·E + 1.2·A + 7.5·F')  one layer's recomputed forward and its backward;
+                                         A = (2Hq' + 2Hkv')·D, one head chunk's q, k, v and
+                                         attention output per token
+             + 2·B'·(Hq'/P)·b²·4         two float32 score tiles of the XLA attention (b <= 512)
+             + T·D·(4·Hkv'·c + 2·Hq'·4)  ring > 1: one chunk's K, V, dK, dV blocks in flight
+                                         (dK/dV travel in the compute dtype) and its float32
+                                         output and dQ sums
 
-F' = min(T, tokens per MLP tile) / T · F. The working-set coefficients (11, 7.5) count the
-``[T, E]`` and ``[T, F]`` buffers live in one layer's backward, as measured from XLA's buffer
-assignment (``tests/test_plan.py`` checks the total against ``compiled.memory_analysis()``).
-``remat="none"`` keeps every layer's working set instead (a rougher estimate).
+F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
+tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers. The
+coefficients 6 and 1.2 were fitted on 2026-11-24 to the H100 compiles (``python -m
+ulysses_jax.aot --gpu=h100``, jax 0.10.2) of Llama-3.1-8B at 1,048,576 tokens per device:
+configs/llama8b_1gpu_1m.gin (1x1x1) with n = 1, 2, 4 and at 524,288 tokens, and
+configs/llama8b_8gpu_8m.gin (1x1x8) with n = 1, 2, 4; the ring term against
+configs/llama8b_32gpu_32m.gin (4x1x8), whose ring adds 13.5 GiB to the same layout without a
+ring (16 GiB predicted). Within 7.5 % of those compiles (and of the 8-GPU layout at
+4,194,304 tokens); not captured: n = 8 on one GPU
+(compiled 65.9 GiB, predicted 61.0: the planner tries n <= 4), remat groups of 2 there
+(-7 %), the ring at 512K tokens per device (-12 %) or with n = 1 (-23 %, far over any GPU).
+7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
+total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
+MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
+rougher estimate).
 
 Communication (per device per step; formulas of DESIGN.md, times at the given bandwidths):
-all-to-all over ``seq`` (2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass, ring K/V 2·(R-1)·Hkv'·D·T·c
-per forward (+ float32 dK/dV home in the backward), FSDP all-gather c·params and
-reduce-scatter p·params. ``seq`` within a node uses ``intra_bw``; anything wider ``inter_bw``.
-Compute: 6·params·T + 6·L·S·Hq·D·T FLOPs (causal), plus one forward when rematerialising,
-and one more with remat groups. Host transfers at ``pcie_bw``: offloaded activations, and with
-``offload_params`` the layer weights each layer pass fetches and the gradients it sends back,
-overlap with compute; the update's streams (the optimizer state in and out; the parameters and
-gradients the gradient norm and the update read, the parameters written back) do not.
+all-to-all over ``seq`` n·(2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass (where ``seq`` exceeds a
+chunk's KV heads they are replicated: more bytes with more chunks); ring, per chunk and pass,
+K/V 2·(R-1)·Hkv'·D·T·c and the zigzag exchange of the natural layout (q, k, v and the output,
+or their gradients) (2·Hq' + 2·Hkv')·D·T·c, plus dK/dV 2·R·Hkv'·D·T·c (compute dtype, the
+last hop home) in the backward; FSDP all-gather c·params and reduce-scatter p·params. ``seq``
+within a node uses ``intra_bw``; anything wider ``inter_bw``. Passes: the forward, the
+backward, and one more forward for each of: rematerialising, remat groups, head chunks (each
+chunk recomputes its attention in the backward). Compute: 6·params·T + 6·L·S·n·Hq'·D·T FLOPs
+(causal; padded heads compute too), plus one forward when rematerialising, one more with remat
+groups, and the attention layer (projections and attention) once more with head chunks. Host
+transfers at ``pcie_bw``: offloaded activations, and with ``offload_params`` the layer weights
+each forward pass fetches (a remat group once for its k layers, in the forward and in its
+recompute) and the gradients it sends back, overlap with compute; the update's streams (the
+optimizer state in and out; the parameters and gradients the gradient norm and the update
+read, the parameters written back) do not.
 """
 
 import dataclasses
@@ -74,11 +100,15 @@ from ulysses_jax.train_step import MemoryOptions
 
 REMATS = ("full", "full_offload", "save_names", "offload", "none")
 REMAT_GROUPS = (1, 2, 4, 8)  # layers per rematerialised group that the planner tries
+# Attention head chunks it tries. Not 8: for Llama-3.1-8B on one H100 (1,048,576 tokens) 8
+# chunks compiled to more memory than 4 (65.9 vs 63.2 GiB), where the model predicts less.
+HEAD_CHUNKS = (1, 2, 4)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _GB = 1e9
 _XLA_BLOCK = 512
-# One layer's backward: live [T, E] and [T, F] buffers (see the module docstring).
-_WORK_E, _WORK_F = 11.0, 7.5
+# One layer's backward: live [T, E] buffers, buffers of one head chunk's q, k, v and attention
+# output (per element per token), [T, F] buffers (see the module docstring).
+_WORK_E, _WORK_A, _WORK_F = 6.0, 1.2, 7.5
 # remat="none": per-layer activations kept for the backward, in [T, E] / [T, F] buffers.
 _NONE_E, _NONE_F = 10.0, 4.0
 
@@ -137,7 +167,9 @@ class Layout:
   layer's input kept on the host. ``remat_group`` (``LlamaConfig.remat_group``, with
   ``full`` and ``full_offload``) keeps one input per group of that many layers.
   ``offload_params`` (with ``offload_optimizer``) keeps the layer parameters and their
-  gradients on the host too.
+  gradients on the host too. ``attn_head_chunks`` (``LlamaConfig.attn_head_chunks``; it
+  must divide the model's ``num_kv_heads``) runs attention over that many chunks of heads,
+  each recomputed in the backward.
   """
   data: int
   seq: int
@@ -146,9 +178,13 @@ class Layout:
   offload_optimizer: bool = False
   remat_group: int = 1
   offload_params: bool = False
+  attn_head_chunks: int = 1
 
   def __post_init__(self):
     _ = self.memory  # the trainer's rules, checked in one place (MemoryOptions)
+    if self.attn_head_chunks < 1:
+      raise ValueError(f"attn_head_chunks must be >= 1 (1 = unchunked), got "
+                       f"{self.attn_head_chunks}.")
 
   @property
   def memory(self) -> MemoryOptions:
@@ -179,12 +215,13 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   n = layout.data * layout.seq * layout.ring
   e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
   seqs, per_seq, t = _tokens(layout, batch // accum_steps, seq_len)
-  heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
+  heads = _chunk_heads(model, layout)
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
   mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
   f_eff = f * mlp_tokens / t
   if layout.remat == "none":
-    saved = model.num_layers * t * c * (_NONE_E * e + _NONE_F * f_eff + (2 * hq + 2 * hkv) * d)
+    saved = model.num_layers * t * c * (_NONE_E * e + _NONE_F * f_eff
+                                        + _attention_per_token(heads, d))
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
              + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names"))
@@ -192,18 +229,19 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   block = min(_XLA_BLOCK, attn_len)
   tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
   ring = 0
-  if layout.ring > 1:  # K, V current and incoming; f32 out, dq, dk, dv accumulators
-    ring = t * d * (4 * hkv * c + 2 * hq * 4 + 4 * hkv * 4)
+  if layout.ring > 1:  # one chunk's K, V, dK, dV blocks in flight, float32 output and dQ sums
+    ring = t * d * (4 * hkv * c + 2 * hq * 4)
   offload = layout.offload_optimizer
   optimizer = o * model.params / n
   host_params = _host_param_count(model, layout)
-  device_params = model.params - host_params + model.layer_params * layout.offload_params
+  device_params = model.params - host_params + _device_layer_params(model, layout)
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
       "grads": (p + (0 if offload else w) + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
-      "working": t * c * (_WORK_E * e + _WORK_F * f_eff) + tiles + ring,
+      "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d)
+                           + _WORK_F * f_eff) + tiles + ring),
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
@@ -212,6 +250,36 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms["host"] = (optimizer * offload + 2 * p * host_params / n
                    + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _chunk_heads(model, layout):
+  """``plan_heads`` for one chunk of heads: Hq/n query and Hkv/n KV heads over ``seq``."""
+  n = layout.attn_head_chunks
+  if model.num_kv_heads % n:
+    raise ValueError(f"attn_head_chunks must divide num_kv_heads ({model.num_kv_heads}), got "
+                     f"{n}; use one of {_divisors(model.num_kv_heads)}.")
+  if n > 1 and layout.remat not in ("full", "full_offload"):
+    raise ValueError(f"the planner models attn_head_chunks > 1 (got {n}) with remat 'full' or "
+                     f"'full_offload' only (each chunk is recomputed whole), got "
+                     f"{layout.remat!r}; use attn_head_chunks=1 with it.")
+  return plan_heads(model.num_heads // n, model.num_kv_heads // n, layout.seq)
+
+
+def _attention_per_token(heads, head_dim):
+  """Elements per token of one head chunk's q, k, v and attention output, heads as the
+  all-to-all exchanges them (``heads``: its ``HeadPlan``; padded, KV heads replicated where
+  ``seq`` exceeds them)."""
+  return (2 * heads.exchanged_q_heads + 2 * heads.exchanged_kv_heads) * head_dim
+
+
+def _divisors(k):
+  return [i for i in range(1, k + 1) if k % i == 0]
+
+
+def _device_layer_params(model, layout):
+  """Layer parameters (and as many gradients) on the device while a layer runs, with the
+  layers' on the host: one layer's, or a group's k layers' (a group copies them at once)."""
+  return model.layer_params * layout.remat_group * layout.offload_params
 
 
 def _host_param_count(model, layout):
@@ -248,32 +316,40 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   o, _ = _optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   _, _, t = _tokens(layout, batch, seq_len)
-  heads = plan_heads(model.num_heads, model.num_kv_heads, layout.seq)
-  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
+  heads = _chunk_heads(model, layout)
+  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads  # per head chunk
   n_layers, e, d = model.num_layers, model.hidden_dim, model.head_dim
+  chunks = layout.attn_head_chunks
   bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
   # Attention passes: forward, backward, and the forward again unless nothing is recomputed
   # (save_names keeps q, k, v but not the lse, so attention is recomputed); remat groups
-  # recompute the forward once more.
-  regroup = layout.remat_group > 1
-  passes = (2 if layout.remat == "none" else 3) + regroup
-  a2a = (2 * hq + 2 * hkv) * d * t * c * (layout.seq - 1) / layout.seq * n_layers * passes
-  kv_block = hkv * d * t  # one K (or V) block on each device
+  # recompute the forward once more, and so do head chunks (each chunk in its backward).
+  regroup, rechunk = layout.remat_group > 1, chunks > 1
+  passes = (2 if layout.remat == "none" else 3) + regroup + rechunk
+  per_token = _attention_per_token(heads, d)
+  a2a = per_token * t * c * (layout.seq - 1) / layout.seq * n_layers * chunks * passes
+  kv_block = hkv * d * t  # one chunk's K (or V) block on each device
   ring = 0
-  if layout.ring > 1:  # K/V rotate in each pass; float32 dK/dV travel home in the backward
-    ring = n_layers * (passes * 2 * (layout.ring - 1) * kv_block * c
-                       + 2 * layout.ring * kv_block * 4)
+  if layout.ring > 1:  # per chunk: K/V rotate in each pass, dK/dV (compute dtype) travel home
+    # in the backward; the zigzag exchange of the natural layout moves q, k, v and the output
+    # (their gradients in the backward) once per pass.
+    ring = n_layers * chunks * c * (passes * 2 * (layout.ring - 1) * kv_block
+                                    + 2 * layout.ring * kv_block + passes * per_token * t)
   # Per micro-batch: gather twice (c), reduce-scatter (p).
   fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
-  attn_flops = 2 * n_layers * seq_len * model.num_heads * d * t  # causal: half of 4·S·h per token
+  # Causal: half of 4·S·h per token, over the heads as exchanged (padding computes too).
+  attn_flops = 2 * n_layers * seq_len * chunks * hq * d * t
   forward = 2 * model.params * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
-  compute = (3 * forward + recompute + forward * regroup) / hardware.flops
+  # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
+  attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
+  compute = (3 * forward + recompute + forward * regroup
+             + attention_layer * rechunk) / hardware.flops
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
-  merge = (n_layers * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw
+  merge = (n_layers * chunks * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw
            if layout.ring > 1 else 0)
   # Offloaded activations go to the host and back, and offloaded layer weights come to the
   # device in every forward pass (recomputed ones included) and their gradients go back,
@@ -282,7 +358,9 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   moved_inputs = n_layers + (n_layers // layout.remat_group if regroup else 0)
   moved = {"full_offload": moved_inputs * e, "offload": n_layers * _named_per_token(model)}
   host_param_bytes = p * _host_param_count(model, layout) / n
-  fetches = 1 + (layout.remat != "none") + regroup
+  # A group copies its layers' weights once per pass over it (the forward, its recompute in
+  # the backward); its layers' own recomputes reuse that copy.
+  fetches = 1 + (layout.remat != "none")
   overlapped = 2 * t * c * moved.get(layout.remat, 0) + (fetches + 1) * host_param_bytes
   offload = max(0.0, overlapped / hardware.pcie_bw - compute)
   update_streams = 2 * o * model.params / n * layout.offload_optimizer + 4 * host_param_bytes
@@ -299,11 +377,13 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
 
 
 def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps: int = 1,
-            remats=REMATS, offload_optimizer=(False, True), remat_groups=(1,)):
+            remats=REMATS, offload_optimizer=(False, True), remat_groups=(1,),
+            head_chunks=(1,)):
   """Every ``Layout`` the trainer accepts with data·seq·ring = devices: data·accum_steps
-  dividing the batch, seq·ring dividing ``seq_len`` (when given), remat groups with the
-  ``full`` policies only, layer parameters on the host or not when the optimizer state is
-  (and there is no gradient accumulation)."""
+  dividing the batch, seq·ring dividing ``seq_len`` (when given), remat groups and head
+  chunks (give only divisors of ``num_kv_heads``) with the ``full`` policies only, layer
+  parameters on the host or not when the optimizer state is (and there is no gradient
+  accumulation)."""
   for data in range(1, devices + 1):
     if devices % data or batch % (data * accum_steps):
       continue
@@ -312,10 +392,11 @@ def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps
       if (devices // data) % seq or (seq_len is not None and seq_len % (seq * ring)):
         continue
       for remat in remats:
-        groups = remat_groups if remat in ("full", "full_offload") else (1,)
-        for opt, group in itertools.product(offload_optimizer, groups):
+        full = remat in ("full", "full_offload")
+        groups, chunks = (remat_groups, head_chunks) if full else ((1,), (1,))
+        for opt, group, chunk in itertools.product(offload_optimizer, groups, chunks):
           for params in (False, True) if opt and accum_steps == 1 else (False,):
-            yield Layout(data, seq, ring, remat, opt, group, params)
+            yield Layout(data, seq, ring, remat, opt, group, params, chunk)
 
 
 def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch: int = 1,
@@ -335,8 +416,9 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
                                                                       hardware.intra_node)
   rows = []
   groups = tuple(k for k in REMAT_GROUPS if model.num_layers % k == 0)
+  chunks = tuple(k for k in HEAD_CHUNKS if model.num_kv_heads % k == 0)
   for layout in layouts(devices, batch, seq_len=seq_len, accum_steps=accum_steps,
-                        remat_groups=groups):
+                        remat_groups=groups, head_chunks=chunks):
     memory = predict_memory(model, layout, batch=batch, seq_len=seq_len, **dtypes)
     if memory["total"] <= budget and memory["host"] <= host_budget:
       step = predict_step(model, layout, batch=batch, seq_len=seq_len, hardware=hardware,

@@ -35,7 +35,8 @@ train: $(STAMP)
 	$(PY) -m ulysses_jax.train --gin_file=configs/tiny_cpu.gin --workdir=runs/tiny
 
 # A second environment with JAX's CUDA plugin (the .[gpu-compile] extra: ~185 MB of wheels, no
-# CUDA libraries), for compiling GPU programs on this machine (ulysses_jax.aot). Kept apart from
+# CUDA libraries; matplotlib for the benchmarks' plots), for compiling GPU programs on this
+# machine (ulysses_jax.aot, benchmarks.max_seqlen --gpu). Kept apart from
 # .venv: with the plugin installed, JAX needs JAX_PLATFORMS=cpu on a machine without a GPU.
 GPU_VENV := .venv-gpu-compile
 GPU_PY := $(GPU_VENV)/bin/python
@@ -44,7 +45,7 @@ GPU_STAMP := $(GPU_VENV)/.installed
 $(GPU_STAMP): pyproject.toml
 	test -x $(GPU_PY) || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_PY) -m pip install -q --upgrade pip
-	$(GPU_PY) -m pip install -q -e '.[dev,gpu-compile]'
+	$(GPU_PY) -m pip install -q -e '.[dev,bench,gpu-compile]'
 	touch $(GPU_STAMP)
 
 gpu-compile-venv: $(GPU_STAMP)

@@ -20,7 +20,8 @@ reaches than training on the same devices.
 The search doubles S from ``--start-len`` (default: ``--granularity``; both rounded to
 multiples of the granularity and the seq axis) while the step fits, up to ``--max-len``, then
 bisects between the last fit (or 0) and the first failure down to one granularity step.
-"Fits" means (``--criterion``):
+"Fits" means (``--criterion``; for a GPU cluster compiled on any machine, ``--gpu=...``, see
+``benchmarks.max_seqlen_gpu``):
 
 * ``run`` (the default on GPU): one real step (forward, backward, AdamW) runs without XLA's
   RESOURCE_EXHAUSTED. Each try runs in a fresh child process, so a failed try leaves nothing
@@ -47,6 +48,7 @@ import functools
 import math
 import multiprocessing
 import os
+import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # tries run in children
 
@@ -334,6 +336,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> list[dict]:
+  argv = sys.argv[1:] if argv is None else argv
+  if any(a.startswith("--gpu") for a in argv):  # compiled for a GPU cluster, on any machine
+    from benchmarks import max_seqlen_gpu
+    return max_seqlen_gpu.main(argv)
   on_gpu = jax.default_backend() == "gpu"
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", default="small", choices=sorted(llama.PRESETS))

@@ -183,6 +183,38 @@ def test_every_shipped_gpu_config_fits_the_cluster_its_header_names(tmp_path, co
     assert r["host_breakdown"]["offloaded_state"] > 0
 
 
+@pytest.mark.slow
+def test_attention_head_chunks_cut_the_compiled_memory(tmp_path):
+  """Llama-3.1-8B at 8,388,608 tokens on one 8-GPU node: attention in 4 chunks of heads keeps
+  a quarter of q, k, v and the output of a layer at a time (each [8M, 1, 128] per GPU per
+  chunk after the all-to-all). Compiled 2026-11-24: 70.86 -> 63.14 GiB per GPU; the chunks'
+  KV heads are replicated over the 8 GPUs, so more all-to-all bytes."""
+  runs = {}
+  for chunks in (1, 4):
+    status, runs[chunks] = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                                "--gin_file=configs/llama8b_8gpu_8m.gin",
+                                f"--gin_param=LlamaConfig.attn_head_chunks={chunks}")
+    assert status == 0
+  plain, chunked = (runs[n]["device_breakdown"]["temporaries"] for n in (1, 4))
+  assert chunked < plain - 6 * GIB
+  assert (runs[4]["collective_bytes"]["all-to-all"] > runs[1]["collective_bytes"]["all-to-all"])
+  assert runs[4]["host_bytes"] == runs[1]["host_bytes"]
+
+
+@pytest.mark.slow
+def test_longest_sequence_search_on_one_gpu(tmp_path):
+  """``benchmarks.max_seqlen --gpu``: Llama-3.1-8B on one H100 in llama8b_1gpu_1m's layout, to
+  262,144 tokens (3 compiles: 1,048,576 fits, 1,572,864 does not, 1,310,720 fits)."""
+  from benchmarks import max_seqlen
+  [row] = max_seqlen.main(["--gpu=h100", "--case=1x1x1:configs/llama8b_1gpu_1m.gin",
+                           "--granularity=262144", "--max-len=1572864",
+                           f"--json={tmp_path / 'rows.json'}"])
+  assert (row["max_tokens"], row["first_failure"]) == (1310720, 1572864)
+  assert row["device_gib"] <= row["capacity_gib"] and row["host_gib_per_gpu"] * GIB <= 256e9
+  assert row["vs_alst"] == 1310720 / 500_000
+  assert json.loads((tmp_path / "rows.json").read_text())["rows"][0]["max_tokens"] == 1310720
+
+
 def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
   script = ("import jax; jax.devices()\n"
             "from ulysses_jax import aot\n"

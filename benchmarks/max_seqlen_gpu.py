@@ -1,0 +1,141 @@
+"""Longest sequence a config's train step fits on a GPU cluster, by the GPU compiler (no GPU).
+
+    make gpu-compile-venv
+    .venv-gpu-compile/bin/python -m benchmarks.max_seqlen --gpu=h100,h200 \\
+        --case=1x1x1:configs/llama8b_1gpu_1m.gin \\
+        --case=1x1x8:configs/llama8b_8gpu_8m.gin:LlamaConfig.attn_head_chunks=4 \\
+        --case=4x1x8:configs/llama8b_32gpu_32m.gin \\
+        --json=benchmarks/results/max_seqlen_gpu.json --plot=benchmarks/plots/max_seqlen_gpu.png
+
+(``python -m benchmarks.max_seqlen --gpu=...`` hands over to this module.) A case is
+``TOPOLOGY:GIN_FILE[:GIN_PARAM[:GIN_PARAM...]]``: the config's layout on that cluster, with
+only ``DataConfig.seq_len`` varied. A length fits when the step ``python -m ulysses_jax.aot``
+compiles for it (``ulysses_jax.aot.step.build_train_step``, the trainer's own step) fits in
+the GPU's memory and needs at most ``--host-gb`` of host memory per GPU (a DGX H100 has 2 TB
+for 8 GPUs). The search (``benchmarks.max_seqlen.search``) doubles from the config's length
+and bisects to ``--granularity`` tokens per GPU. Compiled, not run: no autotuning, no runtime
+allocations outside XLA's buffers (CUDA context, NCCL); the step time is the roofline
+prediction of ``ulysses_jax.aot.roofline``. Arctic Long Sequence Training's published
+Llama-3.1-8B lengths on H100s (arXiv 2506.13996) stand beside each row of the same GPU count.
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
+
+from benchmarks import common  # noqa: E402
+from benchmarks.max_seqlen import search  # noqa: E402
+from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
+from ulysses_jax.aot.report import compile_and_report  # noqa: E402
+from ulysses_jax.aot.step import build_train_step  # noqa: E402
+
+GIB = 2**30
+# Arctic Long Sequence Training, Llama-3.1-8B, longest sequence by H100 count (arXiv 2506.13996).
+ALST_H100 = {1: 500_000, 8: 3_700_000, 32: 15_000_000}
+
+
+def parse_case(spec: str) -> tuple[str, str, list[str]]:
+  """``TOPOLOGY:GIN_FILE[:GIN_PARAM...]`` -> (topology, gin file, gin params)."""
+  parts = spec.split(":")
+  if len(parts) < 2:
+    raise ValueError(f"--case {spec!r}: expected TOPOLOGY:GIN_FILE[:GIN_PARAM...], e.g. "
+                     "1x1x8:configs/llama8b_8gpu_8m.gin")
+  parse_topology(parts[0])
+  return parts[0], parts[1], parts[2:]
+
+
+def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
+            granularity: int, host_gb: float, max_len: int) -> dict:
+  """The row of one case: the longest fitting length and the compiled figures there."""
+  devices = gpu_devices(gpu, topology)
+  slices, hosts, _ = parse_topology(topology)
+  reports = {}
+
+  def fits(seq_len: int) -> bool:
+    built = build_train_step([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"],
+                             devices)
+    r = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts)
+    reports[seq_len] = r
+    ok = r["fits"] and r["host_bytes"] <= host_gb * 1e9
+    print(f"  {gpu} {topology} S={seq_len:,}: device {r['device_bytes'] / GIB:.2f} GiB, host "
+          f"{r['host_bytes'] / GIB:.2f} GiB per GPU -> {'fits' if ok else 'does not fit'}",
+          flush=True)
+    return ok
+
+  start = build_train_step([gin_file], gin_params, devices).seq_len
+  step = granularity * len(devices)
+  best, first_failure = search(fits, step, max_len, start)
+  r = reports.get(best)
+  alst = ALST_H100.get(len(devices)) if gpu == "h100" else None
+  return {
+      "gpu": gpu, "gpus": len(devices), "topology": topology,
+      "config": " ".join([gin_file] + gin_params), "max_tokens": best,
+      "tokens_per_gpu": best // len(devices), "first_failure": first_failure,
+      "device_gib": r and r["device_bytes"] / GIB, "host_gib_per_gpu": r and r["host_bytes"] / GIB,
+      "capacity_gib": r and r["device_capacity_bytes"] / GIB,
+      "predicted_step_s": r and r["prediction"]["step_s"],
+      "alst_h100_tokens": alst, "vs_alst": alst and best / alst,
+  }
+
+
+def plot(rows: list[dict], path: str) -> None:
+  """Longest sequence by GPU count: each GPU kind's compiled result beside ALST's H100 one."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  counts = sorted({r["gpus"] for r in rows})
+  series = {f"ulysses_jax {g.upper()} (compiled)": {r["gpus"]: r["max_tokens"] for r in rows
+                                                     if r["gpu"] == g}
+            for g in dict.fromkeys(r["gpu"] for r in rows)}
+  series["ALST H100 (published)"] = ALST_H100
+  figure, axis = plt.subplots(figsize=(7, 4))
+  width = 0.8 / len(series)
+  for i, (name, values) in enumerate(series.items()):
+    axis.bar([c + (i - (len(series) - 1) / 2) * width for c in range(len(counts))],
+             [values.get(c, 0) / 1e6 for c in counts], width, label=name)
+  axis.set_xticks(range(len(counts)), [f"{c} GPU{'s' if c > 1 else ''}" for c in counts])
+  axis.set_yscale("log")
+  axis.set_ylabel("longest sequence (M tokens, log scale)")
+  axis.legend()
+  common.save_figure(figure, "Llama-3.1-8B, longest trainable sequence", path)
+
+
+def main(argv=None) -> list[dict]:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.max_seqlen --gpu=...",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--gpu", required=True, help="comma-separated: h100, h200, a100")
+  parser.add_argument("--case", action="append", required=True,
+                      help="TOPOLOGY:GIN_FILE[:GIN_PARAM...] (repeatable)")
+  parser.add_argument("--granularity", type=int, default=131072, help="tokens per GPU")
+  parser.add_argument("--host-gb", type=float, default=256.0, help="host memory per GPU, GB")
+  parser.add_argument("--max-len", type=int, default=2**31)
+  parser.add_argument("--json", default="")
+  parser.add_argument("--plot", default="", help="PNG path")
+  args = parser.parse_args(argv)
+  common.check_plotting(parser, args.plot)
+  try:
+    cases = [parse_case(c) for c in args.case]
+    gpus = args.gpu.split(",")
+    for gpu in gpus:
+      gpu_spec(gpu)  # an unknown GPU is an error before any compile
+  except ValueError as e:
+    parser.error(str(e))
+  rows = [longest(gpu, *case, granularity=args.granularity, host_gb=args.host_gb,
+                  max_len=args.max_len) for gpu in gpus for case in cases]
+  criterion = (f"compiled for the GPUs (not run): device bytes <= the GPU's memory, host "
+               f"bytes <= {args.host_gb:g} GB per GPU")
+  print(f"fits = {criterion}; granularity {args.granularity:,} tokens per GPU")
+  common.print_table(rows, ["gpu", "gpus", "max_tokens", "tokens_per_gpu", "device_gib",
+                            "host_gib_per_gpu", "predicted_step_s", "alst_h100_tokens",
+                            "vs_alst"])
+  if args.json:
+    common.write_json(args.json, rows, criterion=criterion)
+  if args.plot:
+    plot(rows, args.plot)
+  return rows
+
+
+if __name__ == "__main__":
+  main()

@@ -3,12 +3,16 @@
     make gpu-compile-venv
     .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --json \\
         benchmarks/results/plan_vs_compiler.json
+    .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --grid --json \\
+        benchmarks/results/plan_vs_compiler_grid.json
 
 For each config (with the ``--gin_param`` overrides listed beside it), on the cluster its
 header names: ``ulysses_jax.plan.predict_memory`` for the config's layout (micro-batch of
 ``batch_size / accum_steps`` rows) next to the compiled step's per-device memory (``python -m
 ulysses_jax.aot``'s figures: device arguments + outputs + temporaries, host state + host
 temporaries). Compiling takes 10 s to 2 minutes per config on 2 CPU cores; no GPU needed.
+``--grid`` compares instead the shipped layouts varied over models (1B, 8B), GPU counts (1, 8,
+32), lengths, head chunks and where the state lives (``GRID``).
 """
 
 import argparse
@@ -30,6 +34,31 @@ CONFIGS = (("configs/llama1b_128k.gin", "1x1x8", ()), ("configs/llama8b_512k.gin
            ("configs/llama8b_8gpu_8m.gin", "1x1x8", ()),
            ("configs/llama8b_8gpu_8m.gin", "1x1x8", ("LlamaConfig.attn_head_chunks=4",)),
            ("configs/llama8b_32gpu_32m.gin", "4x1x8", ()))
+
+_ONE_ROW = ("DataConfig.batch_size=1", "TrainConfig.accum_steps=1")
+_1B_ON = {  # llama1b_128k.gin's layout (float32 state on the GPUs, full remat) on other meshes
+    "1x1x1": ("TrainConfig.mesh_data=1", "TrainConfig.mesh_seq=1") + _ONE_ROW,
+    "1x1x8": ("TrainConfig.mesh_data=1",) + _ONE_ROW,
+    "4x1x8": ("TrainConfig.mesh_data=1", "TrainConfig.mesh_ring=4") + _ONE_ROW,
+}
+_STATE_ON_GPUS = ("TrainConfig.offload_optimizer=False", "TrainConfig.offload_params=False")
+# (gin file, topology, --gin_param overrides): the shipped layouts over models, GPU counts,
+# lengths (DataConfig.seq_len), head chunks and state placement.
+GRID = tuple(
+    [("configs/llama1b_128k.gin", topology, _1B_ON[topology] + (f"DataConfig.seq_len={s}",))
+     for topology, lengths in (("1x1x1", (65536, 131072)), ("1x1x8", (524288, 1048576)),
+                               ("4x1x8", (2097152, 4194304)))
+     for s in lengths]
+    + [("configs/llama8b_512k.gin", "1x1x8", (f"DataConfig.seq_len={s}",))
+       for s in (262144, 524288)]
+    + [("configs/llama8b_1gpu_1m.gin", "1x1x1", (f"DataConfig.seq_len={s}", f"LlamaConfig."
+                                                  f"attn_head_chunks={n}"))
+       for s, n in ((262144, 1), (524288, 4), (786432, 2))]
+    + [("configs/llama8b_8gpu_8m.gin", "1x1x8", (f"DataConfig.seq_len={s}",) + extra)
+       for s, extra in ((2097152, ()), (4194304, ("LlamaConfig.attn_head_chunks=2",)),
+                        (4194304, _STATE_ON_GPUS))]
+    + [("configs/llama8b_32gpu_32m.gin", "4x1x8", (f"DataConfig.seq_len={s}",))
+       for s in (8388608, 16777216)])
 
 
 def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> dict:
@@ -62,10 +91,11 @@ def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> 
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--gpu", default="h100")
+  parser.add_argument("--grid", action="store_true", help="the GRID of layouts, not CONFIGS")
   parser.add_argument("--json", default="")
   args = parser.parse_args(argv)
   rows = [compare(gin_file, topology, params, args.gpu)
-          for gin_file, topology, params in CONFIGS]
+          for gin_file, topology, params in (GRID if args.grid else CONFIGS)]
   print("GiB per device: ulysses_jax.plan.predict_memory vs the compiled GPU step "
         "(python -m ulysses_jax.aot)")
   common.print_table(rows, list(rows[0]))

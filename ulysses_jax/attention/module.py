@@ -60,7 +60,8 @@ class UlyssesAttention(nnx.Module):
       (2·Hq + 2·Hkv)·D·(1 - 1/n) elements per token, for one more attention forward in the
       backward pass). Under Ulysses a chunk's heads are spread over the seq axis like all of
       them (``plan_heads``): where P exceeds a chunk's key/value heads they are replicated,
-      more all-to-all traffic. Default 1: the plain layer.
+      more all-to-all traffic. The chunks' output projections are summed in the compute
+      dtype (n - 1 more roundings in bfloat16). Default 1: the plain layer.
     dtype, param_dtype: compute and parameter dtypes.
     init_std: standard deviation of the normal kernel init.
     rules: logical-axis sharding rules (``ulysses_jax.sharding``).

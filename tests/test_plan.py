@@ -56,10 +56,13 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
                                                             batch, seq_len):
   config = SMALL.replace(remat_policy=remat, dtype="float32", **overrides)
   measured = _compiled_peak_bytes(config, *mesh_shape, batch, seq_len)
-  predicted = plan.predict_memory(plan.Model.from_config(config),
-                                  plan.Layout(*mesh_shape, 1, remat,
-                                              remat_group=config.remat_group), batch=batch,
-                                  seq_len=seq_len, dtype="float32")["total"]
+  model = plan.Model.from_config(config)
+  predicted = plan.predict_memory(model, plan.Layout(*mesh_shape, 1, remat,
+                                                     remat_group=config.remat_group),
+                                  batch=batch, seq_len=seq_len, dtype="float32")["total"]
+  # The planner models the GPU compiler, which writes the donated state in place; XLA:CPU keeps
+  # the optimizer update's float32 result beside the state (4 bytes per parameter).
+  predicted += 4 * model.params / (mesh_shape[0] * mesh_shape[1])
   assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
 
@@ -167,12 +170,12 @@ def test_memory_terms_scale_as_documented():
   assert base["state"] == pytest.approx(12 * model.params / 32)
   assert base["host"] == 0
   assert 8.03e9 < model.params < 8.04e9
-  # Moments on the host: 4 of the 12 bytes per parameter stay, 8 go, and so does the update's
-  # temporary (4 more); the update streams one layer's moments and the other parameters'.
+  # Moments on the host: 4 of the 12 bytes per parameter stay, 8 go; the update streams one
+  # layer's moments and the other parameters'.
   host_opt = memory(data=1, seq=8, ring=4, offload_optimizer=True)
   assert host_opt["state"] == pytest.approx(4 * model.params / 32)
   assert host_opt["host"] == pytest.approx(8 * model.params / 32)
-  assert host_opt["total"] == pytest.approx(base["total"] - 12 * model.params / 32)
+  assert host_opt["total"] == pytest.approx(base["total"] - 8 * model.params / 32)
   one_gpu = plan.predict_memory(model, plan.Layout(1, 1, 1, offload_optimizer=True), batch=1,
                                 seq_len=1024)
   outside_layers = model.params - model.num_layers * model.layer_params  # embedding, head

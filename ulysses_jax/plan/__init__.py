@@ -30,9 +30,11 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          arguments), o = 2w (Adam moments) + w with master
                                          weights; p·params/N with the optimizer state on the
                                          host
-  grads      (p + w)·params/N            gradients and the update's temporary; p·params/N
-                                         with the optimizer state on the host, whose update
-                                         streams it through the device a layer at a time:
+  grads      p·params/N                  gradients (no update temporary: the compiled GPU
+                                         steps write the donated state in place; XLA:CPU keeps
+                                         one more w·params/N); with the optimizer state on
+                                         the host its update streams it through the device a
+                                         layer at a time:
                                          then the device holds params + grads +
                                          2·o·(layer_params + other_params)/N (one layer's state
                                          in and out, the state of the parameters outside the
@@ -237,7 +239,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   device_params = model.params - host_params + _device_layer_params(model, layout)
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
-      "grads": (p + (0 if offload else w) + 4 * (accum_steps > 1)) * device_params / n,
+      "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
       "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d)

@@ -251,6 +251,7 @@ def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_compile  # run by make test-gpu-compile, in the venv with the CUDA plugin
 @pytest.mark.skipif(not cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
 def test_verify_compiles_the_recommendation(capsys):
   best = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--verify"])

@@ -26,9 +26,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start wi
 
 from benchmarks import common  # noqa: E402
 from benchmarks.max_seqlen import search  # noqa: E402
-from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
-from ulysses_jax.aot.report import compile_and_report  # noqa: E402
-from ulysses_jax.aot.step import build_train_step  # noqa: E402
+from ulysses_jax import gin_config  # noqa: E402
+from ulysses_jax.aot import gpu_spec, parse_topology  # noqa: E402
+from ulysses_jax.aot.report import compile_config  # noqa: E402
 
 GIB = 2**30
 # Arctic Long Sequence Training, Llama-3.1-8B, longest sequence by H100 count (arXiv 2506.13996).
@@ -48,14 +48,13 @@ def parse_case(spec: str) -> tuple[str, str, list[str]]:
 def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
             granularity: int, host_gb: float, max_len: int) -> dict:
   """The row of one case: the longest fitting length and the compiled figures there."""
-  devices = gpu_devices(gpu, topology)
-  slices, hosts, _ = parse_topology(topology)
+  slices, hosts, per_host = parse_topology(topology)
+  num_gpus = slices * hosts * per_host
   reports = {}
 
   def fits(seq_len: int) -> bool:
-    built = build_train_step([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"],
-                             devices)
-    r = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts)
+    r = compile_config([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"], gpu,
+                       topology)
     reports[seq_len] = r
     ok = r["fits"] and r["host_bytes"] <= host_gb * 1e9
     print(f"  {gpu} {topology} S={seq_len:,}: device {r['device_bytes'] / GIB:.2f} GiB, host "
@@ -63,15 +62,14 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
           flush=True)
     return ok
 
-  start = build_train_step([gin_file], gin_params, devices).seq_len
-  step = granularity * len(devices)
-  best, first_failure = search(fits, step, max_len, start)
+  start = gin_config.read([gin_file], gin_params).data.seq_len
+  best, first_failure = search(fits, granularity * num_gpus, max_len, start)
   r = reports.get(best)
-  alst = ALST_H100.get(len(devices)) if gpu == "h100" else None
+  alst = ALST_H100.get(num_gpus) if gpu == "h100" else None
   return {
-      "gpu": gpu, "gpus": len(devices), "topology": topology,
+      "gpu": gpu, "gpus": num_gpus, "topology": topology,
       "config": " ".join([gin_file] + gin_params), "max_tokens": best,
-      "tokens_per_gpu": best // len(devices), "first_failure": first_failure,
+      "tokens_per_gpu": best // num_gpus, "first_failure": first_failure,
       "device_gib": r and r["device_bytes"] / GIB, "host_gib_per_gpu": r and r["host_bytes"] / GIB,
       "capacity_gib": r and r["device_capacity_bytes"] / GIB,
       "predicted_step_s": r and r["prediction"]["step_s"],

@@ -17,7 +17,8 @@ import time
 
 from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
-from ulysses_jax.aot.step import TrainStep
+from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
+from ulysses_jax.aot.step import TrainStep, build_train_step
 from ulysses_jax.aot.targets import Gpu
 from ulysses_jax.metrics import flops_per_token
 
@@ -61,6 +62,17 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int) -> dict:
       "tokens_per_step": built.tokens_per_step,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
+
+
+def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
+                   topology: str) -> dict:
+  """The report of the train step of a gin config compiled for ``topology`` GPUs of kind
+  ``gpu``: what ``python -m ulysses_jax.aot`` prints. Raises ``AotError`` / ``ValueError``
+  for bad input before compiling."""
+  spec = gpu_spec(gpu)
+  slices, hosts, _ = parse_topology(topology)
+  built = build_train_step(gin_files, gin_params, gpu_devices(gpu, topology))
+  return compile_and_report(built, spec, nodes=slices * hosts)
 
 
 def format_report(r: dict) -> str:

@@ -193,23 +193,17 @@ def _model_gin_file(args, directory: str) -> str:
 
 def _verify(row: dict, args):
   """Compiles ``row``'s layout for ``args.gpu`` GPUs and prints compiled vs predicted GiB."""
-  from ulysses_jax.aot.devices import AotError, gpu_devices, gpu_spec, parse_topology
   topology = _topology(args.devices, args.intra_node)
   params = _gin_params(_settings(row["layout"], args))
   with tempfile.TemporaryDirectory() as directory:
     try:
-      from ulysses_jax.aot.report import compile_and_report
-      from ulysses_jax.aot.step import build_train_step
-      spec = gpu_spec(args.gpu)
-      slices, hosts, _ = parse_topology(topology)
-      built = build_train_step([_model_gin_file(args, directory)], params,
-                               gpu_devices(args.gpu, topology))
-    except (AotError, ValueError, TypeError, OSError) as e:
+      from ulysses_jax.aot.report import compile_config
+      report = compile_config([_model_gin_file(args, directory)], params, args.gpu, topology)
+    except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
       _fail(f"--verify: {e}")
-    report = compile_and_report(built, spec, nodes=slices * hosts)
   memory = row["memory"]
-  print(f"verified: compiled for {topology} {spec.name} in {report['compile_s']:.0f} s, GiB per "
-        f"device (predicted / compiled / error):")
+  print(f"verified: compiled for {topology} {report['gpu']} in {report['compile_s']:.0f} s, "
+        f"GiB per device (predicted / compiled / error):")
   for name, predicted, compiled in (("device", memory["total"], report["device_bytes"]),
                                     ("host", memory["host"], report["host_bytes"])):
     error = f"{predicted / compiled - 1:+.0%}" if compiled else "-"

@@ -9,6 +9,7 @@ compiles. They use configs/tiny_cpu.gin shrunk by ``FAST`` to keep each run to s
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -135,6 +136,12 @@ def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
 @pytest.mark.parametrize("gin_file", sorted(
     os.path.relpath(f, REPO) for f in glob.glob(os.path.join(REPO, "configs", "*.gin"))))
 def test_every_shipped_config_builds_its_configs(gin_file):
+  with open(os.path.join(REPO, gin_file), encoding="utf-8") as f:
+    required = re.findall(r"^(\S+) = %gin\.REQUIRED", f.read(), re.MULTILINE)
+  if required:  # e.g. the fine-tuning config's checkpoint: no run without it
+    with pytest.raises(ValueError, match=re.escape(required[0]) + ".*not subsequently overridden"):
+      gin_config.read([gin_file], [])
+    return
   config = gin_config.read([gin_file], [])
   assert isinstance(config.model, LlamaConfig) and config.gin
 

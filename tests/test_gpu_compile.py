@@ -203,18 +203,18 @@ def test_attention_head_chunks_cut_the_compiled_memory(tmp_path):
 
 @pytest.mark.slow
 def test_longest_sequence_search_on_one_gpu(tmp_path):
-  """``benchmarks.max_seqlen --gpu``: Llama-3.1-8B on one H100 in llama8b_1gpu_1m's layout with
-  groups of 4 layers, to 262,144 tokens (3 compiles: 1,048,576 fits, 1,572,864 does not,
-  1,310,720 fits)."""
+  """``benchmarks.max_seqlen --gpu``: Llama-3.1-8B on one H100 in llama8b_1gpu_1m's layout, to
+  262,144 tokens (3 compiles from the config's 1,048,576). Where the search stops depends on
+  the JAX version (1,310,720 fits with 0.10.2, not with 0.11.2); the shipped length fits on
+  both."""
   from benchmarks import max_seqlen
-  [row] = max_seqlen.main(["--gpu=h100",
-                           "--case=1x1x1:configs/llama8b_1gpu_1m.gin:LlamaConfig.remat_group=4",
+  [row] = max_seqlen.main(["--gpu=h100", "--case=1x1x1:configs/llama8b_1gpu_1m.gin",
                            "--granularity=262144", "--max-len=1572864",
                            f"--json={tmp_path / 'rows.json'}"])
-  assert (row["max_tokens"], row["first_failure"]) == (1310720, 1572864)
+  assert row["max_tokens"] >= 1048576 and row["first_failure"] == row["max_tokens"] + 262144
   assert row["device_gib"] <= row["capacity_gib"] and row["host_gib_per_gpu"] * GIB <= 256e9
-  assert row["vs_alst"] == 1310720 / 500_000
-  assert json.loads((tmp_path / "rows.json").read_text())["rows"][0]["max_tokens"] == 1310720
+  assert row["vs_alst"] == row["max_tokens"] / 500_000
+  assert json.loads((tmp_path / "rows.json").read_text())["rows"][0] == row
 
 
 def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
@@ -231,5 +231,11 @@ def test_a_process_that_started_jax_without_the_plugin_is_told_how_to_fix_it():
 def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
   mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
   q = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
-  text = jax.jit(lambda q: flash_attention(q, q, q)).lower(q).compile().as_text()
-  assert TRITON in text  # not the interpret mode of the CPU this process runs on
+  lower = lambda: jax.jit(lambda q: flash_attention(q, q, q)).lower(q).compile().as_text()
+  with jax.set_mesh(mesh):
+    assert TRITON in lower()  # not the interpret mode of the CPU this process runs on
+  if jax.__version_info__ < (0, 11):
+    assert TRITON in lower()  # JAX 0.10 needs no mesh context
+  else:  # JAX 0.11's Triton lowering reads the GPU from the mesh context: say so, early
+    with pytest.raises(ValueError, match=r"jax\.set_mesh\(mesh\)"):
+      lower()

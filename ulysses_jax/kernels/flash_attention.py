@@ -140,11 +140,32 @@ def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, ba
   target = target_lib.current(arrays=(q,))
   if interpret is None:
     interpret = not target.on_gpu
+  if not interpret and "triton" in (forward_kernel, backward_kernel):
+    _check_triton_finds_the_gpu(target)
   return choose_tiles(q.shape[1], d, causal=causal,
                       scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
                       block_kv=block_kv, interpret=bool(interpret),
                       generation="other" if interpret else target.generation,
                       forward_kernel=forward_kernel, backward_kernel=backward_kernel)
+
+
+def _check_triton_finds_the_gpu(target):
+  """JAX 0.11 lowers Pallas Triton kernels for the GPU of the enclosing mesh context (its
+  abstract device), else of the process's default device; JAX 0.10 for the process's GPU, else
+  compute capability 9.0. A call built for compile-only GPUs (``ulysses_jax.aot``) by a CPU
+  process outside any mesh context would stop there with a message about ``AbstractDevice``:
+  say instead what to do, before tracing the kernels."""
+  if jax.__version_info__ < (0, 11) or target_lib.of_mesh(jax.sharding.get_abstract_mesh()):
+    return
+  default = target_lib.of_device(jax.devices()[0])
+  if not default.on_gpu:
+    raise ValueError(
+        f"flash_attention is built for {target.device_kind} GPUs (the devices of q's sharding),"
+        f" but JAX {jax.__version__} lowers its Triton kernels for the GPU of the enclosing mesh"
+        f" context, and there is none (this process's default device is a {default.platform} "
+        "device): lower the call inside `with jax.set_mesh(mesh):` for the mesh of those GPUs "
+        "(ulysses_attention and the trainer do), or pass forward_kernel='mosaic', "
+        "backward_kernel='mosaic'.")
 
 
 def _pad(plan, x_BS):

@@ -23,14 +23,25 @@ from ulysses_jax.aot.targets import Gpu
 from ulysses_jax.metrics import flops_per_token
 
 GIB = 2**30
+# XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
+# of the program's peak exceeds a limit: xla_gpu_memory_limit_slop_factor percent of the GPU's
+# memory (95 by default). A step far below the capacity is compiled as is, with buffers XLA
+# could do without; these options set the limit to a tenth of the memory, so the compile shows
+# the footprint XLA reaches when memory is tight, as it is near the capacity (Llama-3.1-8B,
+# 4x1x8, 256K tokens per GPU: 24.63 GiB as is, 20.57 under pressure; 1M tokens per GPU: 89.16
+# GiB compiled for an H200, 76.64 for an H100 and under pressure). Not always smaller: take the
+# smaller of the two (benchmarks/plan_vs_compiler.py).
+UNDER_PRESSURE = {"xla_gpu_memory_limit_slop_factor": 10}
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu", "cudnn": "__cudnn$",
            "cublas": "__cublas$"}
 
 
-def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int) -> dict:
-  """Compiles ``built`` for the devices of its mesh and returns the report (JSON-ready)."""
+def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
+                       compiler_options: dict | None = None) -> dict:
+  """Compiles ``built`` for the devices of its mesh and returns the report (JSON-ready).
+  ``compiler_options``: XLA debug options for this compile only (see ``UNDER_PRESSURE``)."""
   start = time.perf_counter()
-  compiled = built.step.lower(built.state, built.batch).compile()
+  compiled = built.step.lower(built.state, built.batch).compile(compiler_options)
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   m = compiled.memory_analysis()

@@ -52,7 +52,7 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
   host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
              residuals; per device, against
              ``Hardware.host_memory_gb`` shared by the devices of a node
-  working    T·c·(6·E + 1.2·A + 7.5·F')  one layer's recomputed forward and its backward;
+  working    T·c·(6·E + 1.1·A + 7.5·F')  one layer's recomputed forward and its backward;
                                          A = (2Hq' + 2Hkv')·D, one head chunk's q, k, v and
                                          attention output per token
              + 2·B'·(Hq'/P)·b²·4         two float32 score tiles of the XLA attention (b <= 512)
@@ -61,16 +61,20 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          output and dQ sums
 
 F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
-tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers. The
-coefficients 6 and 1.2 were fitted on 2026-11-24 to the H100 compiles (``python -m
-ulysses_jax.aot --gpu=h100``, jax 0.10.2) of Llama-3.1-8B at 1,048,576 tokens per device:
-configs/llama8b_1gpu_1m.gin (1x1x1) with n = 1, 2, 4 and at 524,288 tokens, and
-configs/llama8b_8gpu_8m.gin (1x1x8) with n = 1, 2, 4; the ring term against
-configs/llama8b_32gpu_32m.gin (4x1x8), whose ring adds 13.5 GiB to the same layout without a
-ring (16 GiB predicted). Within 7.5 % of those compiles (and of the 8-GPU layout at
-4,194,304 tokens); not captured: n = 8 on one GPU
-(compiled 65.9 GiB, predicted 61.0: the planner tries n <= 4), remat groups of 2 there
-(-7 %), the ring at 512K tokens per device (-12 %) or with n = 1 (-23 %, far over any GPU).
+tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers.
+
+What is predicted is the footprint XLA's GPU compiler reaches when memory is tight. Far below
+the GPU's capacity XLA keeps buffers it could do without (Llama-3.1-8B on 4x1x8 at 256K tokens
+per GPU: 24.63 GiB compiled for an H100, 20.57 under memory pressure, 21.20 predicted); near it,
+it trades time for memory (at 1M tokens per GPU: 89.16 GiB compiled for an H200, 76.64 for an
+H100). So a layout fits when this footprint does, and the coefficients are fitted against the
+smaller of the step compiled as is and under pressure (``aot.report.UNDER_PRESSURE``), on
+H100 compiles (jax 0.10.2, 2026-11-24) of the 24 layouts of ``benchmarks.plan_vs_compiler``
+(``CONFIGS`` and ``GRID``: 1B and 8B; 1, 8 and 32 GPUs; 65K to 32M tokens; 1, 2 and 4 head
+chunks; state on the GPUs or the host; rings of 4): 6 and 1.1, with the ring term fitted to
+configs/llama8b_32gpu_32m.gin, leave every one within 8.2 % (-8.0 … +8.2 %). Not captured: n = 8
+on one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with
+n = 1 at 1M tokens per GPU (-23 %, far over any GPU).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
 total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
 MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
@@ -110,7 +114,7 @@ _GB = 1e9
 _XLA_BLOCK = 512
 # One layer's backward: live [T, E] buffers, buffers of one head chunk's q, k, v and attention
 # output (per element per token), [T, F] buffers (see the module docstring).
-_WORK_E, _WORK_A, _WORK_F = 6.0, 1.2, 7.5
+_WORK_E, _WORK_A, _WORK_F = 6.0, 1.1, 7.5
 # remat="none": per-layer activations kept for the backward, in [T, E] / [T, F] buffers.
 _NONE_E, _NONE_F = 10.0, 4.0
 

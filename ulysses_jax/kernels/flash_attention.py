@@ -15,7 +15,9 @@ feeding two compute warpgroups): ``forward_kernel="mosaic"`` (``flash_hopper``) 
 same kernels run in Pallas interpret mode (slow; for tests), the Mosaic ones in Pallas' GPU
 interpret mode. "On GPU" and the generation are those of the devices the call is built for
 (``ulysses_jax.kernels.target``: the enclosing mesh, else the arrays' devices), so a program
-compiled for GPUs from a CPU-only machine gets the real kernels.
+compiled for GPUs from a CPU-only machine gets the real kernels (with JAX 0.11, whose Triton
+lowering reads the GPU from the mesh context, lowered under ``jax.set_mesh``, as
+``ulysses_attention`` and the trainer are).
 
 Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees

@@ -203,3 +203,11 @@ def test_cli_refuses_a_topology_the_config_does_not_use(capsys, monkeypatch):
   monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
   assert cli.main(["--topology=1x1x8", "--gin_file=configs/llama8b_1gpu_512k.gin"]) == 2
   assert "needs 1 GPUs, the topology has 8" in capsys.readouterr().err
+
+
+def test_cli_says_a_gin_string_needs_quotes(capsys, monkeypatch):
+  from ulysses_jax.aot import __main__ as cli
+  monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
+  assert cli.main(["--gin_file=configs/llama1b_128k.gin",
+                   "--gin_param=LlamaConfig.remat_policy=full"]) == 2
+  assert "strings need quotes" in capsys.readouterr().err

@@ -128,6 +128,12 @@ def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
     gin_config.parse([str(bad)], [])
   with pytest.raises(FileNotFoundError, match="gin file 'configs/nope.gin' not found"):
     gin_config.parse(["configs/nope.gin"], [])
+  with pytest.raises(ConfigError, match=r"cannot parse 'LlamaConfig.remat_policy=full' "
+                     r"\(--gin_param\): .*strings need quotes"):
+    gin_config.parse([TINY], ["LlamaConfig.remat_policy=full"])
+  bad.write_text("include 'configs/tiny_cpu.gin'\nLlamaConfig.remat_policy = full\n")
+  with pytest.raises(ConfigError, match=r"bad.gin, line 2\): .*strings need quotes"):
+    gin_config.parse([str(bad)], [])
   with pytest.raises(ValueError, match="give at least one --gin_file"):
     gin_config.parse([], [])
   assert train.main([f"--workdir={tmp_path}"]) == train.EXIT_ERROR

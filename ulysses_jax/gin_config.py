@@ -45,6 +45,11 @@ def parse(files: list[str], params: list[str]):
     gin.parse_config_files_and_bindings(files, params)
   except TypeError as e:  # gin's package-path fallback fails like this on a missing include
     raise FileNotFoundError(f"a gin `include` names a file that does not exist ({e})") from e
+  except SyntaxError as e:  # gin's parser: most often a string value without quotes
+    where = f"{e.filename}, line {e.lineno}" if e.filename else "--gin_param"
+    raise ConfigError(f"gin cannot parse {(e.text or '').strip()!r} ({where}): values are "
+                      "Python literals, so strings need quotes, e.g. "
+                      "--gin_param='LlamaConfig.remat_policy=\"full\"'") from e
 
 
 def build(cls):

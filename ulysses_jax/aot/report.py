@@ -76,14 +76,15 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
-                   topology: str) -> dict:
+                   topology: str, compiler_options: dict | None = None) -> dict:
   """The report of the train step of a gin config compiled for ``topology`` GPUs of kind
-  ``gpu``: what ``python -m ulysses_jax.aot`` prints. Raises ``AotError`` / ``ValueError``
-  for bad input before compiling."""
+  ``gpu``: what ``python -m ulysses_jax.aot`` prints (``compiler_options`` as in
+  ``compile_and_report``). Raises ``AotError`` / ``ValueError`` for bad input before
+  compiling."""
   spec = gpu_spec(gpu)
   slices, hosts, _ = parse_topology(topology)
   built = build_train_step(gin_files, gin_params, gpu_devices(gpu, topology))
-  return compile_and_report(built, spec, nodes=slices * hosts)
+  return compile_and_report(built, spec, nodes=slices * hosts, compiler_options=compiler_options)
 
 
 def format_report(r: dict) -> str:

@@ -192,22 +192,28 @@ def _model_gin_file(args, directory: str) -> str:
 
 
 def _verify(row: dict, args):
-  """Compiles ``row``'s layout for ``args.gpu`` GPUs and prints compiled vs predicted GiB."""
+  """Compiles ``row``'s layout for ``args.gpu`` GPUs, as is and under memory pressure
+  (``aot.report.UNDER_PRESSURE``), and prints compiled vs predicted GiB: the prediction is
+  the footprint XLA reaches when memory is tight, the smaller of the two."""
   topology = _topology(args.devices, args.intra_node)
   params = _gin_params(_settings(row["layout"], args))
   with tempfile.TemporaryDirectory() as directory:
     try:
-      from ulysses_jax.aot.report import compile_config
-      report = compile_config([_model_gin_file(args, directory)], params, args.gpu, topology)
+      from ulysses_jax.aot.report import UNDER_PRESSURE, compile_config
+      gin_files = [_model_gin_file(args, directory)]
+      report = compile_config(gin_files, params, args.gpu, topology)
+      pressed = compile_config(gin_files, params, args.gpu, topology, UNDER_PRESSURE)
     except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
       _fail(f"--verify: {e}")
   memory = row["memory"]
+  device = min(report["device_bytes"], pressed["device_bytes"])
   print(f"verified: compiled for {topology} {report['gpu']} in {report['compile_s']:.0f} s, "
         f"GiB per device (predicted / compiled / error):")
-  for name, predicted, compiled in (("device", memory["total"], report["device_bytes"]),
+  for name, predicted, compiled in (("device", memory["total"], device),
                                     ("host", memory["host"], report["host_bytes"])):
     error = f"{predicted / compiled - 1:+.0%}" if compiled else "-"
     print(f"  {name:6} {predicted / _GIB:8.2f} {compiled / _GIB:8.2f} {error:>6}")
+  print(f"  (device: the smaller of the step compiled as is, {report['device_bytes'] / _GIB:.2f}"
+        f", and under memory pressure, {pressed['device_bytes'] / _GIB:.2f})")
   print(f"  the compiled step {'fits' if report['fits'] else 'DOES NOT FIT'} in "
         f"{report['device_capacity_bytes'] / _GIB:.1f} GiB")
-

@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start wi
 from benchmarks import common  # noqa: E402
 from ulysses_jax import gin_config, plan  # noqa: E402
 from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
-from ulysses_jax.aot.report import UNDER_PRESSURE, compile_and_report  # noqa: E402
+from ulysses_jax.aot.report import compile_and_report  # noqa: E402
 from ulysses_jax.aot.step import build_train_step  # noqa: E402
 
 GIB = 2**30
@@ -82,16 +82,13 @@ def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> 
       plan.Model.from_config(model_cfg), layout, batch=data_cfg.batch_size // cfg.accum_steps,
       seq_len=data_cfg.seq_len, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
       master_weights=cfg.master_weights)
-  spec, nodes = gpu_spec(gpu), slices * hosts
-  as_is = compile_and_report(built, spec, nodes=nodes)
-  pressed = compile_and_report(built, spec, nodes=nodes, compiler_options=UNDER_PRESSURE)
-  device = min(as_is["device_bytes"], pressed["device_bytes"]) / GIB
-  host = as_is["host_bytes"] / GIB
+  compiled = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts, under_pressure=True)
+  device, host = compiled["least_device_bytes"] / GIB, compiled["host_bytes"] / GIB
   name = " ".join([os.path.basename(gin_file), *(p.split(".", 1)[1] for p in params)])
   return {"config": name, "cluster": f"{topology} {gpu}",
           "plan_device_gib": round(predicted["total"] / GIB, 2),
-          "compiled_device_gib": round(as_is["device_bytes"] / GIB, 2),
-          "under_pressure_gib": round(pressed["device_bytes"] / GIB, 2),
+          "compiled_device_gib": round(compiled["device_bytes"] / GIB, 2),
+          "under_pressure_gib": round(compiled["device_bytes_under_pressure"] / GIB, 2),
           "device_error": f"{predicted['total'] / GIB / device - 1:+.0%}",
           "plan_host_gib": round(predicted["host"] / GIB, 2),
           "compiled_host_gib": round(host, 2),

@@ -30,25 +30,25 @@ GIB = 2**30
 # the footprint XLA reaches when memory is tight, as it is near the capacity (Llama-3.1-8B,
 # 4x1x8, 256K tokens per GPU: 24.63 GiB as is, 20.57 under pressure; 1M tokens per GPU: 89.16
 # GiB compiled for an H200, 76.64 for an H100 and under pressure). Not always smaller: take the
-# smaller of the two (benchmarks/plan_vs_compiler.py).
+# smaller of the two (compile_and_report(..., under_pressure=True)).
 UNDER_PRESSURE = {"xla_gpu_memory_limit_slop_factor": 10}
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu", "cudnn": "__cudnn$",
            "cublas": "__cublas$"}
 
 
 def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
-                       compiler_options: dict | None = None) -> dict:
-  """Compiles ``built`` for the devices of its mesh and returns the report (JSON-ready).
-  ``compiler_options``: XLA debug options for this compile only (see ``UNDER_PRESSURE``)."""
+                       under_pressure: bool = False) -> dict:
+  """Compiles ``built`` for the devices of its mesh and returns the report (JSON-ready). With
+  ``under_pressure`` the same lowering is compiled once more with ``UNDER_PRESSURE``, and the
+  report adds that compile's ``device_bytes_under_pressure`` and ``least_device_bytes`` (the
+  smaller of the two: the footprint ``ulysses_jax.plan`` predicts)."""
   start = time.perf_counter()
-  compiled = built.step.lower(built.state, built.batch).compile(compiler_options)
+  lowered = built.step.lower(built.state, built.batch)
+  compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   m = compiled.memory_analysis()
-  device = {"arguments": m.argument_size_in_bytes,
-            "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
-            "temporaries": m.temp_size_in_bytes,
-            "code": m.generated_code_size_in_bytes}
+  device = _device_breakdown(m)
   host = {"offloaded_state": m.host_argument_size_in_bytes,
           "temporaries": m.host_temp_size_in_bytes,
           "outputs": m.host_output_size_in_bytes - m.host_alias_size_in_bytes}
@@ -62,7 +62,7 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   model_flops = flops_per_token(built.model_config, built.seq_len) * built.tokens_per_step
   prediction = roofline.predict(gpu, ops, collectives, host_bytes, nodes, model_flops,
                                 num_devices)
-  return {
+  report = {
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
       "fits": device_bytes <= gpu.memory_bytes,
       "device_bytes": device_bytes, "device_capacity_bytes": gpu.memory_bytes,
@@ -73,18 +73,31 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
       "tokens_per_step": built.tokens_per_step,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
+  if under_pressure:
+    pressed = sum(_device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
+    report.update(device_bytes_under_pressure=pressed,
+                  least_device_bytes=min(device_bytes, pressed))
+  return report
+
+
+def _device_breakdown(m) -> dict:
+  """Bytes on the GPU, by kind, of a compiled program's ``memory_analysis()``."""
+  return {"arguments": m.argument_size_in_bytes,
+          "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+          "temporaries": m.temp_size_in_bytes,
+          "code": m.generated_code_size_in_bytes}
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
-                   topology: str, compiler_options: dict | None = None) -> dict:
+                   topology: str, under_pressure: bool = False) -> dict:
   """The report of the train step of a gin config compiled for ``topology`` GPUs of kind
-  ``gpu``: what ``python -m ulysses_jax.aot`` prints (``compiler_options`` as in
+  ``gpu``: what ``python -m ulysses_jax.aot`` prints (``under_pressure`` as in
   ``compile_and_report``). Raises ``AotError`` / ``ValueError`` for bad input before
   compiling."""
   spec = gpu_spec(gpu)
   slices, hosts, _ = parse_topology(topology)
   built = build_train_step(gin_files, gin_params, gpu_devices(gpu, topology))
-  return compile_and_report(built, spec, nodes=slices * hosts, compiler_options=compiler_options)
+  return compile_and_report(built, spec, nodes=slices * hosts, under_pressure=under_pressure)
 
 
 def format_report(r: dict) -> str:

@@ -199,14 +199,13 @@ def _verify(row: dict, args):
   params = _gin_params(_settings(row["layout"], args))
   with tempfile.TemporaryDirectory() as directory:
     try:
-      from ulysses_jax.aot.report import UNDER_PRESSURE, compile_config
-      gin_files = [_model_gin_file(args, directory)]
-      report = compile_config(gin_files, params, args.gpu, topology)
-      pressed = compile_config(gin_files, params, args.gpu, topology, UNDER_PRESSURE)
+      from ulysses_jax.aot.report import compile_config
+      report = compile_config([_model_gin_file(args, directory)], params, args.gpu, topology,
+                              under_pressure=True)
     except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
       _fail(f"--verify: {e}")
   memory = row["memory"]
-  device = min(report["device_bytes"], pressed["device_bytes"])
+  device = report["least_device_bytes"]
   print(f"verified: compiled for {topology} {report['gpu']} in {report['compile_s']:.0f} s, "
         f"GiB per device (predicted / compiled / error):")
   for name, predicted, compiled in (("device", memory["total"], device),
@@ -214,6 +213,6 @@ def _verify(row: dict, args):
     error = f"{predicted / compiled - 1:+.0%}" if compiled else "-"
     print(f"  {name:6} {predicted / _GIB:8.2f} {compiled / _GIB:8.2f} {error:>6}")
   print(f"  (device: the smaller of the step compiled as is, {report['device_bytes'] / _GIB:.2f}"
-        f", and under memory pressure, {pressed['device_bytes'] / _GIB:.2f})")
+        f", and under memory pressure, {report['device_bytes_under_pressure'] / _GIB:.2f})")
   print(f"  the compiled step {'fits' if report['fits'] else 'DOES NOT FIT'} in "
         f"{report['device_capacity_bytes'] / _GIB:.1f} GiB")

@@ -45,10 +45,21 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   start = time.perf_counter()
   lowered = built.step.lower(built.state, built.batch)
   compiled = lowered.compile()
-  compile_s = time.perf_counter() - start
+  report = describe(compiled, built, gpu, nodes, compile_s=time.perf_counter() - start)
+  if under_pressure:
+    pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
+    report.update(device_bytes_under_pressure=pressed,
+                  least_device_bytes=min(report["device_bytes"], pressed))
+  return report
+
+
+def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float = 0.0) -> dict:
+  """The report of ``built``'s step as ``compiled`` for GPUs of kind ``gpu`` (see
+  ``compile_and_report``); ``python -m ulysses_jax.doctor`` gives it a step compiled for the
+  GPUs it runs on."""
   text = compiled.as_text()
   m = compiled.memory_analysis()
-  device = _device_breakdown(m)
+  device = device_breakdown(m)
   host = {"offloaded_state": m.host_argument_size_in_bytes,
           "temporaries": m.host_temp_size_in_bytes,
           "outputs": m.host_output_size_in_bytes - m.host_alias_size_in_bytes}
@@ -62,7 +73,7 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   model_flops = flops_per_token(built.model_config, built.seq_len) * built.tokens_per_step
   prediction = roofline.predict(gpu, ops, collectives, host_bytes, nodes, model_flops,
                                 num_devices)
-  report = {
+  return {
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
       "fits": device_bytes <= gpu.memory_bytes,
       "device_bytes": device_bytes, "device_capacity_bytes": gpu.memory_bytes,
@@ -73,14 +84,9 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
       "tokens_per_step": built.tokens_per_step,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
-  if under_pressure:
-    pressed = sum(_device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
-    report.update(device_bytes_under_pressure=pressed,
-                  least_device_bytes=min(device_bytes, pressed))
-  return report
 
 
-def _device_breakdown(m) -> dict:
+def device_breakdown(m) -> dict:
   """Bytes on the GPU, by kind, of a compiled program's ``memory_analysis()``."""
   return {"arguments": m.argument_size_in_bytes,
           "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,

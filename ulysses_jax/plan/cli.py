@@ -230,6 +230,7 @@ def _header(args, model, hardware) -> str:
 
 
 def _fail(message: str, code: int = 2):
+  sys.stdout.flush()  # what was printed before stays before the error line
   print(f"error: {message}", file=sys.stderr)
   raise SystemExit(code)
 

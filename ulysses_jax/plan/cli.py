@@ -21,7 +21,8 @@ in use); the header repeats both per device.
 ``--verify`` then compiles the recommended layout for the cluster (``--gpu``; ``--devices``
 GPUs, ``--intra-node`` per node) with ``ulysses_jax.aot``, as ``python -m ulysses_jax.aot``
 would, and prints the compiled memory per device beside the prediction. It needs JAX's CUDA
-plugin (``make gpu-compile-venv``; no GPU) and a preset or gin ``--model``.
+plugin (``make gpu-compile-venv``; no GPU) and a preset, checkpoint directory or gin
+``--model``.
 """
 
 import argparse
@@ -300,16 +301,18 @@ def _topology(devices: int, intra_node: int) -> str:
 
 
 def _model_gin_file(args, directory: str) -> str:
-  """A gin file of the model, for ``ulysses_jax.aot``: the gin ``--model`` itself, or for a
-  preset one binding ``LlamaConfig.preset`` (written in ``directory``)."""
+  """A gin file of the model, for ``ulysses_jax.aot``: the gin ``--model`` itself, or one
+  (written in ``directory``) binding ``LlamaConfig.preset`` for a preset, or nothing for a
+  checkpoint directory (the settings' ``TrainConfig.init_from`` gives the model)."""
   if args.model.endswith(".gin"):
     return args.model
-  if args.model not in PRESETS:
-    _fail(f"--verify compiles a preset or a gin --model, got {args.model!r}: write the model as "
-          f"a gin file (LlamaConfig.* bindings) and give --model=that.gin.")
+  if args.model not in PRESETS and not args.init_from:
+    _fail(f"--verify compiles a preset, a checkpoint directory or a gin --model, got "
+          f"{args.model!r}: give the directory holding it, or write the model as a gin file "
+          f"(LlamaConfig.* bindings) and give --model=that.gin.")
   path = os.path.join(directory, "model.gin")
   with open(path, "w", encoding="utf-8") as f:
-    f.write(f'LlamaConfig.preset = "{args.model}"\n')
+    f.write(f'LlamaConfig.preset = "{args.model}"\n' if args.model in PRESETS else "")
   return path
 
 

@@ -366,6 +366,7 @@ def test_recommends_only_layouts_the_trainer_accepts(capsys):
   err = capsys.readouterr().err.strip()
   assert exit_info.value.code == 1 and len(err.splitlines()) == 1
   assert err.startswith("error: no layout of 8 devices splits the work as the trainer needs")
+  assert re.search(r"the longest that fits is [0-9,]+ tokens\)\.$", err), err
   model = plan.Model.from_config(llama.preset("llama3.2-1b"))
   rows = plan.plan(model, seq_len=3 * 2**15, devices=8, batch=4, accum_steps=2,
                    hardware=plan.Hardware.of("h100"))

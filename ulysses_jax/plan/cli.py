@@ -262,12 +262,6 @@ def main(argv=None) -> dict:
 
 def _no_fit(args, model, hardware, sizes):
   """Says how far from fitting the question is, and exits 1."""
-  if not search.splits(args.devices, batch=args.batch, seq_len=args.seq_len,
-                       accum_steps=args.accum_steps):
-    _fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data x "
-          f"accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq x "
-          f"ring must divide the sequence length ({args.seq_len}); change --batch, "
-          f"--accum-steps or --seq-len (e.g. a multiple of {args.devices}).", code=1)
   longest = search.longest_seq_len(model, devices=args.devices, hardware=hardware, **sizes)
   if longest:
     row = search.plan(model, seq_len=longest, devices=args.devices, hardware=hardware,
@@ -281,6 +275,13 @@ def _no_fit(args, model, hardware, sizes):
     fits_here = f"the longest that fits is {longest:,} tokens"
   else:
     fits_here = f"not even {args.devices * search.LENGTH_STEP:,} tokens fit"
+  if not search.splits(args.devices, batch=args.batch, seq_len=args.seq_len,
+                       accum_steps=args.accum_steps):
+    _fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data x "
+          f"accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq x "
+          f"ring must divide the sequence length ({args.seq_len}); change --batch, "
+          f"--accum-steps or --seq-len (e.g. a multiple of {args.devices}; {fits_here}).",
+          code=1)
   fewest = search.fewest_devices(model, seq_len=args.seq_len, hardware=hardware, **sizes)
   needed = (f"the fewest devices of this kind for {args.seq_len:,} tokens: {fewest:,}"
             if fewest else f"no count up to {search.MAX_DEVICES:,} devices of this kind fits "

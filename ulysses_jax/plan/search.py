@@ -10,7 +10,8 @@ the largest MLP tile (``MLP_CHUNKS``, untiled first) with which the step fits th
 budget and the host memory, and predicts the step's time. Only layouts the trainer accepts
 are tried: ``seq·ring`` divides the sequence length, ``data·accum_steps`` divides the batch,
 head chunks divide ``num_kv_heads``, layer parameters on the host only without gradient
-accumulation. A knob the user gives has one candidate (``Knobs``).
+accumulation; and ``seq`` at most the query heads (unless the mesh is given). A knob the
+user gives has one candidate (``Knobs``).
 
 The recommendation is the row with the best numerics (``PRECISIONS`` order) among those
 predicted within ``NEAR`` of the fastest: the time model is not finer than that, the
@@ -112,9 +113,13 @@ def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps
 def _candidates(model, devices, batch, seq_len, accum_steps, knobs):
   groups = tuple(k for k in knobs.remat_groups if model.num_layers % k == 0)
   chunks = tuple(k for k in knobs.head_chunks if model.num_kv_heads % k == 0)
-  return layouts(devices, batch, seq_len=seq_len, accum_steps=accum_steps,
-                 remats=knobs.remats, offloads=knobs.offloads, remat_groups=groups,
-                 head_chunks=chunks, mesh=knobs.mesh)
+  # Not seq beyond the query heads: the all-to-all would pad heads that compute nothing (and
+  # planning them grows fast with seq); a ring over the rest does the same work.
+  return (layout for layout in layouts(devices, batch, seq_len=seq_len,
+                                       accum_steps=accum_steps, remats=knobs.remats,
+                                       offloads=knobs.offloads, remat_groups=groups,
+                                       head_chunks=chunks, mesh=knobs.mesh)
+          if layout.seq <= model.num_heads or knobs.mesh is not None)
 
 
 def _fits(memory, hardware):

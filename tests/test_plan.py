@@ -325,10 +325,16 @@ def test_a_checkpoint_or_a_fine_tuning_config_names_init_from(tmp_path, capsys):
     plan_cli.main(finetune)
   assert exit_info.value.code == 2
   assert "give the checkpoint it starts from, --init-from=DIR" in capsys.readouterr().err
+  # --verify compiles a checkpoint directory's model (init_from), not a lone config.json.
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([f"--model={tmp_path / 'config.json'}", "--seq-len=131072", "--devices=8",
+                   "--verify"])
+  assert exit_info.value.code == 2
+  assert "--verify compiles a preset, a checkpoint directory or a gin" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(cuda_plugin_installed(), reason="this Python can compile for GPUs")
-def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
+def test_verify_without_the_cuda_plugin_is_one_error_line(tmp_path, capsys):
   args = ["--model=llama3.2-1b", "--seq-len=196608", "--verify"]
   with pytest.raises(SystemExit) as exit_info:
     plan_cli.main([*args, "--devices=8"])
@@ -338,6 +344,10 @@ def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
   with pytest.raises(SystemExit):
     plan_cli.main([*args, "--devices=12"])  # 1.5 nodes of 8
   assert "must be a multiple of --intra-node (8)" in capsys.readouterr().err
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(llama.preset("llama3.2-1b"))))
+  with pytest.raises(SystemExit):  # a checkpoint directory gets as far as the compile
+    plan_cli.main([f"--model={tmp_path}", "--seq-len=196608", "--devices=8", "--verify"])
+  assert "compiling for GPUs needs JAX's CUDA plugin" in capsys.readouterr().err
 
 
 @pytest.mark.slow

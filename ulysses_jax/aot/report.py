@@ -19,7 +19,7 @@ from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.step import TrainStep, build_train_step
-from ulysses_jax.aot.targets import Gpu
+from ulysses_jax.gpus import Gpu
 from ulysses_jax.metrics import flops_per_token
 
 GIB = 2**30
@@ -75,9 +75,10 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
                                 num_devices)
   return {
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
-      "fits": device_bytes <= gpu.memory_bytes,
+      "fits": device_bytes <= gpu.budget_bytes,
       "device_bytes": device_bytes, "device_capacity_bytes": gpu.memory_bytes,
-      "shortfall_bytes": max(0, device_bytes - gpu.memory_bytes),
+      "budget_bytes": gpu.budget_bytes,
+      "shortfall_bytes": max(0, device_bytes - gpu.budget_bytes),
       "device_breakdown": device, "host_bytes": host_bytes, "host_breakdown": host,
       "collective_bytes": collectives, "kernels": kernels, "flops": flops,
       "model_flops_per_device": model_flops / num_devices, "compile_s": compile_s,
@@ -116,7 +117,7 @@ def format_report(r: dict) -> str:
            f"  arguments       {gib(d['arguments'])}  (state kept on the device, batch)",
            f"  outputs         {gib(d['outputs'])}  (not aliased to the donated state)",
            f"  temporaries     {gib(d['temporaries'])}",
-           f"  total           {gib(r['device_bytes'])}  of {gib(r['device_capacity_bytes'])}"
+           f"  total           {gib(r['device_bytes'])}  of {gib(r['budget_bytes'])}"
            f"  {'fits' if r['fits'] else 'DOES NOT FIT: short by ' + gib(r['shortfall_bytes'])}",
            "per device, on the host",
            f"  offloaded state {gib(h['offloaded_state'])}",

@@ -192,7 +192,7 @@ def plot(result: dict, path: str):
       rows, columns = [*r["tasks"], "mean"], r["lengths"]
       grid = [[t["by_length"][str(n)]["accuracy"] for n in columns] for t in r["tasks"].values()]
       grid.append([r["mean_by_length"][str(n)] for n in columns])
-      title, ylabel = f"RULER accuracy, effective length {r['effective_length']}", "task"
+      title, ylabel = f"RULER accuracy, effective length {r['effective_length'] or 'none'}", "task"
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xticks=range(len(columns)), xticklabels=columns, yticks=range(len(rows)),
            yticklabels=rows, xlabel="context length (tokens)", ylabel=ylabel, title=title)

@@ -8,7 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from ulysses_jax import ruler
+from ulysses_jax import gin_config, ruler, train
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.ruler import __main__ as ruler_cli
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.ruler import tasks
@@ -116,3 +117,31 @@ def test_the_training_data_command_writes_prompt_completion_lines_of_the_asked_l
   assert lines[0]["completion"] == first.answer  # the default seed 1, not evaluate's 0
   assert ruler_cli.main(["--tasks=nope", "--lengths=700", "--samples=1", f"--out={out}"]) == 2
   assert "unknown RULER task 'nope'" in capsys.readouterr().err
+
+
+def _tiny_run(*params):
+  return gin_config.read(["configs/tiny_cpu.gin"], [
+      "LlamaConfig.preset = 'tiny'", "DataConfig.seq_len = 512", "DataConfig.batch_size = 2",
+      "STEPS = 2", "OptimizerConfig.warmup_steps = 0", "TrainConfig.eval_every = 2",
+      "TrainConfig.eval_batches = 1",
+      "TrainConfig.progress_bar = False", *params])
+
+
+def test_training_logs_ruler_scores_at_eval_steps(tmp_path):
+  config = _tiny_run("TrainConfig.ruler_tasks = 'niah_single_1'", "TrainConfig.ruler_samples = 2")
+  train.train(str(tmp_path), config)
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert "ruler_mean" not in records[0]  # step 1: no eval
+  last = records[-1]
+  assert last["step"] == 2
+  assert {"ruler_mean", "ruler_niah_single_1", "ruler_mean_256", "ruler_mean_512"} <= set(last)
+  assert last["ruler_mean"] == 0.0  # two steps from random: nothing retrieved
+
+
+def test_training_refuses_unknown_or_too_long_ruler_tasks_before_the_workdir_changes(tmp_path):
+  with pytest.raises(ConfigError, match="ruler_tasks names unknown tasks \\['nope'\\]"):
+    _tiny_run("TrainConfig.ruler_tasks = 'niah_single_1,nope'")
+  config = _tiny_run("TrainConfig.ruler_tasks = 'common_words'")
+  with pytest.raises(ConfigError, match="common_words.*use longer"):
+    train.train(str(tmp_path / "run"), config)
+  assert not (tmp_path / "run").exists()

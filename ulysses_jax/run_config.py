@@ -15,6 +15,7 @@ from ulysses_jax.data import DataConfig
 from ulysses_jax.distributed import PLATFORMS
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.optimizer import OptimizerConfig
+from ulysses_jax.ruler.tasks import TASKS
 from ulysses_jax.train_step import MemoryOptions
 
 
@@ -49,6 +50,9 @@ class TrainConfig:
     (``ulysses_jax.export``) when the run finishes ("" = no export).
   position_eval: at eval steps also log the held-out loss by position in the row, in
     log-spaced buckets (``eval_loss_pos_<start>_<end>``): does the long context help?
+  ruler_tasks: RULER tasks (``ulysses_jax.ruler.tasks.TASKS``, comma-separated; "" = none)
+    scored at eval steps on ``ruler_samples`` examples of each at S/2 and S tokens, in the
+    data's tokenizer: ``ruler_mean``, ``ruler_<task>``, ``ruler_mean_<L>`` in the metrics.
   """
   steps: int = dataclasses.field(default=1000, metadata=at_least(1))
   log_every: int = dataclasses.field(default=10, metadata=at_least(1))
@@ -72,6 +76,8 @@ class TrainConfig:
   init_from: str = ""
   export_at_end: str = ""
   position_eval: bool = False
+  ruler_tasks: str = ""
+  ruler_samples: int = dataclasses.field(default=4, metadata=at_least(1))
 
   def __post_init__(self):
     check_fields(self)
@@ -79,6 +85,10 @@ class TrainConfig:
       raise ConfigError("TrainConfig.mesh_data must be >= 1, or -1 for the devices that "
                         "mesh_seq x mesh_ring leave, got 0")
     self.memory.check_accum_steps(self.accum_steps)
+    unknown = [n for n in self.ruler_tasks.split(",") if n and n not in TASKS]
+    if unknown:
+      raise ConfigError(f"TrainConfig.ruler_tasks names unknown tasks {unknown}; choose from "
+                        f"{', '.join(TASKS)} (comma-separated)")
 
   @property
   def memory(self) -> MemoryOptions:

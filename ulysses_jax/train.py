@@ -39,12 +39,13 @@ import jax
 from flax import nnx
 from tqdm import tqdm
 
-from ulysses_jax import distributed, export, finetune
+from ulysses_jax import distributed, export, finetune, ruler
 from ulysses_jax import evaluate as evaluate_lib
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import make_datasets, retrieval_accuracy
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import count_params, init_llama
@@ -205,6 +206,11 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
     config = gin_config.run_config()
   cfg = config.train
   run = prepare(workdir, config, datasets)
+  with _config_errors():  # a task that does not fit S stops here, before the workdir changes
+    ruler_probe = ruler.Probe(
+        cfg.ruler_tasks.split(","), cfg.ruler_samples, make_tokenizer(config.data.tokenizer),
+        run.mesh, seq_len=config.data.seq_len,
+        vocab_size=config.model.vocab_size) if cfg.ruler_tasks else None
   start, lead = run.start, jax.process_index() == 0
   summary = {"workdir": workdir, "steps": cfg.steps, "start_step": start, "step": start,
              "restored_step": run.restored.step if run.restored else None, "stopped": None,
@@ -226,7 +232,8 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
   else:
     state = run.restored.state
   eval_step = _make_eval_step(run.graphdef, config.data.source == "retrieval")
-  position_eval = evaluate_lib.PositionEval(run.graphdef) if cfg.position_eval else None
+  position_eval = (evaluate_lib.PositionEval(run.graphdef)
+                   if cfg.position_eval or ruler_probe else None)
   record_args = dict(
       tokens=config.data.batch_size * config.data.seq_len,
       flops_per_token=metrics_lib.flops_per_token(config.model, config.data.seq_len),
@@ -271,10 +278,12 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
                                            steps=interval_steps, **record_args)
           if do_eval and run.eval_ds is not None:
             record.update(evaluate(eval_step, state.params, run.eval_ds, cfg.eval_batches))
-            if position_eval:
+            if cfg.position_eval:
               by_position = position_eval(state.params, run.eval_ds, cfg.eval_batches)
               record.update({f"eval_loss_pos_{b['start']}_{b['end']}": b["loss"]
                              for b in by_position["buckets"]})
+          if do_eval and ruler_probe:
+            record.update(ruler_probe(position_eval, state.params))
           writer.write(record)
           interval_time, interval_steps = 0.0, 0
           if math.isfinite(record["loss"]):

@@ -132,3 +132,24 @@ def read_examples(path: str, tokenizer) -> list[tasks_lib.Example]:
   if not examples:
     raise ValueError(f"{path}: no examples (one JSON object per line)")
   return examples
+
+
+class Probe:
+  """RULER tasks scored at a trainer's eval steps (``TrainConfig.ruler_tasks``): the examples
+  are made once (lengths S/2 and S, seed 0), each call scores them with the current
+  parameters and returns the metrics ``ruler_mean``, ``ruler_<task>`` (mean over the lengths)
+  and ``ruler_mean_<L>``."""
+
+  def __init__(self, names, samples: int, tokenizer, mesh, *, seq_len: int, vocab_size: int):
+    self.examples = generate(names, sorted({seq_len // 2, seq_len}), samples, tokenizer)
+    self.data = dataset(self.examples, mesh, seq_len=seq_len, batch_size=mesh.shape["data"],
+                        vocab_size=vocab_size)
+
+  def __call__(self, evaluator, params) -> dict[str, float]:
+    report = summarize(self.examples, score(evaluator, params, self.examples, self.data))
+    metrics = {f"ruler_mean_{n}": a for n, a in report["mean_by_length"].items()}
+    metrics["ruler_mean"] = float(np.mean(list(report["mean_by_length"].values())))
+    for name, task in report["tasks"].items():
+      metrics[f"ruler_{name}"] = float(np.mean([v["accuracy"]
+                                                for v in task["by_length"].values()]))
+    return metrics

@@ -238,16 +238,23 @@ def test_invalid_inputs_raise_clear_errors(change, message):
     flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
-# The Hopper kernels: S = 200 spans two 128-row tiles (the last partly padding) and more key
-# and query blocks of 64 than pipeline slots; segments cross tiles.
+# The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
+# more key and query blocks than each kernel has pipeline slots, so every ring is refilled
+# (checked below); segments cross tiles.
 # All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
 # backward in the test after this one.
-@pytest.mark.parametrize("causal,heads,head_dim,segments", [
-    pytest.param(True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
-def test_mosaic_kernels_match_reference(causal, heads, head_dim, segments):
-  q, k, v, d_out, segment_ids = random_inputs(9, 1, 200, *heads, head_dim,
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", [
+    pytest.param(456, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
+def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  # Causal too, the last query tile (forward, dq) and the first key tile (dk/dv) see every block.
+  for block, tile in ((plan.forward.block_kv, plan.forward), (plan.dq.block_kv, plan.dq),
+                      (plan.dkv.block_q, plan.dkv)):
+    assert -(-seq_len // block) > tile.num_stages, (seq_len, tile)
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, seq_len, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   _check_against_reference(q, k, v, d_out, causal=causal,
                            segment_ids=segment_ids if segments else None, tol=BF16_TOL,

@@ -40,7 +40,7 @@ def params(**options):
 
 def has_proxy_aware_race_detector():
   """Whether the installed JAX's GPU interpreter has a race detector of its own that models the
-  generic and async proxies (jax 0.12 on; 0.10's shares the TPU one and reports no TMA race)."""
+  generic and async proxies (jax 0.12 on; 0.10's reports no race in a ring without the fence)."""
   return importlib.util.find_spec(f"{_INTERPRET}.race_detection_state") is not None
 
 

@@ -21,10 +21,13 @@ through the async proxy too, and its reads are complete once its accumulator has
 before the release. Cost on hardware: at most one fenced release per pipeline step and compute
 warpgroup (dk/dv: every step, for lse2 and delta; forward and dq: only with segment ids), i.e.
 two instructions per thread (``fence.proxy.async.shared::cta`` and a ``bar.sync`` of the 128
-threads), predicted at some 50-100 cycles against ~1,000 (D = 64) to ~2,000 (D = 128) cycles of
-tensor-core work per step at peak: under 5-10 % of a step if nothing hides it, less as the other
-compute warpgroup's wgmma runs meanwhile. Not yet measured on a GPU. In interpret mode every
-stand-in matmul reads through the generic proxy, so those slots are fenced there too.
+threads), assumed at 50-100 cycles (neither latency is documented) against 750 (dq, D = 64) to
+2,000 (D = 128) cycles of tensor-core work per CTA and step at peak (4,096 bf16 flops per cycle
+and SM): at most 13 % of a step if nothing hid it, far less as only the fencing warpgroup waits
+while the other's wgmma keeps the tensor cores busy. Not yet measured on a GPU. In interpret
+mode a stand-in matmul reads through the generic proxy, so its slots are fenced there too.
+What of all this GPU interpret mode executes on the CPU, and what is only lowered:
+``hopper_interpret``.
 
 The forward: one CTA computes ``Tile.block_q`` query rows of one (batch, query head) with an
 online softmax, against the key blocks visible to some row of the tile

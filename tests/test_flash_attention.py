@@ -27,7 +27,7 @@ from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_o
 from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper_backward, hopper_interpret
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
 from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
 
 
@@ -102,7 +102,7 @@ def test_gpu_interpret_mode_poisons_unwritten_outputs():
     pl.run_scoped(scoped, plgpu.SMEM((64, 64), jnp.float32), plgpu.Barrier(num_barriers=1))
   x = jnp.ones((128, 64), jnp.float32)
   out = plgpu.kernel(writes_first_half, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                     interpret=hopper_interpret.params())(x)
+                     interpret=flash_hopper.interpret_params())(x)
   assert np.all(np.asarray(out[:64]) == 1.0)
   assert np.all(np.isnan(np.asarray(out[64:])))
 

@@ -75,7 +75,12 @@ def launch(kernel, out_type, grid, plan):
       kernel, out_type=out_type, grid=grid, grid_names=("tile", "batch", "head"),
       num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=hopper_interpret.params() if plan.interpret else None)
+      interpret=interpret_params() if plan.interpret else None)
+
+
+def interpret_params():
+  """The parameters of GPU interpret mode that every kernel here runs under."""
+  return hopper_interpret.params()
 
 
 def smem_tile(shape, dtype):

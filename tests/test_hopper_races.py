@@ -75,25 +75,25 @@ def test_detector_reports_a_ring_refill_without_the_proxy_fence():
   np.testing.assert_array_equal(_ring_sum(x_TN, fence=True), np.tile(x_TN.sum(0), (2, 1)))
 
 
-# (causal, (query heads, KV heads), head dim, segment ids). S = 800 is a multiple of neither
-# block (64, 128); segment ids are sorted random documents, so they cross tiles.
-CASES = [pytest.param(True, (2, 1), 64, True, id="causal-gqa-d64-packed"),
-         pytest.param(False, (2, 1), 128, True, id="full-gqa-d128-packed"),
-         pytest.param(True, (2, 2), 128, False, id="causal-mha-d128")]
-SEQ_LEN = 800
+# (S, causal, (query heads, KV heads), head dim, segment ids). No S is a multiple of a block
+# (64, 128); the least that wraps every ring twice (D = 64: 3 slots, D = 128: 2); segment ids
+# are sorted random documents, so they cross tiles.
+CASES = [pytest.param(800, True, (2, 1), 64, True, id="causal-gqa-d64-packed"),
+         pytest.param(600, False, (2, 1), 128, True, id="full-gqa-d128-packed"),
+         pytest.param(600, True, (2, 2), 128, False, id="causal-mha-d128")]
 
 
-def _inputs_and_plan(causal, heads, head_dim, segments):
-  q, k, v, d_out, segment_ids = random_inputs(5, 1, SEQ_LEN, *heads, head_dim,
+def _inputs_and_plan(seq_len, causal, heads, head_dim, segments):
+  q, k, v, d_out, segment_ids = random_inputs(5, 1, seq_len, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
-  plan = choose_tiles(SEQ_LEN, head_dim, causal=causal, scale=1.0, interpret=True,
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
                       forward_kernel="mosaic", backward_kernel="mosaic")
   groups = heads[0] // heads[1]
   # The CTA that streams the most blocks, per kernel: the last query tile (causal) or any
   # (forward, dq: key blocks); the first key tile (dk/dv: query blocks of every grouped head).
-  streamed = {"forward": (-(-SEQ_LEN // plan.forward.block_kv), plan.forward.num_stages),
-              "dq": (-(-SEQ_LEN // plan.dq.block_kv), plan.dq.num_stages),
-              "dkv": (groups * -(-SEQ_LEN // plan.dkv.block_q), plan.dkv.num_stages)}
+  streamed = {"forward": (-(-seq_len // plan.forward.block_kv), plan.forward.num_stages),
+              "dq": (-(-seq_len // plan.dq.block_kv), plan.dq.num_stages),
+              "dkv": (groups * -(-seq_len // plan.dkv.block_q), plan.dkv.num_stages)}
   for kernel, (blocks, stages) in streamed.items():
     assert blocks > 2 * stages, f"{kernel}: {blocks} blocks through {stages} slots"
   return q, k, v, d_out, segment_ids if segments else None
@@ -119,18 +119,18 @@ def _assert_close(name, actual, expected):
   assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
 
 
-@pytest.mark.parametrize("causal,heads,head_dim,segments", CASES)
-def test_forward_kernel_has_no_race(causal, heads, head_dim, segments):
-  q, k, v, _, segment_ids = _inputs_and_plan(causal, heads, head_dim, segments)
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
+def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments):
+  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
   with _race_checked():
     out = jax.jit(_attention(causal, segment_ids))(q, k, v)
   _assert_close("out", out, _reference(causal, segment_ids, q, k, v))
 
 
-@pytest.mark.parametrize("causal,heads,head_dim,segments", CASES)
-def test_dq_and_dkv_kernels_have_no_race(causal, heads, head_dim, segments):
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
+def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments):
   """One backward pass runs both kernels; a race names the kernel's source line."""
-  q, k, v, d_out, segment_ids = _inputs_and_plan(causal, heads, head_dim, segments)
+  q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
   _, backward = jax.vjp(_attention(causal, segment_ids), q, k, v)  # the forward, unchecked
   with _race_checked():
     grads = jax.jit(backward)(d_out)

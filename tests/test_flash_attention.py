@@ -250,7 +250,8 @@ def test_invalid_inputs_raise_clear_errors(change, message):
 def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
   plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
                       forward_kernel="mosaic", backward_kernel="mosaic")
-  # Causal too, the last query tile (forward, dq) and the first key tile (dk/dv) see every block.
+  # Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
+  # stream every block.
   for block, tile in ((plan.forward.block_kv, plan.forward), (plan.dq.block_kv, plan.dq),
                       (plan.dkv.block_q, plan.dkv)):
     assert -(-seq_len // block) > tile.num_stages, (seq_len, tile)

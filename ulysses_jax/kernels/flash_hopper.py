@@ -358,6 +358,7 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_vis
     acc, row_max, denom = carry
     slot = lax.rem(j, stages)
     scores = matmul(own["q"], wait_ready(smem, "k", slot)) * qk_scale
+    # On hardware only wgmma reads K, and V too without segment ids: no fence (module docstring).
     release(smem, "k", slot, fence=stand_in_reads(plan.interpret, "a_times_bt"))
     kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", slot)) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,

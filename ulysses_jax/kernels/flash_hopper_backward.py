@@ -96,6 +96,7 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible)
     if mask is not None:
       probs = jnp.where(mask, probs, 0.0)
     d_probs = matmul(own["do"], hopper.wait_ready(smem, "v", slot))
+    # On hardware only wgmma reads K, and V too without segment ids: no fence (``flash_hopper``).
     hopper.release(smem, "v", slot,
                    fence=has_segments or hopper.stand_in_reads(plan.interpret, "a_times_bt"))
     d_scores = probs * (d_probs - delta)
@@ -222,6 +223,7 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid
     hopper.release(smem, "do", slot, fence=True)  # lse2 and delta were loaded into registers
     d_scores_t = probs_t * (d_probs_t - delta)
     dk = accumulate(dk, d_scores_t.astype(q.dtype), q)
+    # On hardware only wgmma reads q: no fence (``flash_hopper``).
     hopper.release(smem, "q", slot, fence=hopper.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dk, dv

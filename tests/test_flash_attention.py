@@ -295,6 +295,16 @@ def test_pallas_mosaic_backend_runs_the_mosaic_kernels_in_ulysses_attention():
   assert trace.count("num_threads=3, thread_name='wg'") == 3
 
 
+def test_gpu_interpret_mode_runs_the_hardware_forms_the_interpreter_can():
+  """The wgmma of ``a_times_bt`` and the layout casts are traced as on hardware exactly where
+  the installed JAX's interpreter runs them (jax 0.12 does, 0.10 does not)."""
+  x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  trace = str(jax.make_jaxpr(lambda q, k, v: flash_attention(
+      q, k, v, interpret=True, forward_kernel="mosaic", backward_kernel="mosaic"))(x, x, x))
+  assert ("wgmma" in trace) == flash_hopper.interpreter_runs("a_times_bt")
+  assert ("layout_cast" in trace) == flash_hopper.interpreter_runs("layout_cast")
+
+
 @pytest.mark.parametrize("head_dim,causal,segments", [
     (64, True, True), (128, True, False), (128, False, True), (256, False, False)])
 def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):

@@ -12,7 +12,8 @@ The Hopper kernels (``forward_kernel="mosaic"``, ``backward_kernel="mosaic"``) r
 GPU interpret mode, which simulates the three warpgroups, the slot barriers and the TMA copies
 (its buffers also start as NaN); it needs several host devices (conftest sets 8): with one, its
 simulated warpgroups block XLA's few CPU threads and a run can hang. Their wgmma forms are
-checked by lowering for CUDA.
+checked by lowering for CUDA, and run in interpret mode where the installed JAX can
+(``hopper_interpret``); ``test_hopper_races.py`` runs them under the race detector.
 """
 
 import jax

@@ -12,7 +12,8 @@ The Hopper kernels (``forward_kernel="mosaic"``, ``backward_kernel="mosaic"``) r
 GPU interpret mode, which simulates the three warpgroups, the slot barriers and the TMA copies
 (its buffers also start as NaN); it needs several host devices (conftest sets 8): with one, its
 simulated warpgroups block XLA's few CPU threads and a run can hang. Their wgmma forms are
-checked by lowering for CUDA.
+checked by lowering for CUDA, and run in interpret mode where the installed JAX can
+(``hopper_interpret``); ``test_hopper_races.py`` runs them under the race detector.
 """
 
 import jax
@@ -238,16 +239,24 @@ def test_invalid_inputs_raise_clear_errors(change, message):
     flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
-# The Hopper kernels: S = 200 spans two 128-row tiles (the last partly padding) and more key
-# and query blocks of 64 than pipeline slots; segments cross tiles.
+# The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
+# more key and query blocks than each kernel has pipeline slots, so every ring is refilled
+# (checked below); segments cross tiles.
 # All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
 # backward in the test after this one.
-@pytest.mark.parametrize("causal,heads,head_dim,segments", [
-    pytest.param(True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
-def test_mosaic_kernels_match_reference(causal, heads, head_dim, segments):
-  q, k, v, d_out, segment_ids = random_inputs(9, 1, 200, *heads, head_dim,
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", [
+    pytest.param(456, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
+def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  # Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
+  # stream every block.
+  for block, tile in ((plan.forward.block_kv, plan.forward), (plan.dq.block_kv, plan.dq),
+                      (plan.dkv.block_q, plan.dkv)):
+    assert -(-seq_len // block) > tile.num_stages, (seq_len, tile)
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, seq_len, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   _check_against_reference(q, k, v, d_out, causal=causal,
                            segment_ids=segment_ids if segments else None, tol=BF16_TOL,
@@ -285,6 +294,16 @@ def test_pallas_mosaic_backend_runs_the_mosaic_kernels_in_ulysses_attention():
   trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
   # Each Mosaic kernel is a grid of three warpgroups: the forward, dq and dk/dv.
   assert trace.count("num_threads=3, thread_name='wg'") == 3
+
+
+def test_gpu_interpret_mode_runs_the_hardware_forms_the_interpreter_can():
+  """The wgmma of ``a_times_bt`` and the layout casts are traced as on hardware exactly where
+  the installed JAX's interpreter runs them (jax 0.12 does, 0.10 does not)."""
+  x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  trace = str(jax.make_jaxpr(lambda q, k, v: flash_attention(
+      q, k, v, interpret=True, forward_kernel="mosaic", backward_kernel="mosaic"))(x, x, x))
+  assert ("wgmma" in trace) == flash_hopper.interpreter_runs("a_times_bt")
+  assert ("layout_cast" in trace) == flash_hopper.interpreter_runs("layout_cast")
 
 
 @pytest.mark.parametrize("head_dim,causal,segments", [

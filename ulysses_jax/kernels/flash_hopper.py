@@ -11,6 +11,24 @@ share a ``<name>_free`` barrier per slot (two arrivals, one per compute warpgrou
 the producer may overwrite them. Both compute warpgroups visit the same blocks, so producer and
 consumers follow one schedule and no warpgroup waits on a slot the other never frees.
 
+Proxy fences: the producer refills a slot by TMA, which writes through the async proxy; a
+consumer that read some buffer of the slot through the generic proxy (``ld.shared`` into
+registers: segment ids, lse2, delta) must fence those reads (``fence.proxy.async``) before it
+frees the slot, or the refill may overtake them: the mbarrier orders the two warpgroups but not
+the two proxies (PTX ISA, memory consistency model, proxies). ``release`` does so with
+``plgpu.commit_smem``. A slot read only by wgmma needs no fence: wgmma reads shared memory
+through the async proxy too, and its reads are complete once its accumulator has been read,
+before the release. Cost on hardware: at most one fenced release per pipeline step and compute
+warpgroup (dk/dv: every step, for lse2 and delta; forward and dq: only with segment ids), i.e.
+two instructions per thread (``fence.proxy.async.shared::cta`` and a ``bar.sync`` of the 128
+threads), assumed at 50-100 cycles (neither latency is documented) against 750 (dq, D = 64) to
+2,000 (D = 128) cycles of tensor-core work per CTA and step at peak (4,096 bf16 flops per cycle
+and SM): at most 13 % of a step if nothing hid it, far less as only the fencing warpgroup waits
+while the other's wgmma keeps the tensor cores busy. Not yet measured on a GPU. In interpret
+mode a stand-in matmul reads through the generic proxy, so its slots are fenced there too.
+What of all this GPU interpret mode executes on the CPU, and what is only lowered:
+``hopper_interpret``.
+
 The forward: one CTA computes ``Tile.block_q`` query rows of one (batch, query head) with an
 online softmax, against the key blocks visible to some row of the tile
 (``flash_kernels.kv_ranges`` of the whole tile). The price under a causal mask is at most one
@@ -31,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ulysses_jax.kernels import hopper_interpret
 from ulysses_jax.kernels.flash_kernels import LOG2E, dot, kv_ranges, visible
 
 HEAD_DIMS = (64, 128, 256)
@@ -60,12 +79,8 @@ def launch(kernel, out_type, grid, plan):
 
 
 def interpret_params():
-  # GPU interpret mode simulates shared memory, warpgroups, barriers and TMA on the CPU. JAX
-  # 0.11 exports its parameters class; 0.10 does not yet.
-  params_class = getattr(plgpu, "InterpretGPUParams", None)
-  if params_class is None:
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params_class
-  return params_class()
+  """The parameters of GPU interpret mode that every kernel here runs under."""
+  return hopper_interpret.params()
 
 
 def smem_tile(shape, dtype):
@@ -141,7 +156,11 @@ def wait_ready(smem, name, slot):
   return smem[name].at[slot]
 
 
-def release(smem, group, slot):
+def release(smem, group, slot, *, fence):
+  """Frees ``slot`` of ``group`` for the producer's next TMA copy into it; ``fence``: this
+  warpgroup read one of the group's buffers through the generic proxy (module docstring)."""
+  if fence:
+    plgpu.commit_smem()
   plgpu.barrier_arrive(smem[f"{group}_free"].at[slot])
 
 
@@ -155,16 +174,43 @@ def store_own(pairs):
   plgpu.wait_smem_to_gmem(0)
 
 
+# --- The register-level forms, and their interpret-mode stand-ins ---------------------------
+
+@functools.cache
+def interpreter_runs(form):
+  """Whether the installed JAX's GPU interpret mode runs ``form`` (``"layout_cast"``,
+  ``"a_times_bt"`` or ``"plus_a_times_b"``) as built for hardware, with the right result."""
+  compute, expected = {
+      "layout_cast": (lambda a, b: plgpu.layout_cast(a[...].astype(jnp.float32),
+                                                     plgpu.Layout.WGMMA), lambda a, b: a),
+      "a_times_bt": (lambda a, b: a_times_bt(a, b, interpret=False), lambda a, b: a @ b.T),
+      "plus_a_times_b": (
+          lambda a, b: plus_a_times_b(jnp.ones((64, 64), jnp.float32), a[...], b,
+                                      interpret=False), lambda a, b: 1 + a @ b),
+  }[form]
+  return hopper_interpret.runs_correctly(compute, expected, smem_tile)
+
+
+def stand_in(form, interpret):
+  """Whether ``form`` runs as its stand-in: in interpret mode, if the interpreter cannot run it."""
+  return interpret and not interpreter_runs(form)
+
+
+def stand_in_reads(interpret, *forms):
+  """Whether one of the matmul ``forms`` reads its shared-memory operands through the generic
+  proxy: only their stand-ins do (wgmma reads through the async proxy)."""
+  return any(stand_in(form, interpret) for form in forms)
+
+
 class TileLayout:
-  """Register values of a ``[rows, cols]`` tile in wgmma's accumulator layout (or, in GPU
-  interpret mode, which has no register layouts, plain arrays)."""
+  """Register values of a ``[rows, cols]`` tile in wgmma's accumulator layout (or, where GPU
+  interpret mode cannot cast layouts, plain arrays)."""
 
   def __init__(self, shape, *, interpret):
-    self.shape, self.interpret = shape, interpret
+    self.shape, self.plain = shape, stand_in("layout_cast", interpret)
 
   def cast(self, x, layout):
-    # GPU interpret mode has no lowering for layout_cast: a no-op there.
-    return x if self.interpret else plgpu.layout_cast(x, layout)
+    return x if self.plain else plgpu.layout_cast(x, layout)
 
   def zeros(self, shape=None):
     return self.cast(jnp.zeros(shape or self.shape, jnp.float32), plgpu.Layout.WGMMA)
@@ -186,13 +232,13 @@ class TileLayout:
     return lax.broadcast_in_dim(vector, self.shape, [1])
 
 
-# GPU interpret mode (JAX 0.10) cannot run these wgmma forms (transposed B operand, register A
-# operand, initialised accumulator), so there both matmuls are plain dots of the same
-# shared-memory tiles; everything around them (TMA windows, barriers, masks, softmax) is shared.
+# Where GPU interpret mode cannot run a wgmma form (JAX 0.10: the transposed B operand; all
+# versions so far: the register A operand with an initialised accumulator), it is a plain dot of
+# the same shared-memory tiles; everything around it (TMA, barriers, masks, softmax) is shared.
 
 def a_times_bt(a_smem, b_smem, *, interpret):
   """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``."""
-  if interpret:
+  if stand_in("a_times_bt", interpret):
     return dot(a_smem[...], b_smem[...], 1, 1)
 
   def product(acc_ref):
@@ -204,7 +250,7 @@ def a_times_bt(a_smem, b_smem, *, interpret):
 def plus_a_times_b(acc, a, b_smem, *, interpret):
   """``acc + a @ b``: wgmma reads ``a`` ``[m, k]`` from registers, ``b`` ``[k, n]`` from shared
   memory, and accumulates into ``acc`` in place."""
-  if interpret:
+  if stand_in("plus_a_times_b", interpret):
     return acc + dot(a, b_smem[...], 1, 0)
 
   def accumulate(acc_ref):
@@ -312,7 +358,8 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_vis
     acc, row_max, denom = carry
     slot = lax.rem(j, stages)
     scores = matmul(own["q"], wait_ready(smem, "k", slot)) * qk_scale
-    release(smem, "k", slot)
+    # On hardware only wgmma reads K, and V too without segment ids: no fence (module docstring).
+    release(smem, "k", slot, fence=stand_in_reads(plan.interpret, "a_times_bt"))
     kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", slot)) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
                    causal=masked and plan.causal,
@@ -327,7 +374,8 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_vis
     denom = denom * correction + probs.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
     acc = accumulate(acc, probs.astype(own["q"].dtype), wait_ready(smem, "v", slot))
-    release(smem, "v", slot)
+    release(smem, "v", slot,
+            fence=has_segments or stand_in_reads(plan.interpret, "plus_a_times_b"))
     return acc, new_max, denom
 
   row_layout = plgpu.Layout.WGMMA.reduce(1)

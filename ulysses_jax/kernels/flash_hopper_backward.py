@@ -96,10 +96,13 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible)
     if mask is not None:
       probs = jnp.where(mask, probs, 0.0)
     d_probs = matmul(own["do"], hopper.wait_ready(smem, "v", slot))
-    hopper.release(smem, "v", slot)
+    # On hardware only wgmma reads K, and V too without segment ids: no fence (``flash_hopper``).
+    hopper.release(smem, "v", slot,
+                   fence=has_segments or hopper.stand_in_reads(plan.interpret, "a_times_bt"))
     d_scores = probs * (d_probs - delta)
     dq = accumulate(dq, d_scores.astype(k.dtype), k)
-    hopper.release(smem, "k", slot)
+    hopper.release(smem, "k", slot, fence=hopper.stand_in_reads(
+        plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dq
 
   dq = scores_tile.zeros((rows, own["q"].shape[-1]))
@@ -217,10 +220,12 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid
     dv = accumulate(dv, probs_t.astype(d_out.dtype), d_out)
     d_probs_t = matmul(own["v"], d_out)
     delta = scores_tile.cols_of(hopper.wait_ready(smem, "delta", slot))
-    hopper.release(smem, "do", slot)
+    hopper.release(smem, "do", slot, fence=True)  # lse2 and delta were loaded into registers
     d_scores_t = probs_t * (d_probs_t - delta)
     dk = accumulate(dk, d_scores_t.astype(q.dtype), q)
-    hopper.release(smem, "q", slot)
+    # On hardware only wgmma reads q: no fence (``flash_hopper``).
+    hopper.release(smem, "q", slot, fence=hopper.stand_in_reads(
+        plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dk, dv
 
   def one_head(g, carry):

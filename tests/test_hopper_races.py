@@ -1,0 +1,139 @@
+"""The Hopper kernels under GPU interpret mode's race detector (jax 0.12 on; skipped before).
+
+The detector checks every shared-memory access of the simulated warpgroups and TMA copies
+against the barriers, telling the generic proxy from the async one (``hopper_interpret``); it
+raises on the first race. Each case streams enough blocks that every kernel's ring of slots
+wraps more than twice (checked against the plan), and compares with the dense reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attention_cases import BF16_TOL, output_and_grads, random_inputs, relative_error
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels import flash_hopper, hopper_interpret
+from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
+
+pytestmark = pytest.mark.skipif(
+    not hopper_interpret.has_proxy_aware_race_detector(),
+    reason="this JAX's GPU interpret mode has no race detector that models TMA's async proxy "
+           "(jax >= 0.12 has)")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+  yield
+  hopper_interpret.reset_state()  # a race raised inside a kernel leaves the state behind
+
+
+def _race_checked():
+  return plgpu.force_gpu_interpret_mode(hopper_interpret.params(detect_races=True))
+
+
+def _ring_sum(x_TN, *, fence):
+  """Two consumer warpgroups each sum the rows of ``x_TN`` streamed through a 2-slot ring by
+  ``flash_hopper.produce``, reading each slot into registers; ``[2, N]``."""
+  steps, n = x_TN.shape
+
+  def kernel(x_gmem, out_gmem):
+    def body(smem):
+      wg = lax.axis_index("wg")
+
+      def consume(w):
+        def step(t, total):
+          slot = lax.rem(t, 2)
+          row = flash_hopper.wait_ready(smem, "x", slot)[...]
+          flash_hopper.release(smem, "x", slot, fence=fence)
+          return total + row
+        total = lax.fori_loop(0, steps, step, jnp.zeros((n,), jnp.float32))
+        flash_hopper.store_own([(total, smem["out"].at[w], out_gmem.at[w])])
+      for w in range(2):
+        pl.when(wg == w)(lambda w=w: consume(w))
+      pl.when(wg == 2)(lambda: flash_hopper.produce(
+          smem, 2, steps, lambda t: [("x", dict(x=x_gmem.at[t]))]))
+    buffers = dict(out=flash_hopper.smem_tile((2, n), jnp.float32),
+                   **flash_hopper.ring_buffers(2, dict(x=((n,), jnp.float32)), ("x",)))
+    flash_hopper.with_shared_memory(buffers, body)
+
+  return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((2, n), jnp.float32),
+                      num_threads=3, thread_name="wg",
+                      interpret=hopper_interpret.params(detect_races=True))(x_TN)
+
+
+def test_detector_reports_a_ring_refill_without_the_proxy_fence():
+  """The premise: consumers read a slot into registers, free it, and the producer's TMA
+  refills it; only the fence before the release orders the two."""
+  x_TN = jnp.arange(6 * 128, dtype=jnp.float32).reshape(6, 128)
+  with pytest.raises(Exception, match="RACE DETECTED"):
+    jax.block_until_ready(_ring_sum(x_TN, fence=False))
+  hopper_interpret.reset_state()
+  np.testing.assert_array_equal(_ring_sum(x_TN, fence=True), np.tile(x_TN.sum(0), (2, 1)))
+
+
+# (S, causal, (query heads, KV heads), head dim, segment ids). No S is a multiple of a block
+# (64, 128); the least that wraps every ring twice (D = 64: 3 slots, D = 128: 2); segment ids
+# are sorted random documents, so they cross tiles.
+CASES = [pytest.param(800, True, (2, 1), 64, True, id="causal-gqa-d64-packed"),
+         pytest.param(600, False, (2, 1), 128, True, id="full-gqa-d128-packed"),
+         pytest.param(600, True, (2, 2), 128, False, id="causal-mha-d128")]
+
+
+def _inputs_and_plan(seq_len, causal, heads, head_dim, segments):
+  q, k, v, d_out, segment_ids = random_inputs(5, 1, seq_len, *heads, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  groups = heads[0] // heads[1]
+  # The CTA that streams the most blocks, per kernel: the last query tile (causal) or any
+  # (forward, dq: key blocks); the first key tile (dk/dv: query blocks of every grouped head).
+  streamed = {"forward": (-(-seq_len // plan.forward.block_kv), plan.forward.num_stages),
+              "dq": (-(-seq_len // plan.dq.block_kv), plan.dq.num_stages),
+              "dkv": (groups * -(-seq_len // plan.dkv.block_q), plan.dkv.num_stages)}
+  for kernel, (blocks, stages) in streamed.items():
+    assert blocks > 2 * stages, f"{kernel}: {blocks} blocks through {stages} slots"
+  return q, k, v, d_out, segment_ids if segments else None
+
+
+def _attention(causal, segment_ids):
+  return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                         interpret=True, forward_kernel="mosaic",
+                                         backward_kernel="mosaic")
+
+
+def _reference(causal, segment_ids, *arrays):
+  """``dense_attention``'s output (and with ``d_out``, dq, dk, dv) in float32."""
+  attention = lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                              kv_segment_ids=segment_ids)
+  upcast = [x.astype(jnp.float32) for x in arrays]
+  return attention(*upcast) if len(arrays) == 3 else output_and_grads(attention, *upcast)
+
+
+def _assert_close(name, actual, expected):
+  assert np.all(np.isfinite(np.asarray(actual, np.float32))), f"{name} has non-finite values"
+  err = relative_error(actual, expected)
+  assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
+
+
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
+def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments):
+  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
+  with _race_checked():
+    out = jax.jit(_attention(causal, segment_ids))(q, k, v)
+  _assert_close("out", out, _reference(causal, segment_ids, q, k, v))
+
+
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
+def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments):
+  """One backward pass runs both kernels; a race names the kernel's source line."""
+  q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
+  _, backward = jax.vjp(_attention(causal, segment_ids), q, k, v)  # the forward, unchecked
+  with _race_checked():
+    grads = jax.jit(backward)(d_out)
+  _, *expected = _reference(causal, segment_ids, q, k, v, d_out)
+  for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
+    _assert_close(name, actual, wanted)

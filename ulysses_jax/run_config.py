@@ -49,6 +49,8 @@ class TrainConfig:
     (``ulysses_jax.export``) when the run finishes ("" = no export).
   position_eval: at eval steps also log the held-out loss by position in the row, in
     log-spaced buckets (``eval_loss_pos_<start>_<end>``): does the long context help?
+  kernel_check: before the first step, run the attention kernel on a small problem against
+    the XLA attention and fall back down the chain if it fails (``ulysses_jax.kernel_check``).
   """
   steps: int = dataclasses.field(default=1000, metadata=at_least(1))
   log_every: int = dataclasses.field(default=10, metadata=at_least(1))
@@ -72,6 +74,7 @@ class TrainConfig:
   init_from: str = ""
   export_at_end: str = ""
   position_eval: bool = False
+  kernel_check: bool = True
 
   def __post_init__(self):
     check_fields(self)

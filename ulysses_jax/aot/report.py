@@ -20,7 +20,7 @@ from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.step import TrainStep, build_train_step
 from ulysses_jax.aot.targets import Gpu
-from ulysses_jax.metrics import flops_per_token
+from ulysses_jax.metrics import device_breakdown, flops_per_token
 
 GIB = 2**30
 # XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
@@ -48,7 +48,7 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   compile_s = time.perf_counter() - start
   text = compiled.as_text()
   m = compiled.memory_analysis()
-  device = _device_breakdown(m)
+  device = device_breakdown(m)
   host = {"offloaded_state": m.host_argument_size_in_bytes,
           "temporaries": m.host_temp_size_in_bytes,
           "outputs": m.host_output_size_in_bytes - m.host_alias_size_in_bytes}
@@ -74,18 +74,10 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
   if under_pressure:
-    pressed = sum(_device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
+    pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
     report.update(device_bytes_under_pressure=pressed,
                   least_device_bytes=min(device_bytes, pressed))
   return report
-
-
-def _device_breakdown(m) -> dict:
-  """Bytes on the GPU, by kind, of a compiled program's ``memory_analysis()``."""
-  return {"arguments": m.argument_size_in_bytes,
-          "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
-          "temporaries": m.temp_size_in_bytes,
-          "code": m.generated_code_size_in_bytes}
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,

@@ -2,7 +2,7 @@
 
   python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --data=PATHS
       --seq_len=S [--mesh_data=N] [--mesh_seq=P] [--cpu_devices=N] [--json=PATH]
-      [--plot=PATH] [--passkey]
+      [--plot=PATH] [--passkey] [--no_kernel_check]
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
@@ -18,6 +18,9 @@ position within the row in log-spaced ranges [0, 1), [1, 2), [2, 4), ... [S/2, S
 curve shows whether late tokens profit from the long context; ``--plot`` draws it (PNG).
 ``--passkey`` adds ``passkey``: retrieval accuracy by depth x length (``ulysses_jax.passkey``)
 and, with ``--plot``, a heatmap next to it.
+
+Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
+failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
 
 During training, ``PositionEval(graphdef)(params, dataset)`` gives the same dict for any
 ``data.Dataset`` (the trainer's eval split: positions are then those within each packed
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ulysses_jax import distributed, finetune, passkey, sharding
+from ulysses_jax import distributed, finetune, kernel_check, passkey, sharding
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, Dataset, document_windows
@@ -219,6 +222,8 @@ def _parse(argv):
   parser.add_argument("--plot", help="PNG of loss by position (and the pass-key heatmap)")
   parser.add_argument("--passkey", action="store_true", help="run the pass-key test")
   parser.add_argument("--passkey_trials", type=int, default=2, help="keys per cell")
+  parser.add_argument("--no_kernel_check", action="store_true", help="skip the attention "
+                      "kernel's self-check before the first batch (ulysses_jax.kernel_check)")
   args = parser.parse_args(argv)
   if args.step is not None and not args.workdir:
     parser.error("--step goes with --workdir")
@@ -248,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
   config = finetune.model_config(source, {"dtype": args.dtype, "remat_policy": "none"})
   seq = args.mesh_seq if args.mesh_seq > 0 else len(jax.devices()) // args.mesh_data
   mesh = make_mesh(args.mesh_data, seq, devices=jax.devices()[:args.mesh_data * seq])
+  config = kernel_check.settle(config, mesh, check=not args.no_kernel_check).model_config(config)
   data_config = DataConfig(
       **{**data_defaults, "source": "files", "seq_len": args.seq_len, "eval_fraction": 0.0,
          "paths": tuple(p for d in args.data for p in d.split(",") if p),

@@ -9,7 +9,9 @@ Configured with gin (``--gin_file`` repeated, then ``--gin_param`` overrides, e.
   config_history/ the operative config of every start that trained, named by time and step
   metrics.jsonl   one JSON object per logged step: step, loss, grad_norm, learning_rate,
                   tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
-                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps
+                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps;
+                  the first also compiled_memory_gib and the attention backend and its
+                  self-check (``ulysses_jax.kernel_check``)
   tensorboard/    the same numbers as TensorBoard events
   checkpoints/    train state + data position + the run config (``ulysses_jax.checkpoint``)
 

@@ -116,3 +116,12 @@ def test_memory_line_and_peak_from_a_stub_device(monkeypatch):
   line = metrics.memory_line({"step": 1, "peak_memory_gib": peak, "compiled_memory_gib": 1.25})
   assert "1.50 GiB peak in use" in line and "compiled figure of the step 1.25 GiB" in line
   assert "not reported" in metrics.memory_line({"step": 1, "compiled_memory_gib": 1.25})
+
+
+def test_metrics_jsonl_takes_the_strings_tensorboard_cannot(tmp_path):
+  writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+  writer.write({"step": 1, "loss": 2.0, "attention_backend": "xla", "kernel_check_max_abs_diff":
+                None})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    assert json.loads(f.readline()) == {"step": 1, "loss": 2.0, "attention_backend": "xla"}

@@ -38,7 +38,7 @@ def test_the_interpret_mode_kernels_pass(dtype):
   assert 0 < check.max_abs_diff < check.tolerance / 2
 
 
-@pytest.mark.slow  # the Mosaic kernels in Pallas' GPU interpret mode: about a minute on 2 cores
+@pytest.mark.slow  # the Mosaic kernels in GPU interpret mode: 3 minutes on 2 busy cores
 def test_the_interpret_mode_mosaic_kernels_pass():
   check = kernel_check.check_backend("pallas_mosaic", dtype="bfloat16", **CASE)
   assert check.passed, check

@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile
+.PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile \
+	newest-jax-venv test-newest-jax doctor
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,8 +55,37 @@ gpu-compile-venv: $(GPU_STAMP)
 test-gpu-compile: $(GPU_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_PY) -m pytest -m gpu_compile -q --durations=10
 
+# The newest JAX the package index serves, on Python 3.12: what GPU users install. A third
+# environment (JAX's CUDA plugin included, so JAX_PLATFORMS=cpu) in which CI runs the CPU suite
+# and the whole gpu_compile suite again. Nothing is pinned: each fresh environment takes the
+# newest release (today jax 0.12.0.1), so a JAX release that breaks us turns CI red.
+NEWEST_PYTHON ?= $(shell scripts/find_python.sh 3.12)
+NEWEST_VENV := .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed
+
+$(NEWEST_STAMP): pyproject.toml
+	test -x $(NEWEST_PY) || $(NEWEST_PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q --upgrade -e '.[dev,gpu-compile]'
+	touch $(NEWEST_STAMP)
+
+newest-jax-venv: $(NEWEST_STAMP)
+
+# "not slow" there includes the quick gpu_compile tests (the plugin is installed); the second
+# run adds the slow gpu_compile ones. torch and transformers are left out: their tests skip.
+test-newest-jax: $(NEWEST_STAMP)
+	$(NEWEST_PY) -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
+	JAX_PLATFORMS=cpu $(NEWEST_PY) -m pytest -m "not slow" -q --durations=10
+	JAX_PLATFORMS=cpu $(NEWEST_PY) -m pytest -m "gpu_compile and slow" -q --durations=10
+
+# The first command on a GPU machine: kernels against the reference, their speed, one step
+# against aot's prediction (README, "Your first run on GPUs"). On a CPU it checks what it can.
+doctor: $(STAMP)
+	$(PY) -m ulysses_jax.doctor --json runs/doctor.json
+
 bench-comm: $(STAMP)
 	$(PY) -m benchmarks.comm_volume --json benchmarks/results/comm_volume.json
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) runs
+	rm -rf $(VENV) $(GPU_VENV) $(NEWEST_VENV) runs

@@ -23,17 +23,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.common import environment, print_table, time_fn, write_json
+from benchmarks.common import environment, print_table, write_json
 from ulysses_jax.attention.chunked import chunked_attention
-from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
+                                        measure, reference_on_rows, sampled_rows, throughput)
 from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
+from ulysses_jax.benchmarking import time_fn
 
-FLOPS_FORMULA = ("FLOPs: forward 4*B*S^2*H*D, backward 2.5x forward (forward+backward 3.5x), "
-                 "halved for causal; TFLOP/s = FLOPs / median wall time; bwd = (fwd+bwd) - fwd.")
-TOLERANCE = 2e-2    # relative L2 error vs the float32 reference, bf16 inputs
-SAMPLED_ROWS = 128
 SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
 
 
@@ -96,70 +93,6 @@ def matmul_peak_tflops(size):
   return best
 
 
-def relative_error(actual, expected):
-  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-  return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
-
-
-def reference_on_rows(q, k, v, d_out, rows, causal):
-  """Float32 out[:, rows] and (dq[:, rows], dk, dv) for a cotangent nonzero only on ``rows``."""
-  with jax.default_matmul_precision("highest"):
-    def sampled(q_rows, k, v):
-      return dense_attention(q_rows, k, v, causal=causal, q_positions=rows)
-    f32 = lambda x: x.astype(jnp.float32)
-    out, vjp = jax.vjp(sampled, f32(q[:, rows]), f32(k), f32(v))
-    return jax.device_get((out, *vjp(f32(d_out[:, rows]))))
-
-
-def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters):
-  """Checks ``fn`` against the sampled reference, then times forward and forward+backward.
-
-  Any failure (compile, run, out of memory) ends the measurement with the reason as status;
-  a failed check leaves that phase untimed.
-  """
-  row = {}
-  forward = jax.jit(fn)
-
-  @jax.jit
-  def forward_backward(q, k, v, d_out):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(d_out)
-
-  phase = "forward"
-  try:
-    row["err_out"] = relative_error(forward(q, k, v)[:, rows], reference[0])
-    if row["err_out"] > TOLERANCE:
-      return {**row, "status": f"FAILED check: out error {row['err_out']:.2e}"}
-    row["fwd"] = time_fn(forward, q, k, v, warmup=warmup, iters=iters)
-    phase = "backward"
-    sparse_d_out = jnp.zeros_like(d_out).at[:, rows].set(d_out[:, rows])
-    _, (dq, dk, dv) = forward_backward(q, k, v, sparse_d_out)
-    row["err_grad"] = max(relative_error(dq[:, rows], reference[1]),
-                          relative_error(dk, reference[2]), relative_error(dv, reference[3]))
-    if row["err_grad"] > TOLERANCE:
-      return {**row, "status": f"FAILED check: gradient error {row['err_grad']:.2e}"}
-    row["fwd_bwd"] = time_fn(forward_backward, q, k, v, d_out, warmup=warmup, iters=iters)
-  except Exception as e:  # noqa: BLE001 - any failure means "skip, and say why"
-    return {**row, "status": f"{phase} skipped: {type(e).__name__}: {e}".replace("\n", " ")}
-  return {**row, "status": "ok"}
-
-
-def throughput(result, flops, peak):
-  """TFLOP/s and % of the matmul peak of the timed phases in ``result`` (see FLOPS_FORMULA)."""
-  columns = {}
-  if "fwd" in result:
-    fwd_s = result["fwd"]["median_s"]
-    columns.update(fwd_ms=fwd_s * 1e3, fwd_tflops=flops / fwd_s / 1e12)
-    columns["fwd_pct_peak"] = 100 * columns["fwd_tflops"] / peak
-  if "fwd_bwd" in result:
-    total_s = result["fwd_bwd"]["median_s"]
-    columns.update(fwd_bwd_ms=total_s * 1e3, fwd_bwd_tflops=3.5 * flops / total_s / 1e12)
-    if total_s > fwd_s:  # timing noise on tiny CPU runs can invert them
-      columns["bwd_tflops"] = 2.5 * flops / (total_s - fwd_s) / 1e12
-      columns["bwd_pct_peak"] = 100 * columns["bwd_tflops"] / peak
-  return columns
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seq-lens", default="4096,16384,65536")
@@ -197,14 +130,14 @@ def main():
       keys = jax.random.split(jax.random.PRNGKey(seq_len + head_dim), 4)
       q, k, v, d_out = (jax.random.normal(key, (batch, seq_len, heads, head_dim), jnp.bfloat16)
                         for key in keys)
-      rows = np.unique(np.linspace(0, seq_len - 1, min(SAMPLED_ROWS, seq_len)).astype(np.int32))
+      rows = sampled_rows(seq_len)
       for causal in (True, False):
         plan = choose_tiles(seq_len, head_dim, causal=causal, scale=head_dim ** -0.5,
                             interpret=interpret)
         print(f"\nB={batch} S={seq_len} H={heads} D={head_dim} causal={causal}; ours: "
               f"fwd {plan.forward}, dq {plan.dq}, dkv {plan.dkv}", flush=True)
         reference = reference_on_rows(q, k, v, d_out, rows, causal)
-        flops = 4 * batch * seq_len ** 2 * heads * head_dim * (0.5 if causal else 1.0)
+        flops = attention_flops(batch, seq_len, heads, head_dim, causal)
         impls = implementations(causal, head_dim, interpret=interpret, sweep=args.sweep)
         for name in chosen:
           try:

@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: environment header, timing, table and JSON output."""
+"""Shared benchmark plumbing: environment header, table and JSON output (timing and
+tables: ``ulysses_jax.benchmarking``)."""
 
 import argparse
 import importlib.util
@@ -7,11 +8,11 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
-import time
 
 import jax
+
+from ulysses_jax.benchmarking import format_table
 
 
 def environment() -> dict:
@@ -38,30 +39,9 @@ def command_line() -> str:
   return " ".join(shlex.quote(a) for a in ["python", *program, *sys.argv[1:]])
 
 
-def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
-  """Median and spread of wall time of ``fn(*args)``, blocking on its outputs each call."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-          "iters": iters}
-
-
 def print_table(rows: list[dict], columns: list[str]) -> None:
   """Prints ``rows`` as a fixed-width text table with the given column order."""
-  def fmt(value):
-    if isinstance(value, float):
-      return f"{value:.4g}"
-    return str(value)
-  cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-  print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-  for row in cells:
-    print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+  print(format_table(rows, columns))
 
 
 def write_json(path: str, rows: list[dict], **extra) -> None:

@@ -112,11 +112,24 @@ def test_target_generation():
 
 @pytest.mark.parametrize("gpu,kind,capability", [
     ("h100", H100, "major: 9"), ("h200", "NVIDIA H200 141GB HBM3e", "major: 9"),
-    ("a100", "NVIDIA A100-SXM4-80GB", "major: 8")])
+    ("a100", "NVIDIA A100-SXM4-80GB", "major: 8"), ("b200", "NVIDIA B200", "major: 10")])
 def test_target_descriptions(gpu, kind, capability):
   text = aot.targets.target_config(aot.GPUS[gpu])
   assert f'name: "{kind}"' in text and capability in text
   assert "collective_memory_granularity" not in text  # jaxlib 0.10.2 rejects it
+
+
+def test_one_gpu_table_for_aot_and_the_planner():
+  """aot's GPUs are the planner's: the planner's budget is the one aot's fit check uses, and
+  its speeds follow the GPU's peaks."""
+  from ulysses_jax import gpus, plan
+  assert aot.GPUS is gpus.GPUS
+  for name, gpu in gpus.GPUS.items():
+    hardware = plan.Hardware.of(name)
+    assert hardware.budget_bytes == gpu.budget_bytes == gpu.memory_bytes  # no reserve yet
+  a100, h100 = plan.Hardware.of("a100"), plan.Hardware.of("h100")
+  assert a100.flops / h100.flops == pytest.approx(312 / 989.4)
+  assert a100.intra_bw / h100.intra_bw == pytest.approx(300 / 450)
 
 
 def test_bad_gpu_and_topology_are_refused_before_any_work():

@@ -86,6 +86,13 @@ def test_default_backend_compiles_gqa_causal_packed_attention_to_mosaic_kernels_
   assert TRITON not in text and "__cudnn$" not in text
 
 
+def test_ulysses_attention_compiles_for_b200():
+  """sm_100a: XLA and our Triton kernels build for it (jax 0.10.2 and 0.12.0.1)."""
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("b200", "1x1x8"))
+  assert {d.device_kind for d in mesh.devices.flat} == {"NVIDIA B200"}
+  assert TRITON in _compile_attention(mesh, 16384, grad=False).as_text()
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
 def test_hybrid_on_two_nodes(grad):
   mesh = make_mesh(seq=8, ring=2, devices=aot.gpu_devices("h100", "2x1x8"))
@@ -173,7 +180,24 @@ def test_cli_says_what_does_not_fit(tmp_path):
                    "--gin_param=LlamaConfig.num_layers=2", "--gin_param=DataConfig.seq_len=8388608",
                    "--gin_param=DataConfig.batch_size=4")
   assert status == 1 and not r["fits"]
-  assert r["shortfall_bytes"] == r["device_bytes"] - r["device_capacity_bytes"] > 0
+  assert r["shortfall_bytes"] == r["device_bytes"] - r["budget_bytes"] > 0
+  assert r["budget_bytes"] == aot.GPUS["h100"].budget_bytes  # the budget the planner reads
+
+
+# An 8B train step at 4M tokens compiles in about 30 s with jax 0.12.0.1 on 2 cores.
+@pytest.mark.slow
+def test_the_planners_answer_to_the_readmes_question_compiles_and_fits(tmp_path, capsys):
+  """Llama-3.1-8B, 4,194,304 tokens, 8 x 80 GB, no knob given: what the planner prints for
+  the trainer, compiled for one node of H100s, fits the GPU and the host figure given."""
+  from ulysses_jax.plan import cli as plan_cli
+  plan_cli.main(["--model=llama3.1-8b", "--seq-len=4194304", "--devices=8", "--gpu-mem=80",
+                 "--host-mem-per-gpu=250"])
+  params = re.findall(r"--gin_param='([^']*)'", capsys.readouterr().out)
+  status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
+                   "--gin_file=configs/models/llama3.1_8b.gin", "--gin_file=configs/runs/gpu.gin",
+                   *[f"--gin_param={p}" for p in params])
+  assert status == 0 and r["fits"] and r["device_bytes"] <= 80e9, r["device_bytes"] / GIB
+  assert r["host_bytes"] <= 250e9 and r["tokens_per_step"] == 4194304
 
 
 def test_offloaded_state_compiles_as_host_arguments_copied_in_the_program():
@@ -277,12 +301,14 @@ def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
 
 def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
   """Llama-3.1-8B on 4x1x8 at 256K tokens per GPU, far below an H100's capacity: XLA keeps
-  buffers it could do without (24.63 GiB per GPU compiled as is, 2026-11-24) and drops them when
-  told memory is short (20.57, ``aot.report.UNDER_PRESSURE``); the planner predicts the latter
-  (21.20)."""
+  buffers it could do without (jax 0.10.2: 24.63 GiB per GPU compiled as is, 2026-11-24) and
+  drops them when told memory is short (20.57, ``aot.report.UNDER_PRESSURE``); the planner
+  predicts the latter (21.20). jax 0.12.0.1's compiler keeps fewer to begin with (21.68 as
+  is, 20.53 under pressure)."""
   from benchmarks import plan_vs_compiler
   row = plan_vs_compiler.compare("configs/llama8b_32gpu_32m.gin", "4x1x8",
                                  ("DataConfig.seq_len=8388608",), "h100")
-  assert row["under_pressure_gib"] < row["compiled_device_gib"] - 2
+  gap_gib = 2 if jax.__version_info__ < (0, 11) else 0.5
+  assert row["under_pressure_gib"] < row["compiled_device_gib"] - gap_gib
   assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)
   assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01)

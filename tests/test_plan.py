@@ -1,5 +1,6 @@
 """The layout planner: its recommendation and its memory model against XLA's buffer assignment."""
 
+import dataclasses
 import json
 import re
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from ulysses_jax import gin_config, hf, make_mesh, plan
+from ulysses_jax.gpus import GPUS
 from ulysses_jax import train_step as train_step_lib
 from ulysses_jax.aot.devices import cuda_plugin_installed
 from ulysses_jax.plan import cli as plan_cli
@@ -115,7 +117,7 @@ def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():
   traffic = {}
   for gin_file, mesh_shape, params, _, _ in COMPILED_H100[1:]:
     model, layout, sizes = _config_layout(gin_file, mesh_shape, params)
-    step = plan.predict_step(model, layout, hardware=plan.Hardware(), **sizes)
+    step = plan.predict_step(model, layout, hardware=plan.Hardware.of("h100"), **sizes)
     traffic[layout.ring, layout.attn_head_chunks] = (
         step["all_to_all_bytes"] / 2**30 * 8 / 7, step["ring_bytes"] / 2**30, step["step_s"])
   assert traffic[1, 1][0] == pytest.approx(2560) and traffic[1, 4][0] == pytest.approx(5120)
@@ -123,14 +125,22 @@ def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():
   assert traffic[1, 4][2] > traffic[1, 1][2]  # the recomputed attention costs time
 
 
+def _hardware(gpu="h100", gpu_gb=None, host_gb_per_gpu=256.0):
+  """``plan.Hardware`` of the table's ``gpu``, with ``gpu_gb`` GB of memory if given."""
+  spec = GPUS[gpu] if gpu_gb is None else dataclasses.replace(GPUS[gpu],
+                                                               memory_bytes=int(gpu_gb * 1e9))
+  return plan.Hardware.of(spec, host_gb_per_gpu=host_gb_per_gpu)
+
+
 def test_plans_llama8b_at_a_million_tokens_on_one_gpu_with_head_chunks():
-  model = plan.Model.from_config(llama.preset("llama3.1-8b").replace(mlp_chunk=2048))
-  rows = plan.plan(model, seq_len=2**20, devices=1, param_dtype="bfloat16",
-                   hardware=plan.Hardware(memory_gb=80, host_memory_gb=256))
+  model = plan.Model.from_config(llama.preset("llama3.1-8b"))
+  hardware = _hardware(gpu_gb=80, host_gb_per_gpu=230)
+  knobs = plan.Knobs(precisions=plan.precisions("bfloat16", False), mlp_chunks=(2048,))
+  rows = plan.plan(model, seq_len=2**20, devices=1, hardware=hardware, knobs=knobs)
   assert rows, "no layout fits"
   best = rows[0]
   assert best["layout"].attn_head_chunks > 1 and best["layout"].offload_params
-  assert best["memory"]["total"] <= 0.9 * 80e9 and best["memory"]["host"] <= 0.9 * 256e9
+  assert best["memory"]["total"] <= 80e9 and best["memory"]["host"] <= 230e9
   assert all(r["layout"].attn_head_chunks > 1 for r in rows)  # whole heads do not fit
 
 
@@ -150,12 +160,12 @@ def test_head_chunks_must_divide_the_kv_heads():
 
 def test_recommends_a_hybrid_for_llama8b_at_a_million_tokens_on_32_gpus():
   model = plan.Model.from_config(llama.preset("llama3.1-8b"))
-  rows = plan.plan(model, seq_len=2**20, devices=32,
-                   hardware=plan.Hardware(memory_gb=80, intra_node=8))
+  hardware = _hardware(gpu_gb=80)
+  rows = plan.plan(model, seq_len=2**20, devices=32, hardware=hardware)
   best = rows[0]["layout"]
   assert best.data * best.seq * best.ring == 32
   assert 1 < best.seq <= 8 and best.ring > 1, best
-  assert all(r["memory"]["total"] <= 0.9 * 80e9 for r in rows)
+  assert all(r["memory"]["total"] <= 80e9 for r in rows)
   # Layouts whose all-to-all leaves the node are predicted slower than the recommendation.
   wide = [r for r in rows if r["layout"].seq > 8]
   assert wide and all(r["step"]["step_s"] > rows[0]["step"]["step_s"] for r in wide)
@@ -217,30 +227,114 @@ def test_layer_parameters_on_the_host_need_the_optimizer_state_there():
 
 
 def test_command_line(capsys):
-  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=32", "--gpu-mem=80",
-                    "--intra-node=8"])
+  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=32",
+                        "--gpu-mem=80", "--intra-node=8"])
   out = capsys.readouterr().out
   assert "in Python: make_mesh(data=1, seq=" in out and best["layout"].ring > 1
-  with pytest.raises(SystemExit) as exit_info:
-    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1048576", "--devices=2"])
-  assert exit_info.value.code == 1
-  assert capsys.readouterr().err.startswith("error: no layout fits in memory")
-  # One 80 GB GPU: float32 parameters, gradients and an optimizer temporary alone need 96 GB;
-  # with the layer parameters on the host (and 128 GB of the host's 2 TB) they fit.
-  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1"])
-  assert best["layout"].offload_params and best["memory"]["host"] > 128e9
+  # Each given flag pins its knob.
+  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1",
+                        "--host-mem-per-gpu=128", "--mlp-chunk=2048", "--param-dtype=bfloat16",
+                        "--no-master-weights", "--offload=optimizer", "--remat=full_offload",
+                        "--remat-group=2", "--head-chunks=2", "--mesh=1x1x1"])
+  lay, precision = best["layout"], best["precision"]
+  assert (best["mlp_chunk"], precision.param_dtype, precision.master_weights) == (
+      2048, "bfloat16", False)
+  assert (lay.remat, lay.remat_group, lay.attn_head_chunks, lay.offload_optimizer,
+          lay.offload_params) == ("full_offload", 2, 2, True, False)
   with pytest.raises(SystemExit):
-    plan_cli.main(["--model=llama3.1-8b", "--seq-len=32768", "--devices=1", "--host-mem=128"])
-  best = plan_cli.main(["--model=llama3.1-8b", "--seq-len=131072", "--devices=1", "--host-mem=128",
-                    "--mlp-chunk=2048", "--param-dtype=bfloat16"])
-  assert (best["layout"].remat, best["layout"].offload_optimizer) == ("full_offload", True)
-  with pytest.raises(SystemExit):
-    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights"])
+    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--master-weights",
+                   "--param-dtype=float32"])
   assert "give param_dtype='bfloat16'" in capsys.readouterr().err
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--head-chunks=3"])
+  assert exit_info.value.code == 2
+  assert "--head-chunks must divide 8 (the model's), got 3" in capsys.readouterr().err
+
+
+README_QUESTION = ["--model=llama3.1-8b", "--seq-len=4194304", "--devices=8", "--gpu-mem=80"]
+
+
+@pytest.mark.parametrize("host", ["--host-mem=2000", "--host-mem-per-gpu=250"])
+def test_answers_the_readmes_question_searching_what_users_would_guess(host, capsys):
+  """Llama-3.1-8B at 4M tokens on 8 x 80 GB with no knob given: the search finds the MLP
+  tile and precision that the shipped 8-GPU config states, where a float32, untiled guess
+  fits nothing."""
+  best = plan_cli.main([*README_QUESTION, host])
+  out = capsys.readouterr().out
+  assert best["memory"]["total"] <= 80e9 and best["memory"]["host"] <= 250e9
+  assert best["mlp_chunk"] > 0 and best["layout"].data * best["layout"].seq == 8
+  assert "250 GB of free host memory per GPU" in out
+  assert f"({best['precision'].trade_off})" in out  # the recommendation states its numerics
+  with pytest.raises(SystemExit) as exit_info:  # the knobs guessed as the issue's user did
+    plan_cli.main([*README_QUESTION, host, "--mlp-chunk=0"])
+  assert exit_info.value.code == 1
+
+
+def test_nothing_fits_says_the_longest_length_and_the_fewest_devices(capsys):
+  asked = ["--model=llama3.1-8b", "--gpu-mem=80", "--host-mem-per-gpu=250"]
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([*asked, "--seq-len=67108864", "--devices=8"])
+  out, err = capsys.readouterr()
+  assert exit_info.value.code == 1 and len(err.strip().splitlines()) == 1
+  longest = int(re.search(r"longest sequence that fits on these 8 devices: ([0-9,]+) tokens",
+                          out)[1].replace(",", ""))
+  fewest = int(re.search(r"fewest devices of this kind for 67,108,864 tokens: ([0-9,]+)",
+                         out)[1].replace(",", ""))
+  assert f"the longest that fits is {longest:,} tokens" in err and f": {fewest:,}." in err
+  assert 4194304 <= longest < 67108864 and 8 < fewest
+  assert plan_cli.main([*asked, f"--seq-len={longest}", "--devices=8"])  # it fits
+  for seq_len, devices in ((longest + 8 * 1024, 8), (67108864, fewest - 8)):
+    with pytest.raises(SystemExit):  # a step longer, or one node fewer, does not
+      plan_cli.main([*asked, f"--seq-len={seq_len}", f"--devices={devices}"])
+  assert plan_cli.main([*asked, "--seq-len=67108864", f"--devices={fewest}"])
+
+
+def test_units_a_user_cannot_misread(capsys):
+  plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8"])
+  header = capsys.readouterr().out.splitlines()[1]
+  # GPU memory: the budget aot's fit check uses (Gpu.budget_bytes), in GiB as aot prints it.
+  assert f"usable GPU memory {GPUS['h100'].budget_bytes / 2**30:.2f} GiB per device" in header
+  assert "256 GB of free host memory per GPU" in header
+  # Host memory per node is divided over the node's devices in use, and the header says so.
+  plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=4", "--host-mem=1000"])
+  assert "250 GB of free host memory per GPU (1000 GB per node, over 4 GPUs)" in (
+      capsys.readouterr().out)
+  # No abbreviations: --host-mem-per is not silently one of the two host flags.
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--host-mem-per=9"])
+  assert exit_info.value.code == 2
+  # --gpu picks the GPU of the one table that aot reads: an A100 is predicted slower.
+  h100 = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8",
+                        "--mesh=1x8x1", "--remat=full", "--offload=none"])
+  a100 = plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--gpu=a100",
+                        "--mesh=1x8x1", "--remat=full", "--offload=none"])
+  assert "8 x NVIDIA A100-SXM4-80GB" in capsys.readouterr().out
+  assert a100["step"]["compute_s"] == pytest.approx(
+      h100["step"]["compute_s"] * GPUS["h100"].bf16_flops / GPUS["a100"].bf16_flops)
+
+
+def test_a_checkpoint_or_a_fine_tuning_config_names_init_from(tmp_path, capsys):
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(llama.preset("llama3.1-8b"))))
+  plan_cli.main([f"--model={tmp_path}", "--seq-len=131072", "--devices=8"])
+  assert f'TrainConfig.init_from="{tmp_path}"' in _gin_params(capsys.readouterr().out)
+  finetune = ["--model=configs/finetune_llama8b_128k.gin", "--devices=8"]
+  plan_cli.main([*finetune, f"--init-from={tmp_path}"])
+  params = _gin_params(capsys.readouterr().out)
+  assert f'TrainConfig.init_from="{tmp_path}"' in params and "DataConfig.seq_len=131072" in params
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main(finetune)
+  assert exit_info.value.code == 2
+  assert "give the checkpoint it starts from, --init-from=DIR" in capsys.readouterr().err
+  # --verify compiles a checkpoint directory's model (init_from), not a lone config.json.
+  with pytest.raises(SystemExit) as exit_info:
+    plan_cli.main([f"--model={tmp_path / 'config.json'}", "--seq-len=131072", "--devices=8",
+                   "--verify"])
+  assert exit_info.value.code == 2
+  assert "--verify compiles a preset, a checkpoint directory or a gin" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(cuda_plugin_installed(), reason="this Python can compile for GPUs")
-def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
+def test_verify_without_the_cuda_plugin_is_one_error_line(tmp_path, capsys):
   args = ["--model=llama3.2-1b", "--seq-len=196608", "--verify"]
   with pytest.raises(SystemExit) as exit_info:
     plan_cli.main([*args, "--devices=8"])
@@ -250,6 +344,10 @@ def test_verify_without_the_cuda_plugin_is_one_error_line(capsys):
   with pytest.raises(SystemExit):
     plan_cli.main([*args, "--devices=12"])  # 1.5 nodes of 8
   assert "must be a multiple of --intra-node (8)" in capsys.readouterr().err
+  (tmp_path / "config.json").write_text(json.dumps(hf.config_to_hf(llama.preset("llama3.2-1b"))))
+  with pytest.raises(SystemExit):  # a checkpoint directory gets as far as the compile
+    plan_cli.main([f"--model={tmp_path}", "--seq-len=196608", "--devices=8", "--verify"])
+  assert "compiling for GPUs needs JAX's CUDA plugin" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -278,9 +376,10 @@ def test_recommends_only_layouts_the_trainer_accepts(capsys):
   err = capsys.readouterr().err.strip()
   assert exit_info.value.code == 1 and len(err.splitlines()) == 1
   assert err.startswith("error: no layout of 8 devices splits the work as the trainer needs")
+  assert re.search(r"the longest that fits is [0-9,]+ tokens\)\.$", err), err
   model = plan.Model.from_config(llama.preset("llama3.2-1b"))
   rows = plan.plan(model, seq_len=3 * 2**15, devices=8, batch=4, accum_steps=2,
-                   hardware=plan.Hardware())
+                   hardware=plan.Hardware.of("h100"))
   assert rows
   for row in rows:
     lay = row["layout"]

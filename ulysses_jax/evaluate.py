@@ -1,8 +1,10 @@
-"""Loss by position within the context, and pass-key retrieval: a forward pass only.
+"""Loss by position within the context, pass-key retrieval, RULER-style tasks and exact-match
+probes: a forward pass only.
 
-  python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --data=PATHS
-      --seq_len=S [--mesh_data=N] [--mesh_seq=P] [--cpu_devices=N] [--json=PATH]
-      [--plot=PATH] [--passkey] [--no_kernel_check]
+  python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
+      [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
+      [--seed=N] [--threshold=A]] [--examples=FILE.jsonl] [--mesh_data=N] [--mesh_seq=P]
+      [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--no_kernel_check]
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
@@ -17,7 +19,12 @@ Output (printed, and with ``--json`` written): ``loss`` (mean over predicted tok
 position within the row in log-spaced ranges [0, 1), [1, 2), [2, 4), ... [S/2, S), so the
 curve shows whether late tokens profit from the long context; ``--plot`` draws it (PNG).
 ``--passkey`` adds ``passkey``: retrieval accuracy by depth x length (``ulysses_jax.passkey``)
-and, with ``--plot``, a heatmap next to it.
+and, with ``--plot``, a heatmap next to it. ``--ruler`` adds ``ruler``: accuracy of each task
+(``ulysses_jax.ruler.tasks``) by length, the mean over tasks by length, the effective length
+(the longest length up to which the mean stays at or above ``--threshold``) and every example
+with its predicted ids; ``--examples`` adds ``examples``: ``accuracy`` and one ``{"correct",
+"predicted_ids"}`` per line of the file. Both are scored as greedy decoding would score them
+(``ulysses_jax.ruler``).
 
 Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
 failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
@@ -38,17 +45,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ulysses_jax import distributed, finetune, kernel_check, passkey, sharding
+from ulysses_jax import distributed, finetune, kernel_check, passkey, ruler, sharding
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, Dataset, document_windows
 from ulysses_jax.loss import cross_entropy_sums
 from ulysses_jax.mesh import make_mesh
+from ulysses_jax.ruler import tasks as tasks_lib
 
 
-def token_losses(model, batch) -> tuple[jax.Array, jax.Array]:
-  """(loss, correct): float32 ``[B, S]`` sharded (data, seq): each token's ``-log p(label)``
-  and whether the label is the top prediction, 0 where the label is ``IGNORE_LABEL``.
+def token_losses(model, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(loss, correct, predicted) ``[B, S]`` sharded (data, seq): each token's ``-log p(label)``
+  and whether the label is the top prediction (float32, 0 where the label is
+  ``IGNORE_LABEL``), and the top prediction (int32, the argmax over the vocabulary).
 
   ``batch``: a ``data`` batch (int ``[B, S]`` tokens, labels, positions, segment_ids); the
   mesh's sequence shards must divide S. At most ``[B, P*loss_chunk, V]`` logits exist.
@@ -66,23 +75,26 @@ def token_losses(model, batch) -> tuple[jax.Array, jax.Array]:
                         preferred_element_type=jnp.float32)
     flat = logits.reshape(-1, logits.shape[-1])
     loss = jax.vmap(cross_entropy_sums)(flat, labels_BPc.reshape(-1)).loss
-    correct = (logits.argmax(-1) == labels_BPc) & (labels_BPc != IGNORE_LABEL)
-    return None, (loss.reshape(labels_BPc.shape), correct.astype(jnp.float32))
+    predicted = logits.argmax(-1).astype(jnp.int32)
+    correct = (predicted == labels_BPc) & (labels_BPc != IGNORE_LABEL)
+    return None, (loss.reshape(labels_BPc.shape), correct.astype(jnp.float32), predicted)
 
-  _, (loss_N, correct_N) = jax.lax.scan(step, None, (hidden_NBPcE, labels_NBPc))
-  return (sharding.from_local_chunks(loss_N, s, mesh=mesh),
-          sharding.from_local_chunks(correct_N, s, mesh=mesh))
+  _, outputs_N = jax.lax.scan(step, None, (hidden_NBPcE, labels_NBPc))
+  return tuple(sharding.from_local_chunks(x_N, s, mesh=mesh) for x_N in outputs_N)
 
 
 def _batch_sums(model, batch) -> dict[str, jax.Array]:
-  """Loss and label count per position ``[S]`` (summed over rows, by ``positions``), and per
-  row ``[B]`` the labels and the labels predicted right."""
-  loss_BS, correct_BS = token_losses(model, batch)
-  valid_BS = (batch["labels"] != IGNORE_LABEL).astype(jnp.float32)
+  """Loss and label count per position ``[S]`` (summed over rows, by ``positions``); per row
+  ``[B]`` the labels and the labels predicted right; and ``[B, S]`` the top prediction where
+  there is a label, -1 elsewhere."""
+  loss_BS, correct_BS, predicted_BS = token_losses(model, batch)
+  valid_BS = batch["labels"] != IGNORE_LABEL
+  count_BS = valid_BS.astype(jnp.float32)
   s, positions = batch["tokens"].shape[1], batch["positions"].reshape(-1)
   by_position = lambda x: jax.ops.segment_sum(x.reshape(-1), positions, num_segments=s)
-  return {"loss": by_position(loss_BS), "count": by_position(valid_BS),
-          "row_count": valid_BS.sum(1), "row_correct": correct_BS.sum(1)}
+  return {"loss": by_position(loss_BS), "count": by_position(count_BS),
+          "row_count": count_BS.sum(1), "row_correct": correct_BS.sum(1),
+          "row_predicted": jnp.where(valid_BS, predicted_BS, -1)}
 
 
 class PositionEval:
@@ -98,14 +110,22 @@ class PositionEval:
     self.step = jax.jit(lambda params, batch: _batch_sums(nnx.merge(graphdef, params), batch))
 
   def sums(self, params, dataset: Dataset, max_batches: int | None = None) -> dict:
-    """Per-position sums ``[S]`` over the batches, and per-row values over all rows."""
+    """Per-position sums ``[S]`` over the batches, per-row values over all rows, and
+    ``row_predicted``: per row, the top predictions at its labels (int arrays)."""
     if not dataset.num_batches:
       raise ValueError("nothing to evaluate: the dataset is an endless training stream or "
                        "has no rows (documents of one token predict nothing)")
     n = dataset.num_batches if max_batches is None else min(max_batches, dataset.num_batches)
-    batches = [jax.device_get(self.step(params, dataset.batch(i))) for i in range(n)]
-    return {k: (np.concatenate if k.startswith("row") else sum)(
-        [np.asarray(b[k], np.float64) for b in batches]) for k in batches[0]}
+    out = {}
+    for i in range(n):
+      batch = jax.device_get(self.step(params, dataset.batch(i)))
+      out.setdefault("row_predicted", []).extend(
+          row[row >= 0] for row in np.asarray(batch.pop("row_predicted")))
+      for k, v in batch.items():
+        v = np.asarray(v, np.float64)
+        out[k] = v if k not in out else (np.concatenate([out[k], v]) if k.startswith("row")
+                                         else out[k] + v)
+    return out
 
   def __call__(self, params, dataset: Dataset, max_batches: int | None = None) -> dict:
     return summarize(self.sums(params, dataset, max_batches))
@@ -129,16 +149,6 @@ def summarize(sums: dict) -> dict:
           "buckets": buckets}
 
 
-class _Rows:
-  """A fixed list of rows for ``data.Dataset``."""
-
-  def __init__(self, rows, seq_len):
-    self.rows, self.seq_len, self.num_rows = rows, seq_len, len(rows)
-
-  def __call__(self, row):
-    return self.rows[row]
-
-
 def passkey_dataset(tokenizer, mesh, *, seq_len: int, batch_size: int, vocab_size: int,
                     trials: int = 2) -> tuple[list[passkey.Trial], Dataset]:
   """The pass-key rows (``passkey.make_rows``) as a ``Dataset``; errors before any compute."""
@@ -147,7 +157,7 @@ def passkey_dataset(tokenizer, mesh, *, seq_len: int, batch_size: int, vocab_siz
                       f"vocab_size is {vocab_size}: give the model's own tokenizer.json "
                       "(--tokenizer)")
   trials_, rows = passkey.make_rows(tokenizer, seq_len, trials=trials)
-  return trials_, Dataset(_Rows(rows, seq_len), mesh=mesh, batch_size=batch_size,
+  return trials_, Dataset(ruler.Rows(rows, seq_len), mesh=mesh, batch_size=batch_size,
                           vocab_size=vocab_size, fingerprint="passkey")
 
 
@@ -160,24 +170,35 @@ def run_passkey(evaluator: PositionEval, params, trials: list[passkey.Trial],
 
 
 def plot(result: dict, path: str):
-  """Loss by position (log x axis); with pass-key results, their heatmap beside it."""
+  """One panel each: loss by position (log x axis), the pass-key heatmap, RULER accuracy by
+  task x length (with the mean), whichever the result holds."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  panels = 2 if "passkey" in result else 1
-  fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4), squeeze=False)
-  buckets = [b for b in result["buckets"] if b["loss"] is not None]
-  ax = axes[0, 0]
-  ax.plot([max(b["start"], 0.5) for b in buckets], [b["loss"] for b in buckets], "o-")
-  ax.set(xscale="log", xlabel="position in the row (bucket start)", ylabel="loss (nats)",
-         title=f"loss by position, mean {result['loss']:.3f}")
-  if panels == 2:
-    p, ax = result["passkey"], axes[0, 1]
-    image = ax.imshow(p["accuracy"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set(xticks=range(len(p["lengths"])), xticklabels=p["lengths"],
-           yticks=range(len(p["depths"])), yticklabels=[f"{d:.0%}" for d in p["depths"]],
-           xlabel="context length (tokens)", ylabel="needle depth",
-           title=f"pass-key accuracy, overall {p['overall']:.2f}")
+  panels = [k for k in ("buckets", "passkey", "ruler") if k in result]
+  if not panels:
+    return
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+  for ax, panel in zip(axes[0], panels):
+    if panel == "buckets":
+      buckets = [b for b in result["buckets"] if b["loss"] is not None]
+      ax.plot([max(b["start"], 0.5) for b in buckets], [b["loss"] for b in buckets], "o-")
+      ax.set(xscale="log", xlabel="position in the row (bucket start)", ylabel="loss (nats)",
+             title=f"loss by position, mean {result['loss']:.3f}")
+      continue
+    if panel == "passkey":
+      p = result["passkey"]
+      grid, rows, columns = p["accuracy"], [f"{d:.0%}" for d in p["depths"]], p["lengths"]
+      title, ylabel = f"pass-key accuracy, overall {p['overall']:.2f}", "needle depth"
+    else:
+      r = result["ruler"]
+      rows, columns = [*r["tasks"], "mean"], r["lengths"]
+      grid = [[t["by_length"][str(n)]["accuracy"] for n in columns] for t in r["tasks"].values()]
+      grid.append([r["mean_by_length"][str(n)] for n in columns])
+      title, ylabel = f"RULER accuracy, effective length {r['effective_length'] or 'none'}", "task"
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set(xticks=range(len(columns)), xticklabels=columns, yticks=range(len(rows)),
+           yticklabels=rows, xlabel="context length (tokens)", ylabel=ylabel, title=title)
     fig.colorbar(image, ax=ax)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -185,13 +206,29 @@ def plot(result: dict, path: str):
 
 
 def format_result(result: dict) -> str:
-  """The printed report: totals, one line per bucket, the pass-key table."""
-  lines = [f"{result['model']}: loss {result['loss']:.4f} (perplexity "
-           f"{result['perplexity']:.2f}) over {result['tokens']:,} tokens, S={result['seq_len']}",
-           "  positions        loss     tokens"]
-  for b in result["buckets"]:
+  """The printed report: totals, one line per bucket, the pass-key table, RULER accuracy by
+  task x length, the examples' accuracy."""
+  lines = [f"{result['model']}: S={result['seq_len']}, mesh {result['mesh']}"]
+  if "loss" in result:
+    lines += [f"  loss {result['loss']:.4f} (perplexity {result['perplexity']:.2f}) over "
+              f"{result['tokens']:,} tokens", "  positions        loss     tokens"]
+  for b in result.get("buckets", []):
     loss = "-" if b["loss"] is None else f"{b['loss']:.4f}"
     lines.append(f"  {b['start']:>6}-{b['end']:<8} {loss:>7} {b['tokens']:>10,}")
+  if "ruler" in result:
+    r = result["ruler"]
+    width = max(map(len, r["tasks"]))
+    lines.append(f"  RULER accuracy (effective length at {r['threshold']:.1%}: "
+                 f"{r['effective_length']})  " + " ".join(f"{n:>8}" for n in r["lengths"]))
+    rows = [(name, [t["by_length"][str(n)]["accuracy"] for n in r["lengths"]])
+            for name, t in r["tasks"].items()]
+    rows.append(("mean", [r["mean_by_length"][str(n)] for n in r["lengths"]]))
+    lines += [f"    {name:<{width}}  " + " ".join(f"{a:>8.2f}" for a in accuracies)
+              for name, accuracies in rows]
+  if "examples" in result:
+    e = result["examples"]
+    lines.append(f"  examples: accuracy {e['accuracy']:.3f} over {len(e['results'])} "
+                 "(exact match under greedy decoding)")
   if "passkey" in result:
     p = result["passkey"]
     lines.append(f"  pass key (accuracy by depth x length, chance {p['chance']:g}; overall "
@@ -208,8 +245,9 @@ def _parse(argv):
   source.add_argument("--hf", help="a Hugging Face checkpoint directory")
   source.add_argument("--workdir", help="a training workdir of ours (or its checkpoints/)")
   parser.add_argument("--step", type=int, help="with --workdir: the step (default: newest)")
-  parser.add_argument("--data", required=True, action="append",
-                      help="files or globs, comma-separated or repeated")
+  parser.add_argument("--data", action="append", default=[],
+                      help="files or globs, comma-separated or repeated: loss by position, "
+                           "and the natural-text haystack of the RULER tasks that use one")
   parser.add_argument("--seq_len", type=int, required=True)
   parser.add_argument("--batch_size", type=int, help="rows per batch (default: mesh_data)")
   parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the "
@@ -222,12 +260,50 @@ def _parse(argv):
   parser.add_argument("--plot", help="PNG of loss by position (and the pass-key heatmap)")
   parser.add_argument("--passkey", action="store_true", help="run the pass-key test")
   parser.add_argument("--passkey_trials", type=int, default=2, help="keys per cell")
+  parser.add_argument("--ruler", nargs="?", const="all", type=_task_names,
+                      help="RULER-style tasks, comma-separated (default: all; those with a "
+                           f"natural-text haystack need --data): {', '.join(tasks_lib.TASKS)}")
+  parser.add_argument("--lengths", type=_ints, help="RULER lengths in tokens, comma-separated "
+                      "(default: S/8, S/4, S/2, S)")
+  parser.add_argument("--samples", type=int, default=8, help="RULER examples per task and "
+                      "length (the needle depth sweeps 0-100 %% over them)")
+  parser.add_argument("--seed", type=int, default=0, help="RULER examples' seed")
+  parser.add_argument("--threshold", type=float, default=ruler.THRESHOLD,
+                      help="accuracy that defines the effective length (RULER: 0.856)")
+  parser.add_argument("--examples", help="JSONL of exact-match probes: "
+                      '{"prompt": str, "answer": str} or {"prompt_ids": [int], '
+                      '"answer_ids": [int]} per line')
   parser.add_argument("--no_kernel_check", action="store_true", help="skip the attention "
                       "kernel's self-check before the first batch (ulysses_jax.kernel_check)")
   args = parser.parse_args(argv)
   if args.step is not None and not args.workdir:
     parser.error("--step goes with --workdir")
+  if not (args.data or args.ruler or args.examples):
+    parser.error("nothing to evaluate: give --data (loss by position), --ruler or --examples")
+  if args.passkey and not args.data:
+    parser.error("--passkey goes with --data (it reports beside the loss by position)")
+  if args.lengths and max(args.lengths) > args.seq_len:
+    parser.error(f"--lengths {max(args.lengths)} exceeds --seq_len={args.seq_len}")
   return args
+
+
+def _ints(text: str) -> list[int]:
+  try:
+    values = [int(v) for v in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got "
+                                     f"{text!r}")
+  return values
+
+
+def _task_names(text: str) -> str:
+  unknown = [n for n in text.split(",") if n not in tasks_lib.TASKS] if text != "all" else []
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown RULER task(s) {unknown}; choose from "
+                                     f"{', '.join(tasks_lib.TASKS)} or all")
+  return text
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -258,21 +334,43 @@ def main(argv: list[str] | None = None) -> dict:
       **{**data_defaults, "source": "files", "seq_len": args.seq_len, "eval_fraction": 0.0,
          "paths": tuple(p for d in args.data for p in d.split(",") if p),
          "batch_size": args.batch_size or args.mesh_data})
-  windows = document_windows(data_config, mesh, vocab_size=config.vocab_size)
-  if not windows.num_batches:
-    raise ConfigError(f"--data {data_config.paths} holds no document of 2 or more tokens: "
-                      "nothing to predict")
+  tokenizer = make_tokenizer(data_config.tokenizer)
+  windows = None
+  if data_config.paths:
+    windows = document_windows(data_config, mesh, vocab_size=config.vocab_size)
+    if not windows.num_batches:
+      raise ConfigError(f"--data {data_config.paths} holds no document of 2 or more tokens: "
+                        "nothing to predict")
   if args.passkey:
-    trials, keys = passkey_dataset(
-        make_tokenizer(data_config.tokenizer), mesh, seq_len=args.seq_len,
-        batch_size=data_config.batch_size, vocab_size=config.vocab_size,
-        trials=args.passkey_trials)
+    trials, keys = passkey_dataset(tokenizer, mesh, seq_len=args.seq_len,
+                                   batch_size=data_config.batch_size,
+                                   vocab_size=config.vocab_size, trials=args.passkey_trials)
+  probes = {}  # "ruler" / "examples" -> (examples, their dataset), all built before the model
+  make_dataset = lambda examples: ruler.dataset(
+      examples, mesh, seq_len=args.seq_len, batch_size=data_config.batch_size,
+      vocab_size=config.vocab_size)
+  if args.ruler:
+    names = _ruler_tasks(args.ruler, has_text=windows is not None)
+    lengths = args.lengths or sorted({args.seq_len >> k for k in range(4)})
+    text_ids = _text_ids(windows, max(lengths)) if tasks_lib.needs_text(names) else None
+    examples = ruler.generate(names, lengths, args.samples, tokenizer, seed=args.seed,
+                              text_ids=text_ids)
+    probes["ruler"] = examples, make_dataset(examples)
+  if args.examples:
+    examples = ruler.read_examples(args.examples, tokenizer)
+    probes["examples"] = examples, make_dataset(examples)
   graphdef, params = nnx.split(finetune.load_model(source, config, mesh))
   evaluator = PositionEval(graphdef)
-  result = {"model": os.path.abspath(source), "seq_len": args.seq_len,
-            "mesh": dict(mesh.shape), **evaluator(params, windows)}
+  result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}
+  if windows is not None:
+    result.update(evaluator(params, windows))
   if args.passkey:
     result["passkey"] = run_passkey(evaluator, params, trials, keys)
+  for name, (examples, dataset) in probes.items():
+    scored = ruler.score(evaluator, params, examples, dataset)
+    result[name] = (ruler.summarize(examples, scored, args.threshold) if name == "ruler" else
+                    {"accuracy": float(np.mean([r["correct"] for r in scored])),
+                     "results": scored})
   print(format_result(result))
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
@@ -280,6 +378,28 @@ def main(argv: list[str] | None = None) -> dict:
   if args.plot:
     plot(result, args.plot)
   return result
+
+
+def _ruler_tasks(asked: str, has_text: bool) -> list[str]:
+  """The task names of ``--ruler``: "all" leaves out the natural-text ones without --data."""
+  if asked != "all":
+    return asked.split(",")
+  return [n for n in tasks_lib.TASKS if has_text or n not in tasks_lib.needs_text([n])]
+
+
+def _text_ids(windows, n: int) -> np.ndarray:
+  """The first ``n`` tokens of the --data documents (the haystack of the natural-text tasks)."""
+  if windows is None:
+    return None
+  parts, total = [], 0
+  for i in range(windows.num_batches):
+    batch = windows.local_batch(i * windows.batch_size)
+    for tokens, labels in zip(batch["tokens"], batch["labels"]):
+      parts.append(tokens[labels != IGNORE_LABEL])
+      total += len(parts[-1])
+    if total >= n:
+      break
+  return np.concatenate(parts)[:n]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ config for a GPU cluster and reports its memory, collectives, kernels and predic
 
 from ulysses_jax.aot.devices import (AotError, cuda_plugin_installed, gpu_devices, gpu_spec,
                                      parse_topology)
-from ulysses_jax.aot.targets import GPUS, Gpu
+from ulysses_jax.gpus import GPUS, Gpu
 
 __all__ = ["AotError", "GPUS", "Gpu", "cuda_plugin_installed", "gpu_devices", "gpu_spec",
            "parse_topology"]

@@ -20,12 +20,13 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from ulysses_jax.aot.devices import AotError, gpu_devices, gpu_spec, parse_topology  # noqa: E402
+from ulysses_jax.gpus import GPUS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m ulysses_jax.aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gpu", default="h100", help="h100, h200 or a100")
+  parser.add_argument("--gpu", default="h100", help="one of " + ", ".join(GPUS))
   parser.add_argument("--topology", default="1x1x8",
                       help="<slices>x<hosts per slice>x<GPUs per host>, e.g. 4x1x8")
   parser.add_argument("--gin_file", action="append", default=[], help="repeatable")

@@ -17,7 +17,8 @@ import re
 import jax
 from jax.experimental import topologies
 
-from ulysses_jax.aot.targets import GPUS, Gpu, target_config
+from ulysses_jax.aot.targets import target_config
+from ulysses_jax.gpus import Gpu, gpu_named
 from ulysses_jax.kernels import target as target_lib
 
 _PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
@@ -32,11 +33,11 @@ class AotError(ValueError):
 
 
 def gpu_spec(name: str) -> Gpu:
-  """The shipped description of GPU ``name`` (``"h100"``, ``"h200"``, ``"a100"``)."""
-  if name not in GPUS:
-    raise AotError(f"unknown GPU {name!r}: expected one of {sorted(GPUS)}; pick the closest "
-                   "of these (they are the GPUs ulysses_jax ships target descriptions for).")
-  return GPUS[name]
+  """The shipped description of GPU ``name`` (``ulysses_jax.gpus.GPUS``: ``"h100"``, ...)."""
+  try:
+    return gpu_named(name)
+  except ValueError as e:
+    raise AotError(str(e)) from e
 
 
 def parse_topology(topology: str) -> tuple[int, int, int]:

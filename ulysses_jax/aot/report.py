@@ -19,8 +19,8 @@ from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.step import TrainStep, build_train_step
-from ulysses_jax.aot.targets import Gpu
-from ulysses_jax.metrics import device_breakdown, flops_per_token
+from ulysses_jax.gpus import Gpu
+from ulysses_jax.metrics import device_breakdown, flops_per_token  # noqa: F401  (public here too)
 
 GIB = 2**30
 # XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
@@ -45,7 +45,18 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   start = time.perf_counter()
   lowered = built.step.lower(built.state, built.batch)
   compiled = lowered.compile()
-  compile_s = time.perf_counter() - start
+  report = describe(compiled, built, gpu, nodes, compile_s=time.perf_counter() - start)
+  if under_pressure:
+    pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
+    report.update(device_bytes_under_pressure=pressed,
+                  least_device_bytes=min(report["device_bytes"], pressed))
+  return report
+
+
+def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float = 0.0) -> dict:
+  """The report of ``built``'s step as ``compiled`` for GPUs of kind ``gpu`` (see
+  ``compile_and_report``); ``python -m ulysses_jax.doctor`` gives it a step compiled for the
+  GPUs it runs on."""
   text = compiled.as_text()
   m = compiled.memory_analysis()
   device = device_breakdown(m)
@@ -62,22 +73,18 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   model_flops = flops_per_token(built.model_config, built.seq_len) * built.tokens_per_step
   prediction = roofline.predict(gpu, ops, collectives, host_bytes, nodes, model_flops,
                                 num_devices)
-  report = {
+  return {
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
-      "fits": device_bytes <= gpu.memory_bytes,
+      "fits": device_bytes <= gpu.budget_bytes,
       "device_bytes": device_bytes, "device_capacity_bytes": gpu.memory_bytes,
-      "shortfall_bytes": max(0, device_bytes - gpu.memory_bytes),
+      "budget_bytes": gpu.budget_bytes,
+      "shortfall_bytes": max(0, device_bytes - gpu.budget_bytes),
       "device_breakdown": device, "host_bytes": host_bytes, "host_breakdown": host,
       "collective_bytes": collectives, "kernels": kernels, "flops": flops,
       "model_flops_per_device": model_flops / num_devices, "compile_s": compile_s,
       "tokens_per_step": built.tokens_per_step,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
-  if under_pressure:
-    pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
-    report.update(device_bytes_under_pressure=pressed,
-                  least_device_bytes=min(device_bytes, pressed))
-  return report
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
@@ -102,7 +109,7 @@ def format_report(r: dict) -> str:
            f"  arguments       {gib(d['arguments'])}  (state kept on the device, batch)",
            f"  outputs         {gib(d['outputs'])}  (not aliased to the donated state)",
            f"  temporaries     {gib(d['temporaries'])}",
-           f"  total           {gib(r['device_bytes'])}  of {gib(r['device_capacity_bytes'])}"
+           f"  total           {gib(r['device_bytes'])}  of {gib(r['budget_bytes'])}"
            f"  {'fits' if r['fits'] else 'DOES NOT FIT: short by ' + gib(r['shortfall_bytes'])}",
            "per device, on the host",
            f"  offloaded state {gib(h['offloaded_state'])}",

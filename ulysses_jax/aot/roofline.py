@@ -8,7 +8,7 @@ as compiled (real kernels reach a fraction of peak) and an upper bound on MFU.
 from typing import NamedTuple
 
 from ulysses_jax.aot.cost import Op
-from ulysses_jax.aot.targets import Gpu
+from ulysses_jax.gpus import Gpu
 
 ASSUMPTIONS = (
     "every operation runs at the GPU's peak: max(FLOPs / dense bf16 tensor-core peak, "

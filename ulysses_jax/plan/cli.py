@@ -1,39 +1,59 @@
 """The planner's command line: ``python -m ulysses_jax.plan`` (see ``ulysses_jax.plan``).
 
-``--model`` is a preset, a Hugging Face ``config.json`` (or its directory) or a gin file
-(whose ``DataConfig.seq_len``, ``batch_size``, ``TrainConfig.accum_steps`` and
-``LlamaConfig.dtype``, ``param_dtype`` are the defaults of ``--seq-len``, ``--batch``,
-``--accum-steps``, ``--dtype``, ``--param-dtype``). It prints the feasible layouts,
-fastest first, and the recommendation as the trainer's ``--gin_param`` settings and as the
-library's calls; it exits 1 when no layout fits and 2 on bad input, each with one
-``error:`` line.
+``--model`` is a preset, a checkpoint directory (a Hugging Face one or a ulysses_jax workdir:
+the fine-tune's ``TrainConfig.init_from``), a ``config.json`` or a gin file (whose
+``DataConfig.seq_len``, ``batch_size``, ``TrainConfig.accum_steps``, ``master_weights``,
+``init_from`` and ``LlamaConfig.dtype``, ``param_dtype``, ``mlp_chunk`` are the defaults of
+the flags of the same names; a fine-tuning gin file takes its checkpoint from
+``--init-from``). The knobs a user would otherwise guess are searched unless given
+(``ulysses_jax.plan.search``): precision, MLP tile, remat policy and groups, head chunks,
+offload, mesh. It prints the feasible layouts, the recommendation first, and the
+recommendation as the trainer's ``--gin_param`` settings and as the library's calls. When
+nothing fits it prints the longest sequence that fits on these devices (and how) and the
+fewest devices of this kind that fit the asked length, and exits 1; bad input exits 2; each
+with one ``error:`` line.
+
+Units: GPU memory in GB (10^9 bytes) per device, by default the ``--gpu``'s capacity, and the
+usable part is the budget ``aot``'s fit check uses (``Gpu.budget_bytes``); host memory in GB
+per GPU (``--host-mem-per-gpu``), or per node (``--host-mem``, shared by the node's devices
+in use); the header repeats both per device.
 
 ``--verify`` then compiles the recommended layout for the cluster (``--gpu``; ``--devices``
 GPUs, ``--intra-node`` per node) with ``ulysses_jax.aot``, as ``python -m ulysses_jax.aot``
 would, and prints the compiled memory per device beside the prediction. It needs JAX's CUDA
-plugin (``make gpu-compile-venv``; no GPU) and a preset or gin ``--model``.
+plugin (``make gpu-compile-venv``; no GPU) and a preset, checkpoint directory or gin
+``--model``.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 
 from ulysses_jax import model_spec
+from ulysses_jax.gpus import GPUS
 from ulysses_jax.models.llama import PRESETS
-from ulysses_jax.plan import _DTYPE_BYTES, _GB, Hardware, Layout, Model, layouts, plan
+from ulysses_jax.plan import search
+from ulysses_jax.plan.model import _DTYPE_BYTES, _GB, Hardware, Model
 
 _GIB = 2**30
+_HOST_GB_PER_GPU = 256.0
 
 
 def _on_host_label(layout):
   return "opt+params" if layout.offload_params else "opt" if layout.offload_optimizer else "-"
 
 
+def _precision_label(precision):
+  short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[precision.param_dtype]
+  return short + ("+master" if precision.master_weights else "")
+
+
 def _format(rows, batch, seq_len):
   header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'chunks':>6} "
-            f"{'on host':>10} "
-            f"{'mem GB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} "
+            f"{'on host':>10} {'params':>11} {'mlp tile':>8} "
+            f"{'mem GiB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} "
             f"{'comm s':>7} {'step s':>8} {'tok/s':>9}")
   lines = [header]
   for r in rows:
@@ -41,27 +61,35 @@ def _format(rows, batch, seq_len):
     comm = step["step_s"] - step["compute_s"]
     lines.append(
         f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
-        f"{lay.attn_head_chunks:>6} {_on_host_label(lay):>10} {mem['total'] / _GB:>7.1f} "
+        f"{lay.attn_head_chunks:>6} {_on_host_label(lay):>10} "
+        f"{_precision_label(r['precision']):>11} {r['mlp_chunk'] or 'none':>8} "
+        f"{mem['total'] / _GIB:>7.1f} "
         f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} "
         f"{step['ring_bytes'] / _GB:>7.2f} "
         f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
         f"{batch * seq_len / step['step_s']:>9.0f}")
+  shown = {_precision_label(r["precision"]): r["precision"].trade_off for r in rows}
+  lines += [f"  {label}: {trade_off}" for label, trade_off in shown.items()]
   return "\n".join(lines)
 
 
-def _settings(best: Layout, args) -> dict:
-  """The layout as the trainer's gin settings (``{"TrainConfig.mesh_seq": 8, ...}``)."""
-  return {
+def _settings(row: dict, args) -> dict:
+  """The row as the trainer's gin settings (``{"TrainConfig.mesh_seq": 8, ...}``)."""
+  best, precision = row["layout"], row["precision"]
+  settings = {
       "TrainConfig.mesh_data": best.data, "TrainConfig.mesh_seq": best.seq,
       "TrainConfig.mesh_ring": best.ring, "TrainConfig.accum_steps": args.accum_steps,
       "TrainConfig.offload_optimizer": best.offload_optimizer,
       "TrainConfig.offload_params": best.offload_params,
-      "TrainConfig.master_weights": args.master_weights,
+      "TrainConfig.master_weights": precision.master_weights,
       "LlamaConfig.remat_policy": best.remat, "LlamaConfig.remat_group": best.remat_group,
       "LlamaConfig.attn_head_chunks": best.attn_head_chunks,
-      "LlamaConfig.mlp_chunk": args.model_config.mlp_chunk,
-      "LlamaConfig.dtype": args.dtype, "LlamaConfig.param_dtype": args.param_dtype,
+      "LlamaConfig.mlp_chunk": row["mlp_chunk"],
+      "LlamaConfig.dtype": args.dtype, "LlamaConfig.param_dtype": precision.param_dtype,
       "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
+  if args.init_from:
+    settings["TrainConfig.init_from"] = args.init_from
+  return settings
 
 
 def _gin_params(settings: dict) -> list[str]:
@@ -70,101 +98,197 @@ def _gin_params(settings: dict) -> list[str]:
   return [f"{k}={gin_value(v)}" for k, v in settings.items()]
 
 
-def _recommendation(best: Layout, args) -> str:
-  """The layout as the trainer's ``--gin_param`` settings and as the library's calls."""
-  flags = " \\\n".join(f"  --gin_param='{p}'" for p in _gin_params(_settings(best, args)))
-  return (f"for python -m ulysses_jax.train:\n{flags}\n"
+def _recommendation(row: dict, args) -> str:
+  """The row as the trainer's ``--gin_param`` settings and as the library's calls."""
+  best, precision = row["layout"], row["precision"]
+  flags = " \\\n".join(f"  --gin_param='{p}'" for p in _gin_params(_settings(row, args)))
+  start = f"init_from={args.init_from!r}, " if args.init_from else ""
+  return (f"({precision.trade_off})\nfor python -m ulysses_jax.train:\n{flags}\n"
           f"in Python: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}); "
           f"LlamaConfig(remat_policy={best.remat!r}, remat_group={best.remat_group}, "
-          f"attn_head_chunks={best.attn_head_chunks}, "
-          f"mlp_chunk={args.model_config.mlp_chunk}); init_train_state / make_train_step("
+          f"attn_head_chunks={best.attn_head_chunks}, mlp_chunk={row['mlp_chunk']}, "
+          f"param_dtype={precision.param_dtype!r}); TrainConfig({start}"
           f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}, "
-          f"master_weights={args.master_weights}) with accum_steps={args.accum_steps}")
+          f"master_weights={precision.master_weights}, accum_steps={args.accum_steps})")
+
+
+def _mesh(text: str) -> tuple[int, int, int]:
+  try:
+    mesh = tuple(int(x) for x in text.split("x"))
+  except ValueError:
+    mesh = ()
+  if len(mesh) != 3 or min(mesh) < 1:
+    raise argparse.ArgumentTypeError(f"expected DATAxSEQxRING with positive integers, e.g. "
+                                     f"1x8x1, got {text!r}")
+  return mesh
+
+
+def _parser():
+  parser = argparse.ArgumentParser(
+      prog="python -m ulysses_jax.plan", allow_abbrev=False,
+      description="Layout planner: which mesh, remat, offload, precision and MLP tile to train "
+                  "a model at a sequence length. Knobs not given are searched.")
+  add = parser.add_argument
+  add("--model", required=True, help="a preset, a checkpoint directory, a Hugging Face "
+      "config.json or a gin file")
+  add("--init-from", help="with a fine-tuning gin --model: the checkpoint it starts from")
+  add("--seq-len", type=int, help="tokens per sequence (DataConfig.seq_len)")
+  add("--devices", type=int, required=True)
+  add("--gpu", default="h100", choices=sorted(GPUS),
+      help="the GPU: its memory, speeds, and what --verify compiles for")
+  add("--gpu-mem", type=float, help="GB (10^9 bytes) per device (default: the --gpu's)")
+  add("--intra-node", type=int, default=8, help="devices per node")
+  host = parser.add_mutually_exclusive_group()
+  host.add_argument("--host-mem-per-gpu", type=float,
+                    help=f"free host GB per GPU (default {_HOST_GB_PER_GPU:g})")
+  host.add_argument("--host-mem", type=float, help="free host GB per node, shared by its "
+                    "devices in use")
+  add("--batch", type=int, help="sequences per step (default 1)")
+  add("--accum-steps", type=int, help="micro-batches per step (default 1)")
+  add("--dtype", choices=sorted(_DTYPE_BYTES),
+      help="LlamaConfig.dtype (default: bfloat16, or the gin file's)")
+  add("--param-dtype", choices=sorted(_DTYPE_BYTES), help="LlamaConfig.param_dtype "
+      "(parameters, gradients, Adam moments; default: searched, or the gin file's)")
+  add("--master-weights", action=argparse.BooleanOptionalAction,
+      help="the optimizer updates a float32 copy of the parameters (default: searched)")
+  add("--mlp-chunk", type=int, help="tokens per MLP tile, 0 untiled (default: searched)")
+  add("--remat", choices=search.REMATS, help="LlamaConfig.remat_policy (default: searched)")
+  add("--remat-group", type=int, help="LlamaConfig.remat_group (default: searched)")
+  add("--head-chunks", type=int, help="LlamaConfig.attn_head_chunks (default: searched)")
+  add("--offload", choices=sorted(search.OFFLOADS), help="state on the host: none, the "
+      "optimizer's, or it and the layer parameters (default: searched)")
+  add("--mesh", type=_mesh, help="DATAxSEQxRING (default: searched)")
+  add("--top", type=int, default=12, help="rows to print")
+  add("--verify", action="store_true", help="compile the recommendation for the GPUs with "
+      "ulysses_jax.aot (needs JAX's CUDA plugin) and print its memory beside the prediction")
+  return parser
 
 
 def _parse(argv):
   """The command line, with the model resolved and gin defaults applied; bad input exits 2
   with one ``error:`` line."""
-  parser = argparse.ArgumentParser(description="Layout planner: which (data, seq, ring, remat, "
-                                   "offload) to train a model at a sequence length.")
-  parser.add_argument("--model", required=True,
-                      help="a preset, a Hugging Face config.json (or its directory) or a gin file")
-  parser.add_argument("--seq-len", type=int, help="tokens per sequence (DataConfig.seq_len)")
-  parser.add_argument("--devices", type=int, required=True)
-  parser.add_argument("--gpu-mem", type=float, default=80.0, help="GB per device")
-  parser.add_argument("--intra-node", type=int, default=8, help="devices per node")
-  parser.add_argument("--host-mem", type=float, default=Hardware.host_memory_gb,
-                      help="host GB per node")
-  parser.add_argument("--batch", type=int, help="sequences per step (default 1)")
-  parser.add_argument("--accum-steps", type=int, help="micro-batches per step (default 1)")
-  parser.add_argument("--dtype", choices=sorted(_DTYPE_BYTES),
-                      help="LlamaConfig.dtype (default: bfloat16, or the gin file's)")
-  parser.add_argument("--param-dtype", choices=sorted(_DTYPE_BYTES),
-                      help="LlamaConfig.param_dtype (parameters, gradients, Adam moments; "
-                           "default: float32, or the gin file's)")
-  parser.add_argument("--master-weights", action="store_true",
-                      help="the optimizer updates a float32 copy of the parameters")
-  parser.add_argument("--mlp-chunk", type=int, default=None, help="tokens per MLP tile")
-  parser.add_argument("--top", type=int, default=12, help="rows to print")
-  parser.add_argument("--verify", action="store_true",
-                      help="compile the recommendation for the GPUs with ulysses_jax.aot (needs "
-                           "JAX's CUDA plugin) and print its memory beside the prediction")
-  parser.add_argument("--gpu", default="h100", help="the GPU --verify compiles for")
-  args = parser.parse_args(argv)
+  args = _parser().parse_args(argv)
   try:
-    config, run = model_spec.load(args.model)
-    if args.mlp_chunk is not None:
-      config = config.replace(mlp_chunk=args.mlp_chunk)
+    config, run = model_spec.load(args.model, args.init_from)
   except ValueError as e:
     _fail(str(e))
-  for name, default in (("seq_len", None), ("batch", 1), ("accum_steps", 1)):
+  for name, default in (("seq_len", None), ("batch", 1), ("accum_steps", 1),
+                        ("master_weights", None), ("init_from", None)):
     if getattr(args, name) is None:
       setattr(args, name, run.get(name, default))
-  for name, default in (("dtype", "bfloat16"), ("param_dtype", "float32")):
-    if getattr(args, name) is None:  # run settings come from gin files only
-      setattr(args, name, getattr(config, name) if run else default)
+  from_gin = args.model.endswith(".gin")  # a gin file states its precision and MLP tile
+  for name, default in (("dtype", "bfloat16"), ("param_dtype", None), ("mlp_chunk", None)):
+    if getattr(args, name) is None:
+      setattr(args, name, getattr(config, name) if from_gin else default)
   if args.seq_len is None:
     _fail("give --seq-len (tokens per sequence), or a gin --model that sets DataConfig.seq_len.")
   args.model_config = config
   return args
 
 
+def _knobs(args, model: Model) -> search.Knobs:
+  """The search's candidates, each given flag pinning its knob."""
+  pinned = lambda value, candidates: candidates if value is None else (value,)
+  try:
+    precisions = search.precisions(args.param_dtype, args.master_weights)
+  except ValueError as e:
+    _fail(str(e))
+  for flag, value, total in (("--head-chunks", args.head_chunks, model.num_kv_heads),
+                             ("--remat-group", args.remat_group, model.num_layers)):
+    if value is not None and (value < 1 or total % value):
+      _fail(f"{flag} must divide {total} (the model's), got {value}; use one of "
+            f"{[k for k in range(1, total + 1) if total % k == 0]}.")
+  return search.Knobs(
+      precisions=precisions, mlp_chunks=pinned(args.mlp_chunk, search.MLP_CHUNKS),
+      remats=pinned(args.remat, search.REMATS),
+      remat_groups=pinned(args.remat_group, search.REMAT_GROUPS),
+      head_chunks=pinned(args.head_chunks, search.HEAD_CHUNKS),
+      offloads=pinned(args.offload, tuple(search.OFFLOADS)), mesh=args.mesh)
+
+
+def _hardware(args) -> Hardware:
+  gpu = GPUS[args.gpu]
+  if args.gpu_mem is not None:
+    gpu = dataclasses.replace(gpu, memory_bytes=int(args.gpu_mem * _GB))
+  per_gpu = (args.host_mem / min(args.devices, args.intra_node) if args.host_mem is not None
+             else args.host_mem_per_gpu or _HOST_GB_PER_GPU)
+  return Hardware.of(gpu, intra_node=args.intra_node, host_gb_per_gpu=per_gpu)
+
+
+def _header(args, model, hardware) -> str:
+  gpu = GPUS[args.gpu]
+  memory = gpu.memory_bytes if args.gpu_mem is None else args.gpu_mem * _GB
+  reserve = gpu.runtime_reserve_bytes
+  host = f"{hardware.host_bytes / _GB:g} GB of free host memory per GPU"
+  if args.host_mem is not None:
+    host += f" ({args.host_mem:g} GB per node, over {min(args.devices, args.intra_node)} GPUs)"
+  return (f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x "
+          f"{args.seq_len:,} tokens (accum_steps={args.accum_steps}) on {args.devices} x "
+          f"{gpu.name}, {args.intra_node} per node\n"
+          f"usable GPU memory {hardware.budget_bytes / _GIB:.2f} GiB per device: {memory / _GB:g}"
+          f" GB less the runtime reserve ({reserve / _GIB:g} GiB), the budget aot's fit check "
+          f"uses; {host}")
+
+
 def _fail(message: str, code: int = 2):
+  sys.stdout.flush()  # what was printed before stays before the error line
   print(f"error: {message}", file=sys.stderr)
   raise SystemExit(code)
 
 
 def main(argv=None) -> dict:
-  """Prints the plan and returns its fastest row; exits 1 when no layout fits, 2 on bad input."""
+  """Prints the plan and returns its recommended row; exits 1 when no layout fits, 2 on bad
+  input."""
   args = _parse(argv)
   model = Model.from_config(args.model_config)
-  hardware = Hardware(memory_gb=args.gpu_mem, intra_node=args.intra_node,
-                      host_memory_gb=args.host_mem)
+  hardware = _hardware(args)
+  knobs = _knobs(args, model)
+  sizes = dict(batch=args.batch, dtype=args.dtype, accum_steps=args.accum_steps, knobs=knobs)
   try:
-    rows = plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
-                batch=args.batch, dtype=args.dtype, param_dtype=args.param_dtype,
-                master_weights=args.master_weights, accum_steps=args.accum_steps)
+    rows = search.plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
+                       **sizes)
   except ValueError as e:
     _fail(str(e))
-  print(f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x {args.seq_len} "
-        f"tokens (accum_steps={args.accum_steps}) on {args.devices} devices of "
-        f"{args.gpu_mem:g} GB ({hardware.usable:.0%} usable), {args.intra_node} per node with "
-        f"{args.host_mem:g} GB of host memory")
+  print(_header(args, model, hardware))
   if not rows:
-    if not any(layouts(args.devices, args.batch, seq_len=args.seq_len,
-                       accum_steps=args.accum_steps)):
-      _fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data x "
-            f"accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq x "
-            f"ring must divide the sequence length ({args.seq_len}); change --batch, "
-            f"--accum-steps or --seq-len (e.g. a multiple of {args.devices}).", code=1)
-    _fail("no layout fits in memory: add devices, lower --seq-len, or tile the MLP "
-          "(--mlp-chunk).", code=1)
+    _no_fit(args, model, hardware, sizes)
   print(_format(rows[:args.top], args.batch, args.seq_len))
-  print(f"recommended, the fastest of {len(rows)} feasible layouts, "
-        + _recommendation(rows[0]["layout"], args))
+  print(f"recommended, of {len(rows)} feasible layouts (the best numerics within "
+        f"{search.NEAR - 1:.0%} of the fastest), " + _recommendation(rows[0], args))
   if args.verify:
     _verify(rows[0], args)
   return rows[0]
+
+
+def _no_fit(args, model, hardware, sizes):
+  """Says how far from fitting the question is, and exits 1."""
+  longest = search.longest_seq_len(model, devices=args.devices, hardware=hardware, **sizes)
+  if longest:
+    row = search.plan(model, seq_len=longest, devices=args.devices, hardware=hardware,
+                      **sizes)[0]
+    lay = row["layout"]
+    print(f"longest sequence that fits on these {args.devices} devices: {longest:,} tokens "
+          f"(mesh {lay.data}x{lay.seq}x{lay.ring}, remat {lay.remat}, group "
+          f"{lay.remat_group}, head chunks {lay.attn_head_chunks}, on host "
+          f"{_on_host_label(lay)}, {_precision_label(row['precision'])}, MLP tile "
+          f"{row['mlp_chunk'] or 'none'}; plan it with --seq-len={longest})")
+    fits_here = f"the longest that fits is {longest:,} tokens"
+  else:
+    fits_here = f"not even {args.devices * search.LENGTH_STEP:,} tokens fit"
+  if not search.splits(args.devices, batch=args.batch, seq_len=args.seq_len,
+                       accum_steps=args.accum_steps):
+    _fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data x "
+          f"accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq x "
+          f"ring must divide the sequence length ({args.seq_len}); change --batch, "
+          f"--accum-steps or --seq-len (e.g. a multiple of {args.devices}; {fits_here}).",
+          code=1)
+  fewest = search.fewest_devices(model, seq_len=args.seq_len, hardware=hardware, **sizes)
+  needed = (f"the fewest devices of this kind for {args.seq_len:,} tokens: {fewest:,}"
+            if fewest else f"no count up to {search.MAX_DEVICES:,} devices of this kind fits "
+            f"{args.seq_len:,} tokens")
+  print(needed)
+  _fail(f"no layout fits {args.seq_len:,} tokens on {args.devices} devices: {fits_here} "
+        f"there; {needed}.", code=1)
 
 
 def _topology(devices: int, intra_node: int) -> str:
@@ -178,16 +302,18 @@ def _topology(devices: int, intra_node: int) -> str:
 
 
 def _model_gin_file(args, directory: str) -> str:
-  """A gin file of the model, for ``ulysses_jax.aot``: the gin ``--model`` itself, or for a
-  preset one binding ``LlamaConfig.preset`` (written in ``directory``)."""
+  """A gin file of the model, for ``ulysses_jax.aot``: the gin ``--model`` itself, or one
+  (written in ``directory``) binding ``LlamaConfig.preset`` for a preset, or nothing for a
+  checkpoint directory (the settings' ``TrainConfig.init_from`` gives the model)."""
   if args.model.endswith(".gin"):
     return args.model
-  if args.model not in PRESETS:
-    _fail(f"--verify compiles a preset or a gin --model, got {args.model!r}: write the model as "
-          f"a gin file (LlamaConfig.* bindings) and give --model=that.gin.")
+  if args.model not in PRESETS and not args.init_from:
+    _fail(f"--verify compiles a preset, a checkpoint directory or a gin --model, got "
+          f"{args.model!r}: give the directory holding it, or write the model as a gin file "
+          f"(LlamaConfig.* bindings) and give --model=that.gin.")
   path = os.path.join(directory, "model.gin")
   with open(path, "w", encoding="utf-8") as f:
-    f.write(f'LlamaConfig.preset = "{args.model}"\n')
+    f.write(f'LlamaConfig.preset = "{args.model}"\n' if args.model in PRESETS else "")
   return path
 
 
@@ -196,7 +322,7 @@ def _verify(row: dict, args):
   (``aot.report.UNDER_PRESSURE``), and prints compiled vs predicted GiB: the prediction is
   the footprint XLA reaches when memory is tight, the smaller of the two."""
   topology = _topology(args.devices, args.intra_node)
-  params = _gin_params(_settings(row["layout"], args))
+  params = _gin_params(_settings(row, args))
   with tempfile.TemporaryDirectory() as directory:
     try:
       from ulysses_jax.aot.report import compile_config

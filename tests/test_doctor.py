@@ -1,0 +1,58 @@
+"""python -m ulysses_jax.doctor on the CPU: what CI can check of the GPU-first command."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from ulysses_jax.doctor import __main__ as doctor_cli
+from ulysses_jax.doctor import kernels as kernels_lib
+
+
+def test_doctor_on_cpu_runs_the_xla_kernel_and_the_step_and_says_what_needs_a_gpu(
+    tmp_path, capsys):
+  path = tmp_path / "doctor.json"
+  assert doctor_cli.main(["--json", str(path), "--seq-lens", "256"]) == 0
+  report = json.loads(path.read_text())
+  out = capsys.readouterr().out
+  rows = {(r["kernel"], r["causal"]): r for r in report["kernels"]}
+  assert set(rows) == {(k, c) for k in ("ours mosaic", "ours triton", "cudnn", "xla chunked")
+                       for c in (True, False)}
+  for causal in (True, False):
+    xla = rows["xla chunked", causal]
+    assert xla["passed"] is True and xla["err_out"] < kernels_lib.TOLERANCE
+    assert xla["fwd_tflops"] > 0
+    for gpu_only in ("ours mosaic", "ours triton", "cudnn"):
+      assert rows[gpu_only, causal]["passed"] is None
+      assert rows[gpu_only, causal]["status"] == "needs a GPU"
+  step = report["step"]
+  assert step["mesh"] == {"data": 1, "seq": 8} and step["seq_len"] == 256 * 8
+  assert jnp.isfinite(step["loss"]) and step["step_s"] > 0 and step["compiled_memory_gib"] > 0
+  needs_gpu = [c for c in report["checks"] if c["passed"] is None and "kernel" not in c["name"]]
+  assert {c["name"] for c in needs_gpu} == {"peak memory within the compiled figure",
+                                           "step time at or above the roofline"}
+  assert all(c["detail"].startswith("needs a GPU") for c in needs_gpu)
+  assert report["passed"] is True
+  assert "every check that can run here passed" in out
+  assert report["environment"]["jax"] and report["environment"]["platform"] == "cpu"
+
+
+def test_doctor_exits_1_naming_a_kernel_that_disagrees_with_the_reference(monkeypatch, capsys):
+  real = kernels_lib.backend_fn
+
+  def perturbed(backend, causal, head_dim):
+    fn = real(backend, causal, head_dim)
+    return lambda q, k, v: fn(q, k, v) * 1.1  # a 10 % error: far over the bf16 tolerance
+  monkeypatch.setattr(kernels_lib, "backend_fn", perturbed)
+  assert doctor_cli.main(["--seq-lens", "128", "--no-step"]) == 1
+  out = capsys.readouterr().out
+  assert "kernel xla chunked S=128 causal=True: FAILED check: out error 1.0" in out
+  assert out.rstrip().splitlines()[-1].startswith("FAILED: kernel xla chunked S=128")
+
+
+@pytest.mark.parametrize("bad", ["", "0", "4k", "-512"])
+def test_doctor_refuses_bad_lengths_before_any_work(bad, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    doctor_cli.main(["--seq-lens", bad])
+  assert exit_info.value.code == 2
+  assert "expected positive integers separated by commas" in capsys.readouterr().err

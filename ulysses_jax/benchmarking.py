@@ -1,0 +1,34 @@
+"""What the benchmarks and ``python -m ulysses_jax.doctor`` share: wall time of JAX work
+measured honestly (warm-up calls first, for compilation and autotuning; then each timed call
+blocks on its outputs), and fixed-width tables of the results."""
+
+import statistics
+import time
+
+import jax
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
+  """Median and spread of wall time of ``fn(*args)``, blocking on its outputs each call."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+          "iters": iters}
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+  """``rows`` as a fixed-width text table with the given column order (floats to 4 digits)."""
+  def fmt(value):
+    if isinstance(value, float):
+      return f"{value:.4g}"
+    return "" if value is None else str(value)
+  cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+  lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+  return "\n".join(lines)

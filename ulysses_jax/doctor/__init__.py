@@ -1,0 +1,125 @@
+"""``python -m ulysses_jax.doctor``: the first command to run on your GPUs.
+
+It checks what a training run relies on, on the machine it runs on, in a few minutes:
+
+* the environment: devices, JAX and jaxlib, the CUDA runtime and driver;
+* each attention kernel (our Mosaic GPU kernels for Hopper, our Triton-lowered kernels,
+  cuDNN, the XLA chunked backend) against the float32 dense reference (bf16 inputs, head dim
+  128, causal and full, S = 4K / 16K / 64K on GPUs), then its forward and backward TFLOP/s
+  beside published FlashAttention-3 figures where they exist for the shape;
+* one training step of a small model on all devices present (``doctor.step``): its measured
+  time against ``aot``'s roofline prediction of the same compiled step, and the runtime's peak
+  memory against the compiled figure that ``aot``'s "fits" rests on.
+
+On a machine without a GPU it runs the XLA backend and the small step, and every GPU-only
+check says "needs a GPU". Exit status: 0 every check passed, 1 a check failed (the failures
+are listed), 2 bad arguments.
+"""
+
+import platform
+import subprocess
+
+import jax
+import jax.numpy as jnp
+
+from ulysses_jax.doctor import kernels as kernels_lib
+from ulysses_jax.doctor import step as step_lib
+from ulysses_jax.kernels import target as target_lib
+
+GPU_SEQ_LENS = (4096, 16384, 65536)
+CPU_SEQ_LENS = (512, 1024)
+HEAD_DIM = 128
+# name in the table -> backend of ulysses_attention (attention.backends)
+KERNELS = {"ours mosaic": "pallas_mosaic", "ours triton": "pallas", "cudnn": "cudnn",
+           "xla chunked": "xla"}
+# FlashAttention-3 (Shah et al., arXiv 2407.08608, Figure 5: forward pass, BF16, head dim 128,
+# without causal mask, H100 80GB SXM5, batch x S = 16K tokens, 2048 hidden), TFLOP/s as the
+# figure labels its bars. The paper's causal panel is not transcribed here.
+FA3_FORWARD_TFLOPS = {(4096, False): 638.0, (16384, False): 648.0}
+FA3_SOURCE = ("FlashAttention-3 paper (arXiv 2407.08608), Fig. 5: forward, BF16, head dim 128, "
+              "no causal mask, H100 SXM5, 16K tokens per batch")
+
+
+def environment(devices: list) -> dict:
+  """Devices and the versions a GPU report needs (driver and CUDA where there is a GPU)."""
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  first = devices[0]
+  info = {"devices": f"{len(devices)} x {first.device_kind}", "platform": first.platform,
+          "processes": jax.process_count(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "python": platform.python_version()}
+  if target_lib.of_device(first).on_gpu:
+    info["cuda"] = getattr(first.client, "platform_version", "unknown")
+    info["compute_capability"] = getattr(first, "compute_capability", "unknown")
+    info["driver"] = _nvidia_driver()
+  return info
+
+
+def kernel_rows(device, seq_lens, *, warmup: int, iters: int) -> list[dict]:
+  """One row per kernel, sequence length and mask: the check against the reference and the
+  throughput (``passed`` None where the kernel cannot run on ``device``)."""
+  target = target_lib.of_device(device)
+  heads, tokens = (16, 16384) if target.on_gpu else (4, 1024)
+  rows = []
+  for seq_len in seq_lens:
+    batch = max(1, tokens // seq_len)
+    keys = jax.random.split(jax.random.PRNGKey(seq_len), 4)
+    q, k, v, d_out = (jax.device_put(jax.random.normal(
+        key, (batch, seq_len, heads, HEAD_DIM), jnp.bfloat16), device) for key in keys)
+    rows_sampled = kernels_lib.sampled_rows(seq_len)
+    for causal in (True, False):
+      reference = kernels_lib.reference_on_rows(q, k, v, d_out, rows_sampled, causal)
+      flops = kernels_lib.attention_flops(batch, seq_len, heads, HEAD_DIM, causal)
+      for name, backend in KERNELS.items():
+        row = {"kernel": name, "S": seq_len, "causal": causal, "B": batch, "H": heads,
+               "fa3_fwd_tflops": FA3_FORWARD_TFLOPS.get((seq_len, causal))}
+        unavailable = _unavailable(backend, target)
+        if unavailable:
+          rows.append({**row, "status": unavailable, "passed": None})
+          continue
+        result = kernels_lib.measure(kernels_lib.backend_fn(backend, causal, HEAD_DIM), q, k,
+                                     v, d_out, rows_sampled, reference, warmup=warmup,
+                                     iters=iters)
+        rows.append({**row, **result, **kernels_lib.throughput(result, flops),
+                     "passed": result["status"] == "ok"})
+  return rows
+
+
+def run(seq_lens=None, with_step: bool = True) -> dict:
+  """Every check on the devices of this process; the report (JSON-ready) with ``checks``
+  (name, passed: True / False / None for "cannot run here", detail) and ``passed``."""
+  devices = jax.devices()
+  on_gpu = target_lib.of_device(devices[0]).on_gpu
+  seq_lens = seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
+  warmup, iters = (2, 10) if on_gpu else (1, 2)
+  report = {"environment": environment(devices), "head_dim": HEAD_DIM,
+            "flops_formula": kernels_lib.FLOPS_FORMULA, "tolerance": kernels_lib.TOLERANCE,
+            "fa3_source": FA3_SOURCE,
+            "kernels": kernel_rows(devices[0], seq_lens, warmup=warmup, iters=iters)}
+  checks = [{"name": f"kernel {r['kernel']} S={r['S']} causal={r['causal']}",
+             "passed": r["passed"], "detail": r["status"]} for r in report["kernels"]]
+  if with_step:
+    report["step"] = step_lib.run_step(devices, on_gpu)
+    checks += step_lib.checks(report["step"], on_gpu)
+  report["checks"] = checks
+  report["passed"] = all(c["passed"] is not False for c in checks)
+  return report
+
+
+def _unavailable(backend: str, target) -> str | None:
+  """Why ``backend`` cannot run on ``target`` (None if it can)."""
+  if backend != "xla" and not target.on_gpu:
+    return "needs a GPU"
+  if backend == "pallas_mosaic" and (target.compute_capability or 0.0) < 9.0:
+    return (f"not for this GPU: needs compute capability >= 9.0 (Hopper), "
+            f"{target.device_kind} has {target.compute_capability}")
+  return None
+
+
+def _nvidia_driver() -> str:
+  """The NVIDIA driver version as nvidia-smi reports it, or why it is unknown."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return out.splitlines()[0].strip() if out.strip() else "unknown"
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"unknown ({type(e).__name__})"

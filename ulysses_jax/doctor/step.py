@@ -1,0 +1,129 @@
+"""One training step of a small model on the devices present: does it run, how long does it
+take against ``aot``'s roofline prediction of the same compiled step, and how much memory
+does the runtime use against the compiled figure (what ``aot`` reports, and what its "fits"
+rests on)?
+
+The model is Llama-3.2-1B's shapes cut to 4 layers on GPUs (head dim 64) and the 0.5M-parameter
+"cpu-demo" model on CPUs, with all devices on the ``seq`` axis (Ulysses), 8,192 tokens per GPU
+(256 per CPU device), the trainer's own step (``train.build_train_step``).
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ulysses_jax import metrics as metrics_lib
+from ulysses_jax import sharding as sharding_lib
+from ulysses_jax.aot import report as report_lib
+from ulysses_jax.aot.step import TrainStep
+from ulysses_jax.gpus import GPUS
+from ulysses_jax.data import DataConfig
+from ulysses_jax.mesh import make_mesh
+from ulysses_jax.models.config import preset
+from ulysses_jax.models.llama import init_llama
+from ulysses_jax.run_config import RunConfig, TrainConfig
+from ulysses_jax.train_step import init_train_state
+
+GIB = 2**30
+TIMED_STEPS = 3
+# The measured peak may exceed the compiled figure by allocator rounding and the runtime's own
+# buffers (the batch's host copy, the RNG, the compiled code): more than this is a real miss.
+MEMORY_SLACK = 1.10
+# The roofline is a lower bound on the step time (every operation at its peak rate; see
+# aot.roofline): a measured step faster than this share of it means the prediction is wrong.
+ROOFLINE_FLOOR = 0.9
+
+
+def small_config(devices: list, on_gpu: bool) -> RunConfig:
+  """The doctor's step: all ``devices`` on the seq axis, a model that fits any of them."""
+  n = len(devices)
+  if on_gpu:
+    model = preset("llama3.2-1b", num_layers=4, dtype="bfloat16", remat_policy="full",
+                   attention_backend="auto")
+    seq_len = 8192 * n
+  else:
+    model = preset("cpu-demo", attention_backend="xla", remat_policy="none")
+    seq_len = 256 * n
+  return RunConfig(train=TrainConfig(mesh_data=1, mesh_seq=n, steps=1 + TIMED_STEPS),
+                   model=model, data=DataConfig(seq_len=seq_len, batch_size=1))
+
+
+def gpu_of(device) -> object | None:
+  """Our description of ``device``'s GPU model (``aot.targets.GPUS``), or None."""
+  return next((g for g in GPUS.values() if g.name == device.device_kind), None)
+
+
+def run_step(devices: list, on_gpu: bool) -> dict:
+  """Builds, compiles and runs the small step; returns the measurements (JSON-ready)."""
+  from ulysses_jax import train  # pylint: disable=import-outside-toplevel  (heavy)
+  config = small_config(devices, on_gpu)
+  mesh = make_mesh(1, len(devices), devices=devices)
+  optimizer, _, abstract, step = train.build_train_step(config, mesh)
+  seq_len = config.data.seq_len
+  batch = _random_batch(mesh, seq_len, config.model.vocab_size)
+  start = time.perf_counter()
+  compiled = step.lower(abstract, batch).compile()
+  compile_s = time.perf_counter() - start
+  compiled_bytes = sum(report_lib.device_breakdown(compiled.memory_analysis()).values())
+  state = init_train_state(init_llama(config.model, mesh, seed=0), optimizer,
+                           memory=config.train.memory)[1]
+  state, metrics = compiled(state, batch)  # the first step: allocations, autotuning
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(TIMED_STEPS):
+    t0 = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - t0)
+  result = {"model": config.model.preset, "layers": config.model.num_layers,
+            "seq_len": seq_len, "mesh": dict(mesh.shape), "compile_s": compile_s,
+            "loss": float(metrics["loss"]), "step_s": float(np.median(times)),
+            "compiled_memory_gib": compiled_bytes / GIB,
+            "peak_memory_gib": metrics_lib.peak_memory_gib()}
+  gpu = gpu_of(devices[0]) if on_gpu else None
+  if gpu is not None:
+    built = TrainStep(step, abstract, batch, mesh, config.model, seq_len, seq_len)
+    prediction = report_lib.describe(compiled, built, gpu, nodes=1)["prediction"]
+    result["predicted_step_s"] = prediction["step_s"]
+  return result
+
+
+def checks(result: dict, on_gpu: bool) -> list[dict]:
+  """Pass/fail lines of the step's measurements (``name``, ``passed``, ``detail``); None for
+  ``passed`` where the check needs a GPU."""
+  rows = [{"name": "step runs, loss finite", "passed": bool(np.isfinite(result["loss"])),
+           "detail": f"loss {result['loss']:.4f} after {TIMED_STEPS + 1} steps"}]
+  peak, compiled = result["peak_memory_gib"], result["compiled_memory_gib"]
+  if on_gpu and peak is not None:
+    rows.append({"name": "peak memory within the compiled figure",
+                 "passed": peak <= compiled * MEMORY_SLACK,
+                 "detail": f"measured peak {peak:.2f} GiB, compiled {compiled:.2f} GiB "
+                           f"(allowed up to x{MEMORY_SLACK})"})
+  else:
+    rows.append({"name": "peak memory within the compiled figure", "passed": None,
+                 "detail": f"needs a GPU (compiled {compiled:.3f} GiB)"})
+  predicted = result.get("predicted_step_s")
+  if predicted is not None:
+    rows.append({"name": "step time at or above the roofline",
+                 "passed": result["step_s"] >= ROOFLINE_FLOOR * predicted,
+                 "detail": f"measured {result['step_s']:.4f} s, predicted {predicted:.4f} s "
+                           f"({predicted / result['step_s']:.0%} of the roofline reached)"})
+  else:
+    why = "needs a GPU" if not on_gpu else "no roofline description of this GPU model"
+    rows.append({"name": "step time at or above the roofline", "passed": None,
+                 "detail": f"{why} (measured {result['step_s']:.4f} s)"})
+  return rows
+
+
+def _random_batch(mesh, seq_len: int, vocab_size: int) -> dict:
+  """One row of random tokens as the trainer's batch dict, sharded like its batches."""
+  sharding = NamedSharding(mesh, sharding_lib.batch_spec(mesh, seq_len))
+  tokens = np.random.default_rng(0).integers(0, vocab_size, (1, seq_len + 1), np.int32)
+  arrays = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "positions": np.arange(seq_len, dtype=np.int32)[None],
+            "segment_ids": np.ones((1, seq_len), np.int32)}
+  return {k: jax.device_put(jnp.asarray(v), sharding) for k, v in arrays.items()}
+

@@ -1,0 +1,383 @@
+"""The layout planner's model: per-device memory (``predict_memory``) and step time
+(``predict_step``) of a ``Layout`` for a ``Model`` on ``Hardware`` (``ulysses_jax.plan.search``
+searches the layouts; ``ulysses_jax.plan.cli`` is the command line).
+
+With ``accum_steps`` micro-batches the activations are those of one micro-batch, the
+gradients are summed in float32 (4·params/N more), and FSDP gathers and reduce-scatters once
+per micro-batch.
+
+Memory model (bytes per device; N devices, T = batch·S/N tokens per device, c / p bytes of
+the compute / parameter dtype, w bytes of the weights the optimizer updates: 4 with float32
+master weights (``master_weights``), else p; parameters, gradients and optimizer state
+FSDP-sharded over all N devices; n = ``attn_head_chunks``, Hq' and Hkv' one chunk's query
+and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and replicated):
+
+  state      (p + o)·params/N            parameters and optimizer state (the step's
+                                         arguments), o = 2w (Adam moments) + w with master
+                                         weights; p·params/N with the optimizer state on the
+                                         host
+  grads      p·params/N                  gradients (no update temporary: the compiled GPU
+                                         steps write the donated state in place; XLA:CPU keeps
+                                         one more w·params/N); with the optimizer state on
+                                         the host its update streams it through the device a
+                                         layer at a time:
+                                         then the device holds params + grads +
+                                         2·o·(layer_params + other_params)/N (one layer's state
+                                         in and out, the state of the parameters outside the
+                                         layers whole). With the layer parameters on the host
+                                         too, "params" in state and grads counts other_params
+                                         and the k layers of a remat group (a group copies
+                                         its layers' weights to the device at once)
+  gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
+                                         matrix (embedding or head) and its gradient
+  saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
+                                         backward: L' layer inputs, L' = L, or L/k + k with
+                                         groups of k layers (``remat_group``; the k of the
+                                         group being recomputed); ``offload`` keeps the named
+                                         ones on the host, ``full_offload`` the inputs
+  host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
+             residuals; per device, against
+             ``Hardware.host_bytes`` per device
+  working    T·c·(6·E + 1.1·A + 7.5·F')  one layer's recomputed forward and its backward;
+                                         A = (2Hq' + 2Hkv')·D, one head chunk's q, k, v and
+                                         attention output per token
+             + 2·B'·(Hq'/P)·b²·4         two float32 score tiles of the XLA attention (b <= 512)
+             + T·D·(4·Hkv'·c + 2·Hq'·4)  ring > 1: one chunk's K, V, dK, dV blocks in flight
+                                         (dK/dV travel in the compute dtype) and its float32
+                                         output and dQ sums
+
+F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
+tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers.
+
+What is predicted is the footprint XLA's GPU compiler reaches when memory is tight. Far below
+the GPU's capacity XLA keeps buffers it could do without (Llama-3.1-8B on 4x1x8 at 256K tokens
+per GPU: 24.63 GiB compiled for an H100, 20.57 under memory pressure, 21.20 predicted); near it,
+it trades time for memory (at 1M tokens per GPU: 89.16 GiB compiled for an H200, 76.64 for an
+H100). So a layout fits when this footprint does, and the coefficients are fitted against the
+smaller of the step compiled as is and under pressure (``aot.report.UNDER_PRESSURE``), on
+H100 compiles (jax 0.10.2, 2026-11-24) of the 24 layouts of ``benchmarks.plan_vs_compiler``
+(``CONFIGS`` and ``GRID``: 1B and 8B; 1, 8 and 32 GPUs; 65K to 32M tokens; 1, 2 and 4 head
+chunks; state on the GPUs or the host; rings of 4): 6 and 1.1, with the ring term fitted to
+configs/llama8b_32gpu_32m.gin, leave every one within 8.2 % (-8.0 … +8.2 %). Not captured: n = 8
+on one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with
+n = 1 at 1M tokens per GPU (-23 %, far over any GPU).
+7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
+total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
+MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
+rougher estimate).
+
+Communication (per device per step; formulas of DESIGN.md, times at the given bandwidths):
+all-to-all over ``seq`` n·(2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass (where ``seq`` exceeds a
+chunk's KV heads they are replicated: more bytes with more chunks); ring, per chunk and pass,
+K/V 2·(R-1)·Hkv'·D·T·c and the zigzag exchange of the natural layout (q, k, v and the output,
+or their gradients) (2·Hq' + 2·Hkv')·D·T·c, plus dK/dV 2·R·Hkv'·D·T·c (compute dtype, the
+last hop home) in the backward; FSDP all-gather c·params and reduce-scatter p·params. ``seq``
+within a node uses ``intra_bw``; anything wider ``inter_bw``. Passes: the forward, the
+backward, and one more forward for each of: rematerialising, remat groups, head chunks (each
+chunk recomputes its attention in the backward). Compute: 6·params·T + 6·L·S·n·Hq'·D·T FLOPs
+(causal; padded heads compute too), plus one forward when rematerialising, one more with remat
+groups, and the attention layer (projections and attention) once more with head chunks. Host
+transfers at ``pcie_bw``: offloaded activations, and with ``offload_params`` the layer weights
+each forward pass fetches (a remat group once for its k layers, in the forward and in its
+recompute) and the gradients it sends back, overlap with compute; the update's streams (the
+optimizer state in and out; the parameters and gradients the gradient norm and the update
+read, the parameters written back) do not.
+"""
+
+import dataclasses
+
+from ulysses_jax.attention.ulysses import plan_heads
+from ulysses_jax.gpus import Gpu, gpu_named
+from ulysses_jax.train_step import MemoryOptions
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_GB = 1e9
+_XLA_BLOCK = 512
+# One layer's backward: live [T, E] buffers, buffers of one head chunk's q, k, v and attention
+# output (per element per token), [T, F] buffers (see the module docstring).
+_WORK_E, _WORK_A, _WORK_F = 6.0, 1.1, 7.5
+# remat="none": per-layer activations kept for the backward, in [T, E] / [T, F] buffers.
+_NONE_E, _NONE_F = 10.0, 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The shape of a Llama-family decoder (``models.llama.LlamaConfig`` fields)."""
+  vocab_size: int
+  hidden_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  tie_embeddings: bool = False
+  mlp_chunk: int = 0
+  loss_chunk: int = 1024
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+  @property
+  def layer_params(self):
+    e, d = self.hidden_dim, self.head_dim
+    return (e * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * e
+            + 3 * e * self.mlp_dim + 2 * e)
+
+  @property
+  def params(self):
+    vocab = self.vocab_size * self.hidden_dim * (1 if self.tie_embeddings else 2)
+    return self.num_layers * self.layer_params + vocab + self.hidden_dim
+
+
+# The share of a GPU's datasheet peaks (``ulysses_jax.gpus``) the time model assumes is reached:
+# about 40 % of the dense bf16 peak, two thirds of NVLink's per-direction rate for all-to-alls,
+# 90 % of InfiniBand's and of HBM's, 40 % of PCIe's for host transfers of pinned memory (on
+# an H100: 396 TFLOP/s, 300, 45 and 25.6 GB/s, 3.0 TB/s).
+_ACHIEVED = {"flops": 0.4, "nvlink": 2 / 3, "network": 0.9, "hbm": 0.9, "pcie": 0.4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  """Per-device memory budget and achieved speeds (bytes, per second); ``Hardware.of``
+  derives them from the GPU table."""
+  budget_bytes: float          # device bytes a step may use (``Gpu.budget_bytes``)
+  host_bytes: float            # host bytes per device
+  intra_node: int              # devices per node
+  intra_bw: float              # per device, all-to-all inside a node (NVLink)
+  inter_bw: float              # per device across nodes
+  hbm_bw: float
+  flops: float                 # achieved dense bf16 FLOP/s
+  pcie_bw: float               # per device, device <-> pinned host
+
+  @classmethod
+  def of(cls, gpu: Gpu | str = "h100", *, intra_node: int = 8,
+         host_gb_per_gpu: float = 256.0) -> "Hardware":
+    """``gpu`` (a table entry or its name) in nodes of ``intra_node``, with that much host
+    memory (GB) per GPU."""
+    gpu = gpu_named(gpu) if isinstance(gpu, str) else gpu
+    return cls(budget_bytes=gpu.budget_bytes, host_bytes=host_gb_per_gpu * _GB,
+               intra_node=intra_node, intra_bw=gpu.nvlink_bandwidth * _ACHIEVED["nvlink"],
+               inter_bw=gpu.network_bandwidth * _ACHIEVED["network"],
+               hbm_bw=gpu.memory_bandwidth * _ACHIEVED["hbm"],
+               flops=gpu.bf16_flops * _ACHIEVED["flops"],
+               pcie_bw=gpu.pcie_bandwidth * _ACHIEVED["pcie"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A mesh (``make_mesh(data, seq, ring)``), ``LlamaConfig.remat_policy`` and the state's
+  placement (``memory``: the ``train_step.MemoryOptions`` the trainer would be given).
+
+  ``remat="offload"`` is ``save_names`` with the named activations (q, k, v, attention
+  output) kept on the host instead of the device; ``"full_offload"`` is ``full`` with each
+  layer's input kept on the host. ``remat_group`` (``LlamaConfig.remat_group``, with
+  ``full`` and ``full_offload``) keeps one input per group of that many layers.
+  ``offload_params`` (with ``offload_optimizer``) keeps the layer parameters and their
+  gradients on the host too. ``attn_head_chunks`` (``LlamaConfig.attn_head_chunks``; it
+  must divide the model's ``num_kv_heads``) runs attention over that many chunks of heads,
+  each recomputed in the backward.
+  """
+  data: int
+  seq: int
+  ring: int
+  remat: str = "full"
+  offload_optimizer: bool = False
+  remat_group: int = 1
+  offload_params: bool = False
+  attn_head_chunks: int = 1
+
+  def __post_init__(self):
+    _ = self.memory  # the trainer's rules, checked in one place (MemoryOptions)
+    if self.attn_head_chunks < 1:
+      raise ValueError(f"attn_head_chunks must be >= 1 (1 = unchunked), got "
+                       f"{self.attn_head_chunks}.")
+
+  @property
+  def memory(self) -> MemoryOptions:
+    """The placement as the trainer takes it."""
+    return MemoryOptions(offload_optimizer=self.offload_optimizer,
+                         offload_params=self.offload_params)
+
+
+def _tokens(layout, batch, seq_len):
+  """Per-device (sequences, tokens per sequence, tokens) before attention."""
+  seqs = batch // layout.data
+  per_seq = -(-seq_len // (layout.seq * layout.ring))
+  return seqs, per_seq, seqs * per_seq
+
+
+def _optimizer_bytes(param_dtype, master_weights):
+  """Bytes of optimizer state per parameter (``o``) and bytes of the updated weights (``w``)."""
+  w = 4 if master_weights else _DTYPE_BYTES[param_dtype]
+  return (3 if master_weights else 2) * w, w
+
+
+def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
+                   dtype: str = "bfloat16", param_dtype: str = "float32",
+                   master_weights: bool = False, accum_steps: int = 1) -> dict:
+  """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
+  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  o, w = _optimizer_bytes(param_dtype, master_weights)
+  n = layout.data * layout.seq * layout.ring
+  e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
+  seqs, per_seq, t = _tokens(layout, batch // accum_steps, seq_len)
+  heads = _chunk_heads(model, layout)
+  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
+  mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
+  f_eff = f * mlp_tokens / t
+  if layout.remat == "none":
+    saved = model.num_layers * t * c * (_NONE_E * e + _NONE_F * f_eff
+                                        + _attention_per_token(heads, d))
+  else:
+    saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
+             + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names"))
+  attn_len = seq_len // layout.ring  # keys per step on each device
+  block = min(_XLA_BLOCK, attn_len)
+  tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
+  ring = 0
+  if layout.ring > 1:  # one chunk's K, V, dK, dV blocks in flight, float32 output and dQ sums
+    ring = t * d * (4 * hkv * c + 2 * hq * 4)
+  offload = layout.offload_optimizer
+  optimizer = o * model.params / n
+  host_params = _host_param_count(model, layout)
+  device_params = model.params - host_params + _device_layer_params(model, layout)
+  terms = {
+      "state": p * device_params / n + (0 if offload else optimizer),
+      "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
+      "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
+      "saved": saved,
+      "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d)
+                           + _WORK_F * f_eff) + tiles + ring),
+  }
+  terms["total"] = sum(terms.values())
+  if offload:  # the update streams one layer's state through, and the other parameters'
+    streamed = model.layer_params + model.params - model.num_layers * model.layer_params
+    terms["total"] = max(terms["total"], (2 * p * device_params + 2 * o * streamed) / n)
+  terms["host"] = (optimizer * offload + 2 * p * host_params / n
+                   + _host_activation_bytes(model, layout, t, c))
+  return terms
+
+
+def _chunk_heads(model, layout):
+  """``plan_heads`` for one chunk of heads: Hq/n query and Hkv/n KV heads over ``seq``."""
+  n = layout.attn_head_chunks
+  if model.num_kv_heads % n:
+    raise ValueError(f"attn_head_chunks must divide num_kv_heads ({model.num_kv_heads}), got "
+                     f"{n}; use one of {_divisors(model.num_kv_heads)}.")
+  if n > 1 and layout.remat not in ("full", "full_offload"):
+    raise ValueError(f"the planner models attn_head_chunks > 1 (got {n}) with remat 'full' or "
+                     f"'full_offload' only (each chunk is recomputed whole), got "
+                     f"{layout.remat!r}; use attn_head_chunks=1 with it.")
+  return plan_heads(model.num_heads // n, model.num_kv_heads // n, layout.seq)
+
+
+def _attention_per_token(heads, head_dim):
+  """Elements per token of one head chunk's q, k, v and attention output, heads as the
+  all-to-all exchanges them (``heads``: its ``HeadPlan``; padded, KV heads replicated where
+  ``seq`` exceeds them)."""
+  return (2 * heads.exchanged_q_heads + 2 * heads.exchanged_kv_heads) * head_dim
+
+
+def _divisors(k):
+  return [i for i in range(1, k + 1) if k % i == 0]
+
+
+def _device_layer_params(model, layout):
+  """Layer parameters (and as many gradients) on the device while a layer runs, with the
+  layers' on the host: one layer's, or a group's k layers' (a group copies them at once)."""
+  return model.layer_params * layout.remat_group * layout.offload_params
+
+
+def _host_param_count(model, layout):
+  """Parameters (and as many gradients) in host memory: the layers' with ``offload_params``."""
+  return model.num_layers * model.layer_params * layout.offload_params
+
+
+def _kept_layer_inputs(model, layout):
+  """Layer inputs ``[T, E]`` the backward keeps: one per layer, or with groups of k layers one
+  per group plus the k of the group being recomputed."""
+  k = layout.remat_group
+  return model.num_layers if k == 1 else model.num_layers // k + k
+
+
+def _named_per_token(model):
+  """Elements per token per layer of q, k, v and the attention output (``remat_names``)."""
+  return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+
+
+def _host_activation_bytes(model, layout, t, c):
+  """Bytes of activations the remat policy keeps on the host, per device."""
+  if layout.remat == "full_offload":
+    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim
+  if layout.remat == "offload":
+    return model.num_layers * t * c * _named_per_token(model)
+  return 0
+
+
+def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
+                 hardware: Hardware, dtype: str = "bfloat16", param_dtype: str = "float32",
+                 master_weights: bool = False, accum_steps: int = 1) -> dict:
+  """Per-device communication bytes and predicted seconds of one training step."""
+  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  o, _ = _optimizer_bytes(param_dtype, master_weights)
+  n = layout.data * layout.seq * layout.ring
+  _, _, t = _tokens(layout, batch, seq_len)
+  heads = _chunk_heads(model, layout)
+  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads  # per head chunk
+  n_layers, e, d = model.num_layers, model.hidden_dim, model.head_dim
+  chunks = layout.attn_head_chunks
+  bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
+  # Attention passes: forward, backward, and the forward again unless nothing is recomputed
+  # (save_names keeps q, k, v but not the lse, so attention is recomputed); remat groups
+  # recompute the forward once more, and so do head chunks (each chunk in its backward).
+  regroup, rechunk = layout.remat_group > 1, chunks > 1
+  passes = (2 if layout.remat == "none" else 3) + regroup + rechunk
+  per_token = _attention_per_token(heads, d)
+  a2a = per_token * t * c * (layout.seq - 1) / layout.seq * n_layers * chunks * passes
+  kv_block = hkv * d * t  # one chunk's K (or V) block on each device
+  ring = 0
+  if layout.ring > 1:  # per chunk: K/V rotate in each pass, dK/dV (compute dtype) travel home
+    # in the backward; the zigzag exchange of the natural layout moves q, k, v and the output
+    # (their gradients in the backward) once per pass.
+    ring = n_layers * chunks * c * (passes * 2 * (layout.ring - 1) * kv_block
+                                    + 2 * layout.ring * kv_block + passes * per_token * t)
+  # Per micro-batch: gather twice (c), reduce-scatter (p).
+  fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
+  # Causal: half of 4·S·h per token, over the heads as exchanged (padding computes too).
+  attn_flops = 2 * n_layers * seq_len * chunks * hq * d * t
+  forward = 2 * model.params * t + attn_flops
+  projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
+  recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
+               "offload": forward - projections, "none": 0}[layout.remat]
+  # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
+  attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
+  compute = (3 * forward + recompute + forward * regroup
+             + attention_layer * rechunk) / hardware.flops
+  attn_time = passes * attn_flops / hardware.flops
+  # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
+  merge = (n_layers * chunks * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw
+           if layout.ring > 1 else 0)
+  # Offloaded activations go to the host and back, and offloaded layer weights come to the
+  # device in every forward pass (recomputed ones included) and their gradients go back,
+  # overlapped with compute; the update's streams are exposed (see the module docstring).
+  # The layers' inputs, and the groups' inputs with remat groups.
+  moved_inputs = n_layers + (n_layers // layout.remat_group if regroup else 0)
+  moved = {"full_offload": moved_inputs * e, "offload": n_layers * _named_per_token(model)}
+  host_param_bytes = p * _host_param_count(model, layout) / n
+  # A group copies its layers' weights once per pass over it (the forward, its recompute in
+  # the backward); its layers' own recomputes reuse that copy.
+  fetches = 1 + (layout.remat != "none")
+  overlapped = 2 * t * c * moved.get(layout.remat, 0) + (fetches + 1) * host_param_bytes
+  offload = max(0.0, overlapped / hardware.pcie_bw - compute)
+  update_streams = 2 * o * model.params / n * layout.offload_optimizer + 4 * host_param_bytes
+  times = {
+      "compute_s": compute + merge,
+      "all_to_all_s": a2a / bw(layout.seq),
+      "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
+      "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
+      "offload_exposed_s": offload,
+      "optimizer_transfer_s": update_streams / hardware.pcie_bw,
+  }
+  return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
+          "step_s": sum(times.values())}

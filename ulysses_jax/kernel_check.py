@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from ulysses_jax.attention import backends
+from ulysses_jax.kernels import target as target_lib
 
 TOLERANCES = {"float32": 1e-2, "bfloat16": 6e-2, "float16": 1e-2}
 _log = logging.getLogger("ulysses_jax.kernel_check")
@@ -64,10 +65,12 @@ def check_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_k
     raise ValueError(f"kernel_check: dtype must be one of {tuple(TOLERANCES)}, got {dtype}.")
   tolerance = TOLERANCES[dtype.name]
   device = _first_local_device(mesh)
+  target_lib.of_device(device)  # its compute capability picks the kernels' tiles
   inputs = _problem(dtype, seq_len, head_dim, num_q_heads, num_kv_heads, segment_ids_given,
                     device)
-  reference = _outputs_and_grads("xla", causal, device,
-                                 *(x.astype(jnp.float32) for x in inputs[:4]), inputs[4])
+  with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPUs
+    reference = _outputs_and_grads("xla", causal, device,
+                                   *(x.astype(jnp.float32) for x in inputs[:4]), inputs[4])
   try:
     got = _outputs_and_grads(backend, causal, device, *inputs)
   except Exception as e:  # pylint: disable=broad-except  # any failure to lower, compile or run

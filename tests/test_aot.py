@@ -12,7 +12,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from ulysses_jax import aot, make_mesh
 from ulysses_jax.aot import cost, roofline  # noqa: F401  (aot.cost, aot.roofline)
-from ulysses_jax.attention.backends import resolve_backend
+from ulysses_jax.attention.backends import choose_backend, resolve_backend
 from ulysses_jax.kernels import flash_attention as fa
 from ulysses_jax.kernels import target as target_lib
 
@@ -27,18 +27,57 @@ def _gpu_context(kind=H100):
 
 
 def _resolve(backend, **kwargs):
-  return resolve_backend(backend, dtype=jnp.bfloat16, head_dim=128, segment_ids_given=False,
-                         **kwargs)
+  return resolve_backend(backend, dtype=jnp.bfloat16, head_dim=128, num_q_heads=32,
+                         num_kv_heads=8, causal=True, segment_ids_given=False, **kwargs)
 
 
-def test_auto_backend_follows_the_mesh_not_the_process():
+def _choose(**kwargs):
+  case = dict(dtype=jnp.bfloat16, head_dim=128, num_q_heads=32, num_kv_heads=8, causal=True,
+              segment_ids_given=True)
+  return choose_backend(**{**case, **kwargs})
+
+
+def test_auto_backend_follows_the_mesh_not_the_process(monkeypatch):
   cpu_mesh = make_mesh(seq=8, devices=jax.devices()[:8])
   assert _resolve("auto", mesh=cpu_mesh) == "xla"
   assert _resolve("auto") == "xla"  # no mesh, no context: JAX's first device (a CPU here)
+  monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
   with _gpu_context():
-    assert _resolve("auto") == "pallas"
+    assert _resolve("auto") == "pallas_mosaic"
     assert _resolve("cudnn") == "cudnn"
     assert _resolve("auto", mesh=cpu_mesh) == "xla"  # an explicit mesh wins
+
+
+def test_auto_prefers_mosaic_then_triton_then_cudnn_then_xla_and_says_why(monkeypatch):
+  monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
+  monkeypatch.setitem(target_lib._CAPABILITIES, "NVIDIA A100-SXM4-80GB", 8.0)
+  monkeypatch.setitem(target_lib._CAPABILITIES, "NVIDIA B200", 10.0)
+  with _gpu_context():
+    hopper = _choose()
+    assert (hopper.backend, hopper.fallbacks) == ("pallas_mosaic", ("pallas", "xla"))
+    assert "Mosaic GPU" in hopper.reason and "cuDNN's attention: does not support segment_ids" \
+        in hopper.reason
+    assert _choose(segment_ids_given=False).fallbacks == ("pallas", "cudnn", "xla")
+    assert _choose(causal=False, num_kv_heads=1).backend == "pallas_mosaic"  # MQA, full mask
+    float32 = _choose(dtype=jnp.float32, segment_ids_given=False)
+    assert (float32.backend, float32.fallbacks) == ("pallas", ("xla",))
+    assert "got float32 and 128" in float32.reason
+    assert _choose(head_dim=256).backend == "pallas"  # the Mosaic backward stops at 128
+    assert _choose(head_dim=80, segment_ids_given=False).backend == "cudnn"
+    ring = _choose(ring_attention=True)
+    assert (ring.backend, ring.fallbacks) == ("pallas", ("xla",))
+    assert "ring attention cannot use it" in ring.reason
+  for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA B200"):  # Ampere; wgmma is Hopper's alone
+    with _gpu_context(kind):
+      assert _choose().backend == "pallas" and "compute capability" in _choose().reason
+  monkeypatch.delitem(target_lib._CAPABILITIES, H100)
+  with _gpu_context():  # a GPU whose capability was never seen: not Mosaic
+    assert _choose().backend == "pallas" and "unknown" in _choose().reason
+  cpu = _choose(mesh=make_mesh(seq=8, devices=jax.devices()[:8]))
+  assert (cpu.backend, cpu.fallbacks) == ("xla", ()) and "interpreted" in cpu.reason
+  with pytest.raises(ValueError, match=r"query heads \(32\) must be a positive multiple of KV "
+                     r"heads \(5\)"):
+    _choose(num_kv_heads=5)
 
 
 def test_cudnn_and_mosaic_checks_name_the_mesh_devices(monkeypatch):

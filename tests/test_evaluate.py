@@ -1,7 +1,9 @@
 """``ulysses_jax.evaluate``: per-position losses on a sequence-sharded mesh against one device
 and against ``transformers``; buckets; the pass-key rows; errors before any compute."""
 
+import dataclasses
 import json
+import logging
 import sys
 
 import numpy as np
@@ -14,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from test_hf import random_hf_model  # noqa: E402
 
 from ulysses_jax import data, evaluate, finetune, passkey, train  # noqa: E402
+from ulysses_jax.attention import backends  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.corpus import make_tokenizer  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
@@ -164,3 +167,25 @@ def test_data_with_nothing_to_predict(setup, tmp_path):
   np.save(tmp_path / "one.npy", np.array([5], np.uint16))
   with pytest.raises(ConfigError, match="holds no document of 2 or more tokens"):
     evaluate.main([f"--hf={root / 'hf'}", f"--data={tmp_path / 'one.npy'}", "--seq_len=16"])
+
+
+def test_a_failing_attention_kernel_falls_back_before_the_first_batch(setup, monkeypatch,
+                                                                       caplog):
+  """The model set to the "pallas" backend, made to raise: the self-check falls back to xla;
+  with --no_kernel_check the evaluation runs the broken kernel and fails."""
+  root, _, _ = setup
+  real_config, real_attention = finetune.model_config, backends.local_attention
+
+  def broken(backend, *args, **kwargs):
+    if backend == "pallas":
+      raise RuntimeError("broken kernel")
+    return real_attention(backend, *args, **kwargs)
+  monkeypatch.setattr(finetune, "model_config", lambda *args, **kwargs: dataclasses.replace(
+      real_config(*args, **kwargs), attention_backend="pallas"))
+  monkeypatch.setattr(backends, "local_attention", broken)
+  with caplog.at_level(logging.WARNING, logger="ulysses_jax"):
+    result = _run(root, "--mesh_data=1", "--mesh_seq=4", "--batch_size=2")
+  assert "pallas failed: RuntimeError: broken kernel; falling back to xla" in caplog.text
+  assert np.isfinite(result["loss"])
+  with pytest.raises(RuntimeError, match="broken kernel"):
+    _run(root, "--mesh_data=1", "--mesh_seq=4", "--batch_size=2", "--no_kernel_check")

@@ -29,25 +29,30 @@ pytestmark = [
 ]
 
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = 'custom_call_target="mosaic_gpu'  # mosaic_gpu or mosaic_gpu_v2, by JAX version
 B, HQ, HKV, D = 1, 32, 8, 128  # Llama-3.1-8B's attention
 GIB = 2**30
 
 
-def _compile_attention(mesh, seq_len, grad):
+def _compile_attention(mesh, seq_len, grad, packed=False):
   """The compiled GPU program of ``ulysses_attention`` with the default backend on bfloat16
   ``[B, S, Hq | Hkv, D]`` inputs sharded over the mesh's sequence axes: the output, and with
-  ``grad`` also the input cotangents of an output cotangent (a training step's use)."""
+  ``grad`` also the input cotangents of an output cotangent (a training step's use); with
+  ``packed`` the rows carry segment ids (packed documents)."""
   sharding = NamedSharding(mesh, P(None, sequence_axes(mesh), None, None))
   q = jax.ShapeDtypeStruct((B, seq_len, HQ, D), jnp.bfloat16, sharding=sharding)
   kv = jax.ShapeDtypeStruct((B, seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
-  attend = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh)
+  ids = jax.ShapeDtypeStruct((B, seq_len), jnp.int32,
+                             sharding=NamedSharding(mesh, P(None, sequence_axes(mesh))))
+  attend = lambda q, k, v, ids=None: ulysses_attention(q, k, v, mesh=mesh, segment_ids=ids)
+  args = (q, kv, kv) + ((ids,) if packed else ())
   if not grad:
-    return jax.jit(attend).lower(q, kv, kv).compile()
+    return jax.jit(attend).lower(*args).compile()
 
-  def forward_and_backward(q, k, v, d_out):
-    out, vjp = jax.vjp(attend, q, k, v)
+  def forward_and_backward(d_out, q, k, v, *ids):
+    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *ids), q, k, v)
     return out, vjp(d_out)
-  return jax.jit(forward_and_backward).lower(q, kv, kv, q).compile()
+  return jax.jit(forward_and_backward).lower(q, *args).compile()
 
 
 def test_compile_only_devices():
@@ -64,11 +69,21 @@ def test_ulysses_attention_on_one_node(grad):
   p, s = 8, 16384
   mesh = make_mesh(seq=p, devices=aot.gpu_devices("h100", "1x1x8"))
   text = _compile_attention(mesh, s, grad).as_text()
-  assert text.count(TRITON) >= (3 if grad else 1)  # forward; + dq and dk/dv kernels
+  # "auto" picks the Mosaic GPU kernels on Hopper: forward; + dq and dk/dv kernels
+  assert text.count(MOSAIC) >= (3 if grad else 1) and TRITON not in text
   # Per device, each all-to-all's result holds 1/P of the global tensor: q and the output
   # (Hq heads), k and v (Hkv heads) forward; their cotangents again backward.
   per_pass = (2 * HQ + 2 * HKV) * B * s * D * 2 // p
   assert hlo.collective_bytes(text)["all-to-all"] == per_pass * (2 if grad else 1)
+
+
+def test_default_backend_compiles_gqa_causal_packed_attention_to_mosaic_kernels_on_h100():
+  """bfloat16, head dim 128, GQA, causal, packed segment ids, and the gradient: every
+  attention kernel in the program is one of our Mosaic GPU (Hopper) kernels."""
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
+  text = _compile_attention(mesh, 8192, grad=True, packed=True).as_text()
+  assert text.count(MOSAIC) >= 3, text.count(MOSAIC)  # forward, dq, dk/dv
+  assert TRITON not in text and "__cudnn$" not in text
 
 
 def test_ulysses_attention_compiles_for_b200():
@@ -101,7 +116,7 @@ def test_cli_llama1b_128k_on_one_node(tmp_path):
   status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",
                    "--gin_file=configs/llama1b_128k.gin")
   assert status == 0 and r["fits"] and r["device_bytes"] < 0.2 * r["device_capacity_bytes"]
-  assert r["host_bytes"] == 0 and r["kernels"]["triton"] >= 3
+  assert r["host_bytes"] == 0 and r["kernels"]["mosaic"] >= 3 and not r["kernels"]["triton"]
   # Llama 3.2 1B: 16 layers, 32 query / 8 KV heads of 64; 2 rows of 131,072 tokens per
   # micro-batch, 4 micro-batches, seq=8. Each layer's 4 all-to-alls run in the forward, again
   # in its rematerialised forward and once more (the cotangents) in the backward.

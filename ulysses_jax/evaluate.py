@@ -4,7 +4,7 @@ probes: a forward pass only.
   python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
       [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
       [--seed=N] [--threshold=A]] [--examples=FILE.jsonl] [--mesh_data=N] [--mesh_seq=P]
-      [--cpu_devices=N] [--json=PATH] [--plot=PATH]
+      [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--no_kernel_check]
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
@@ -26,6 +26,9 @@ with its predicted ids; ``--examples`` adds ``examples``: ``accuracy`` and one `
 "predicted_ids"}`` per line of the file. Both are scored as greedy decoding would score them
 (``ulysses_jax.ruler``).
 
+Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
+failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
+
 During training, ``PositionEval(graphdef)(params, dataset)`` gives the same dict for any
 ``data.Dataset`` (the trainer's eval split: positions are then those within each packed
 document piece).
@@ -42,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ulysses_jax import distributed, finetune, passkey, ruler, sharding
+from ulysses_jax import distributed, finetune, kernel_check, passkey, ruler, sharding
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, Dataset, document_windows
@@ -270,6 +273,8 @@ def _parse(argv):
   parser.add_argument("--examples", help="JSONL of exact-match probes: "
                       '{"prompt": str, "answer": str} or {"prompt_ids": [int], '
                       '"answer_ids": [int]} per line')
+  parser.add_argument("--no_kernel_check", action="store_true", help="skip the attention "
+                      "kernel's self-check before the first batch (ulysses_jax.kernel_check)")
   args = parser.parse_args(argv)
   if args.step is not None and not args.workdir:
     parser.error("--step goes with --workdir")
@@ -324,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
   config = finetune.model_config(source, {"dtype": args.dtype, "remat_policy": "none"})
   seq = args.mesh_seq if args.mesh_seq > 0 else len(jax.devices()) // args.mesh_data
   mesh = make_mesh(args.mesh_data, seq, devices=jax.devices()[:args.mesh_data * seq])
+  config = kernel_check.settle(config, mesh, check=not args.no_kernel_check).model_config(config)
   data_config = DataConfig(
       **{**data_defaults, "source": "files", "seq_len": args.seq_len, "eval_fraction": 0.0,
          "paths": tuple(p for d in args.data for p in d.split(",") if p),

@@ -61,6 +61,33 @@ def measure_peak_flops(dtype: str = "bfloat16") -> float:
   return 2 * n**3 * repeats * len(devices) / best * jax.process_count()
 
 
+def device_breakdown(memory_analysis) -> dict:
+  """Bytes on the device, by kind, of a compiled program's ``memory_analysis()``: what the
+  program needs on each device (``ulysses_jax.aot`` reports their sum)."""
+  m = memory_analysis
+  return {"arguments": m.argument_size_in_bytes,
+          "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
+          "temporaries": m.temp_size_in_bytes,
+          "code": m.generated_code_size_in_bytes}
+
+
+def compiled_memory_gib(compiled) -> float | None:
+  """The device memory a compiled program needs per device (``device_breakdown``'s sum), in GiB;
+  None where the backend gives no memory analysis."""
+  analysis = compiled.memory_analysis()
+  return None if analysis is None else sum(device_breakdown(analysis).values()) / 2**30
+
+
+def memory_line(record: dict) -> str:
+  """The log line after the first step: runtime peak beside the compiled figure."""
+  peak, compiled = record.get("peak_memory_gib"), record.get("compiled_memory_gib")
+  peak_text = ("not reported by this backend" if peak is None
+               else f"{peak:.2f} GiB peak in use (the runtime's memory_stats)")
+  compiled_text = "none" if compiled is None else f"{compiled:.2f} GiB"
+  return (f"device memory after step {record['step']}, per device: {peak_text}; compiled "
+          f"figure of the step {compiled_text} (ulysses_jax.aot predicts the latter)")
+
+
 def peak_memory_gib() -> float | None:
   """Largest peak device memory in use among local devices, or None if not reported."""
   peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
@@ -99,13 +126,15 @@ class MetricsWriter:
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
 
   def write(self, record: dict):
-    """Writes ``record``: ``step`` and numbers; None values (not measured) are left out,
-    non-finite numbers are written as null (JSON has no NaN) and not sent to TensorBoard."""
+    """Writes ``record``: ``step``, numbers and strings; None values (not measured) are left
+    out, non-finite numbers are written as null (JSON has no NaN), and only finite numbers
+    are sent to TensorBoard."""
     if not self._enabled:
       return
     record = {k: v for k, v in record.items() if v is not None}
-    finite = {k: v for k, v in record.items() if math.isfinite(v)}
-    self._file.write(json.dumps({k: finite.get(k) for k in record}) + "\n")
+    finite = {k: v for k, v in record.items() if not isinstance(v, str) and math.isfinite(v)}
+    text = {k: v for k, v in record.items() if isinstance(v, str)}
+    self._file.write(json.dumps({k: finite.get(k, text.get(k)) for k in record}) + "\n")
     self._file.flush()
     self._to_tensorboard(finite)
 

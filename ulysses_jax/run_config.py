@@ -53,6 +53,8 @@ class TrainConfig:
   ruler_tasks: RULER tasks (``ulysses_jax.ruler.tasks.TASKS``, comma-separated; "" = none)
     scored at eval steps on ``ruler_samples`` examples of each at S/2 and S tokens, in the
     data's tokenizer: ``ruler_mean``, ``ruler_<task>``, ``ruler_mean_<L>`` in the metrics.
+  kernel_check: before the first step, run the attention kernel on a small problem against
+    the XLA attention and fall back down the chain if it fails (``ulysses_jax.kernel_check``).
   """
   steps: int = dataclasses.field(default=1000, metadata=at_least(1))
   log_every: int = dataclasses.field(default=10, metadata=at_least(1))
@@ -78,6 +80,7 @@ class TrainConfig:
   position_eval: bool = False
   ruler_tasks: str = ""
   ruler_samples: int = dataclasses.field(default=4, metadata=at_least(1))
+  kernel_check: bool = True
 
   def __post_init__(self):
     check_fields(self)

@@ -9,7 +9,9 @@ Configured with gin (``--gin_file`` repeated, then ``--gin_param`` overrides, e.
   config_history/ the operative config of every start that trained, named by time and step
   metrics.jsonl   one JSON object per logged step: step, loss, grad_norm, learning_rate,
                   tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
-                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps
+                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps;
+                  the first also compiled_memory_gib and the attention backend and its
+                  self-check (``ulysses_jax.kernel_check``)
   tensorboard/    the same numbers as TensorBoard events
   checkpoints/    train state + data position + the run config (``ulysses_jax.checkpoint``)
 
@@ -27,6 +29,7 @@ command to resume.
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -39,7 +42,7 @@ import jax
 from flax import nnx
 from tqdm import tqdm
 
-from ulysses_jax import distributed, export, finetune, ruler
+from ulysses_jax import distributed, export, finetune, kernel_check, ruler
 from ulysses_jax import evaluate as evaluate_lib
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
@@ -108,6 +111,7 @@ class Run(NamedTuple):
   restored: object  # checkpoint.Restored, or None (from scratch)
   train_ds: object
   eval_ds: object
+  attention: kernel_check.Settled  # the attention backend the step runs, and its self-check
 
   @property
   def start(self) -> int:
@@ -123,7 +127,9 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
   with _config_errors():
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
-    optimizer, graphdef, abstract, step_fn = build_train_step(config, mesh)
+    attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
+    optimizer, graphdef, abstract, step_fn = build_train_step(dataclasses.replace(
+        config, model=attention.model_config(config.model)), mesh)
     _check_fits(abstract)
     train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
                                                   vocab_size=config.model.vocab_size)
@@ -138,7 +144,8 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
         restored = ckpt.restore(abstract)
     if restored is not None:
       train_ds.set_state(restored.data_state)
-  return Run(config, mesh, optimizer, graphdef, abstract, step_fn, restored, train_ds, eval_ds)
+  return Run(config, mesh, optimizer, graphdef, abstract, step_fn, restored, train_ds, eval_ds,
+             attention)
 
 
 def _check_fits(abstract_state):
@@ -276,6 +283,12 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
         if do_eval or step % cfg.log_every == 0 or step == start + 1:
           record = metrics_lib.make_record(step, m, skipped, seconds=interval_time,
                                            steps=interval_steps, **record_args)
+          if step == start + 1:  # the step is in the compilation cache: no compile again
+            compiled = run.step_fn.lower(run.abstract_state, batch).compile()
+            record.update(run.attention.record(),
+                          compiled_memory_gib=metrics_lib.compiled_memory_gib(compiled))
+            if lead:
+              _log.info(metrics_lib.memory_line(record))
           if do_eval and run.eval_ds is not None:
             record.update(evaluate(eval_step, state.params, run.eval_ds, cfg.eval_batches))
             if cfg.position_eval:

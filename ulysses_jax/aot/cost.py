@@ -34,7 +34,8 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "afte
          "partition-id", "replica-id", "opt-barrier", "copy-start", "copy-done"}
 _COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(-start|-done)?$|-done$")
-_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?/pallas_call")
+# Our kernels' names (a Triton pallas_call's name; a Mosaic kernel's enclosing scope).
+_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?/")
 _FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
 
 

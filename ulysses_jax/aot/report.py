@@ -20,7 +20,7 @@ from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.step import TrainStep, build_train_step
 from ulysses_jax.gpus import Gpu
-from ulysses_jax.metrics import flops_per_token
+from ulysses_jax.metrics import device_breakdown, flops_per_token  # noqa: F401  (public here too)
 
 GIB = 2**30
 # XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
@@ -85,14 +85,6 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
       "tokens_per_step": built.tokens_per_step,
       "prediction": dict(prediction._asdict(), assumptions=list(roofline.ASSUMPTIONS)),
   }
-
-
-def device_breakdown(m) -> dict:
-  """Bytes on the GPU, by kind, of a compiled program's ``memory_analysis()``."""
-  return {"arguments": m.argument_size_in_bytes,
-          "outputs": m.output_size_in_bytes - m.alias_size_in_bytes,
-          "temporaries": m.temp_size_in_bytes,
-          "code": m.generated_code_size_in_bytes}
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,

@@ -12,12 +12,16 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
   elsewhere: for tests).
 * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")``; GPU only, float16 or
   bfloat16 only, no ``segment_ids``.
-* ``"auto"``: ``"pallas"`` on GPU, ``"xla"`` elsewhere.
+* ``"auto"``: on GPUs the first of ``"pallas_mosaic"``, ``"pallas"``, ``"cudnn"``, ``"xla"``
+  that covers the inputs, the devices and the mesh (``choose_backend`` says which and why);
+  ``"xla"`` elsewhere (the kernels would run interpreted).
 
 "On GPU" means the devices the attention is built for: those of ``mesh`` when given (a mesh
 of compile-only GPU devices from ``ulysses_jax.aot`` included), else those of the enclosing
 mesh context (``ulysses_jax.kernels.target.current``).
 """
+
+import dataclasses
 
 import jax
 from jax.sharding import Mesh
@@ -26,39 +30,115 @@ from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.kernels import target as target_lib
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
+# The order "auto" tries on GPUs: our Mosaic GPU (Hopper) kernels, our Triton kernels (JAX has
+# deprecated Pallas' Triton backend), cuDNN, then the XLA chunked attention that always runs.
+PREFERENCE = ("pallas_mosaic", "pallas", "cudnn", "xla")
+KERNEL_NAMES = {"pallas_mosaic": "our Mosaic GPU (Hopper) kernels", "pallas": "our Triton "
+                "kernels", "cudnn": "cuDNN's attention", "xla": "the XLA chunked attention"}
+# Why ring attention (the "ring" axis of the hybrid) cannot use a backend.
+NOT_IN_RING = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
+                        "not return",
+               "pallas_mosaic": "its backward sums float32 gradients over ring steps, which the "
+                                "Mosaic kernels do not write"}
+_HALF_DTYPES = ("bfloat16", "float16")
 
 
-def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool,
-                    mesh: Mesh | None = None) -> str:
-  """Checks ``backend`` against the inputs and the devices of ``mesh`` (default: the
-  enclosing mesh context, else JAX's default device) and returns a concrete backend name."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+  """Which local attention runs (``backend``), why (``reason``, one sentence), and what is
+  left to fall back to, in order (``fallbacks``: the next backends that cover the case)."""
+  backend: str
+  reason: str
+  fallbacks: tuple[str, ...] = ()
+
+
+def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, causal: bool,
+                   segment_ids_given: bool, mesh: Mesh | None = None,
+                   ring_attention: bool | None = None) -> BackendChoice:
+  """The backend ``"auto"`` runs for these inputs on ``mesh``'s devices (default: the enclosing
+  mesh context, else JAX's first device), and why.
+
+  ``ring_attention``: whether the local attention runs inside ring attention (which takes only
+  ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
+  Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
+  named in the reason.
+  """
+  if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
+    raise ValueError(f"query heads ({num_q_heads}) must be a positive multiple of KV heads "
+                     f"({num_kv_heads}); use a number of KV heads that divides {num_q_heads}.")
   target = target_lib.current(mesh)
-  if backend == "auto":
-    return "pallas" if target.on_gpu else "xla"
+  if ring_attention is None:
+    ring_attention = dict(getattr(mesh, "shape", {})).get("ring", 1) > 1
+  case = (f"{jax.numpy.dtype(dtype).name}, head dim {head_dim}, {num_q_heads} query / "
+          f"{num_kv_heads} KV heads, {'causal' if causal else 'full'} mask, "
+          f"{'with' if segment_ids_given else 'no'} segment ids"
+          + (", inside ring attention" if ring_attention else ""))
+  if not target.on_gpu:
+    return BackendChoice("xla", f"{KERNEL_NAMES['xla']} for {case}: the devices are "
+                         f"{target.platform!r} ({target.device_kind}), where the Pallas kernels "
+                         "would run interpreted (slow)")
+  chain, skipped = [], []
+  for backend in PREFERENCE:
+    why = _why_not(backend, target, dtype, head_dim, segment_ids_given)
+    if backend == "pallas_mosaic" and not why and target.compute_capability is None:
+      why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
+    if ring_attention and backend in NOT_IN_RING:
+      why = f"ring attention cannot use it: {NOT_IN_RING[backend]}"
+    if why:
+      skipped.append(f"not {KERNEL_NAMES[backend]}: {why}")
+    else:
+      chain.append(backend)
+  reason = (f"{KERNEL_NAMES[chain[0]]} for {case} on {target.device_kind} (compute capability "
+            f"{target.compute_capability or 'unknown'})")
+  return BackendChoice(chain[0], "; ".join([reason, *skipped]), tuple(chain[1:]))
+
+
+def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
+  """Why ``backend`` cannot run these inputs on GPUs like ``target``, as the end of a
+  sentence starting "backend=... "; None when it can."""
+  from ulysses_jax.kernels import flash_attention, flash_hopper_backward
+  dtype = jax.numpy.dtype(dtype).name
+  capability = target.compute_capability
+  if backend == "pallas_mosaic":
+    # Both Mosaic kernels (forward and backward) must cover the head dim.
+    if dtype not in _HALF_DTYPES or head_dim not in flash_hopper_backward.HEAD_DIMS:
+      return (f"needs float16 or bfloat16 inputs and head dim in "
+              f"{flash_hopper_backward.HEAD_DIMS}, got {dtype} and {head_dim}")
+    if target.on_gpu and capability is not None and not 9.0 <= capability < 10.0:
+      return (f"needs Hopper GPUs (compute capability 9.x: the kernels use wgmma), but the "
+              f"mesh's devices are {target.device_kind} (compute capability {capability})")
+  if backend == "pallas" and head_dim not in flash_attention.SUPPORTED_HEAD_DIMS:
+    return f"needs head dim in {flash_attention.SUPPORTED_HEAD_DIMS}, got {head_dim}"
   if backend == "cudnn":
     if not target.on_gpu:
-      raise ValueError(f"backend='cudnn' needs a CUDA GPU, but the mesh's devices are "
-                       f"{target.platform!r} ({target.device_kind}); use backend='xla' or "
-                       "'auto', or build the mesh on GPU devices.")
+      return (f"needs a CUDA GPU, but the mesh's devices are {target.platform!r} "
+              f"({target.device_kind})")
     if segment_ids_given:
-      raise ValueError("backend='cudnn' does not support segment_ids (packed sequences); "
-                       "use backend='pallas' or 'xla'.")
-    if jax.numpy.dtype(dtype).name not in ("float16", "bfloat16"):
-      raise ValueError(f"backend='cudnn' needs float16 or bfloat16 inputs, got {dtype}; "
-                       "cast q/k/v or use backend='pallas' or 'xla'.")
-  if backend == "pallas_mosaic":
-    from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
-    if (jax.numpy.dtype(dtype) not in flash_hopper.DTYPES
-        or head_dim not in flash_hopper_backward.HEAD_DIMS):
-      raise ValueError(f"backend='pallas_mosaic' needs float16 or bfloat16 inputs and head dim "
-                       f"in {flash_hopper_backward.HEAD_DIMS}, got {dtype} and {head_dim}; "
-                       "use backend='pallas'.")
-    if target.on_gpu and (target.compute_capability or 9.0) < 9.0:
-      raise ValueError(f"backend='pallas_mosaic' needs Hopper GPUs (compute capability >= "
-                       f"9.0), but the mesh's devices are {target.device_kind} (compute "
-                       f"capability {target.compute_capability}); use backend='pallas'.")
+      return "does not support segment_ids (packed sequences)"
+    if dtype not in _HALF_DTYPES:
+      return f"needs float16 or bfloat16 inputs, got {dtype}"
+  return None
+
+
+def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
+                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
+  """Checks ``backend`` against the inputs and the devices of ``mesh`` (default: the
+  enclosing mesh context, else JAX's first device) and returns a concrete backend name
+  (``"auto"``: ``choose_backend``'s)."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+  if backend == "auto":
+    return choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
+                          num_kv_heads=num_kv_heads, causal=causal,
+                          segment_ids_given=segment_ids_given, mesh=mesh,
+                          ring_attention=False).backend
+  instead = {"cudnn": "use backend='pallas' or 'xla'", "pallas_mosaic": "use backend='pallas'"}
+  if backend in instead:
+    # Off GPUs the Mosaic kernels run in GPU interpret mode (for tests): only dtype and head
+    # dim are checked there; a GPU of unknown compute capability is given the benefit.
+    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given)
+    if why:
+      raise ValueError(f"backend={backend!r} {why}; {instead[backend]}.")
   return backend
 
 

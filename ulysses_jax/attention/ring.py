@@ -117,18 +117,21 @@ def check_layout(layout: Layout, seq_len: int, ring_size: int, inner: int = 1) -
         f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
 
 
-def resolve_backend(backend: str, *, dtype, head_dim: int, segment_ids_given: bool,
-                    mesh: Mesh | None = None) -> str:
-  """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: pallas on GPU)."""
-  why_not = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
-                      "not return",
-             "pallas_mosaic": "its backward sums float32 gradients over ring steps, which the "
-                              "Mosaic kernels do not write"}
-  if backend in why_not:
+def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
+                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
+  """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: ``choose_backend``'s
+  pick for ring attention: pallas on GPU)."""
+  if backend in backends.NOT_IN_RING:
     raise ValueError(f"ring attention supports backend 'auto', 'xla' or 'pallas', got "
-                     f"{backend!r}: {why_not[backend]}.")
+                     f"{backend!r}: {backends.NOT_IN_RING[backend]}.")
+  if backend == "auto":
+    return backends.choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
+                                   num_kv_heads=num_kv_heads, causal=causal,
+                                   segment_ids_given=segment_ids_given, mesh=mesh,
+                                   ring_attention=True).backend
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
-                                  segment_ids_given=segment_ids_given, mesh=mesh)
+                                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                  causal=causal, segment_ids_given=segment_ids_given, mesh=mesh)
 
 
 def _chunk_positions(index, ring_size, chunk, zigzag):
@@ -409,7 +412,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     ``padded_length(S, R)`` (natural layout) and the padding masked.
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
-  backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
+  backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3], num_q_heads=q.shape[2],
+                            num_kv_heads=k.shape[2], causal=causal,
                             segment_ids_given=segment_ids is not None, mesh=mesh)
   axes = sequence_axes(mesh)
   check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))

@@ -179,7 +179,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
         f"got a mesh with ring={ring_size(mesh)}; call ulysses_jax.ulysses_attention "
         "(ulysses_jax.attention.hybrid), which adds ring attention over the ring axis.")
   backend = backends.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
-                                     segment_ids_given=segment_ids is not None, mesh=mesh)
+                                     num_q_heads=q.shape[2], num_kv_heads=k.shape[2],
+                                     causal=causal, segment_ids_given=segment_ids is not None,
+                                     mesh=mesh)
   return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
                             scale=None if scale is None else float(scale))
 

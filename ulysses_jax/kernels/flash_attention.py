@@ -276,8 +276,16 @@ def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv):
 
 
 def _forward(plan, q, k, v, q_seg, kv_seg):
-  kernels = flash_hopper if plan.forward_kernel == "mosaic" else flash_kernels
-  return kernels.forward(plan, q, k, v, q_seg, kv_seg)
+  if plan.forward_kernel == "mosaic":
+    with _named_like_triton("forward", plan):
+      return flash_hopper.forward(plan, q, k, v, q_seg, kv_seg)
+  return flash_kernels.forward(plan, q, k, v, q_seg, kv_seg)
+
+
+def _named_like_triton(kernel, plan):
+  """A Mosaic kernel's call gets no name in the HLO: this scope gives it the Triton kernel's,
+  from which ``ulysses_jax.aot.cost`` reads its FLOPs."""
+  return jax.named_scope(flash_kernels.kernel_name(kernel, plan))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -303,9 +311,17 @@ def _backward(plan, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, grad_dtype):
   delta = delta - d_lse
   lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
   d_out = d_out.astype(q.dtype)
-  kernels = flash_hopper_backward if plan.backward_kernel == "mosaic" else flash_kernels
-  dq = kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
-  dk, dv = kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
+  if plan.backward_kernel == "triton":
+    dq = flash_kernels.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype)
+    dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
+                                        grad_dtype)
+    return dq, dk, dv
+  with _named_like_triton("dq", plan):
+    dq = flash_hopper_backward.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
+                                           grad_dtype)
+  with _named_like_triton("dkv", plan):
+    dk, dv = flash_hopper_backward.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
+                                                grad_dtype)
   return dq, dk, dv
 
 

@@ -233,7 +233,7 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _name(kernel, plan):
+def kernel_name(kernel, plan):
   """The kernel's name in the HLO: ``ulysses_jax.aot.cost`` reads its FLOPs from it."""
   return f"flash_attention_{kernel}" + ("_causal" if plan.causal else "")
 
@@ -272,7 +272,7 @@ def forward(plan, q, k, v, q_seg, kv_seg):
                [rows, whole_kv, whole_kv] + (seg_specs if has_segments else []),
                [rows, stats],
                [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)], _name("forward", plan))
+                jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)], kernel_name("forward", plan))
   return call(q, k, v, *((q_seg, kv_seg) if has_segments else ()))
 
 
@@ -287,7 +287,7 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   call = _call(kernel, plan.dq, plan, (sp // plan.dq.block_q, b, hq),
                [rows, whole_kv, whole_kv, rows, stats, stats]
                + (seg_specs if has_segments else []),
-               rows, jax.ShapeDtypeStruct(q.shape, grad_dtype), _name("dq", plan))
+               rows, jax.ShapeDtypeStruct(q.shape, grad_dtype), kernel_name("dq", plan))
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))
 
 
@@ -310,5 +310,5 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
                + (seg_specs if has_segments else []),
                [kv_rows, kv_rows],
                [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
-               _name("dkv", plan))
+               kernel_name("dkv", plan))
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if has_segments else ()))

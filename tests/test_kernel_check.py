@@ -1,0 +1,127 @@
+"""The attention kernel's self-check (``ulysses_jax.kernel_check``) and the first step's memory
+line, on CPU: our Pallas kernels in interpret mode must pass; a kernel made faulty here (its
+output perturbed, or raising) must fail, and the trainer must fall back and say so."""
+
+import json
+import logging
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from ulysses_jax import gin_config, kernel_check, metrics, train
+from ulysses_jax.attention import backends
+
+CASE = dict(head_dim=64, num_q_heads=4, num_kv_heads=2, causal=True, segment_ids_given=True)
+TINY = ["LlamaConfig.preset = 'tiny'", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
+        "DataConfig.batch_size = 8", "TrainConfig.eval_batches = 1", "STEPS = 2",
+        "OptimizerConfig.warmup_steps = 1",
+        "TrainConfig.progress_bar = False"]
+
+
+@pytest.fixture
+def faulty_pallas(monkeypatch):
+  """The "pallas" backend with its output off by 0.25 (the other backends untouched)."""
+  real = backends.local_attention
+
+  def perturbed(backend, *args, **kwargs):
+    out = real(backend, *args, **kwargs)
+    return out + jnp.asarray(0.25, out.dtype) if backend == "pallas" else out
+  monkeypatch.setattr(backends, "local_attention", perturbed)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_interpret_mode_kernels_pass(dtype):
+  check = kernel_check.check_backend("pallas", dtype=dtype, **CASE)
+  assert check.passed and check.error is None, check
+  assert check.tolerance == kernel_check.TOLERANCES[dtype]
+  assert 0 < check.max_abs_diff < check.tolerance / 2
+
+
+@pytest.mark.slow  # the Mosaic kernels in GPU interpret mode: 3 minutes on 2 busy cores
+def test_the_interpret_mode_mosaic_kernels_pass():
+  check = kernel_check.check_backend("pallas_mosaic", dtype="bfloat16", **CASE)
+  assert check.passed, check
+
+
+def test_a_faulty_kernel_fails_with_its_difference(faulty_pallas):
+  check = kernel_check.check_backend("pallas", dtype="float32", **CASE)
+  assert not check.passed and check.error is None
+  assert check.max_abs_diff == pytest.approx(0.25, abs=1e-3)
+  assert "pallas FAILED: max |difference| from the XLA reference 2.50e-01" in check.describe()
+
+
+def test_a_kernel_that_raises_fails_with_its_error(monkeypatch):
+  real = backends.local_attention
+
+  def broken(backend, *args, **kwargs):
+    if backend == "pallas":
+      raise RuntimeError("Mosaic GPU lowering failed\nmore detail")
+    return real(backend, *args, **kwargs)
+  monkeypatch.setattr(backends, "local_attention", broken)
+  check = kernel_check.check_backend("pallas", dtype="bfloat16", **CASE)
+  assert not check.passed and check.max_abs_diff is None
+  assert check.error == "RuntimeError: Mosaic GPU lowering failed"
+
+
+def _first_record(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return json.loads(f.readline())
+
+
+def test_the_trainer_falls_back_from_a_faulty_kernel_and_records_it(tmp_path, faulty_pallas,
+                                                                     caplog):
+  config = gin_config.read(["configs/tiny_cpu.gin"],
+                           TINY + ["LlamaConfig.attention_backend = 'pallas'"])
+  with caplog.at_level(logging.INFO, logger="ulysses_jax"):
+    summary = train.train(str(tmp_path), config)
+  assert summary["step"] == 2 and summary["last_loss"]  # the run went on, with the fallback
+  warning = next(r.message for r in caplog.records if "self-check" in r.message)
+  assert "pallas FAILED: max |difference|" in warning and "falling back to xla" in warning
+  record = _first_record(tmp_path)
+  assert record["step"] == 1 and record["attention_backend"] == "xla"
+  assert record["kernel_check"].startswith("pallas FAILED")
+  assert record["kernel_check_max_abs_diff"] == pytest.approx(0.25, abs=1e-2)
+  # The compiled figure of step 1 (the CPU runtime reports no peak)
+  assert record["compiled_memory_gib"] > 0
+  assert "compiled figure of the step" in caplog.text
+
+
+def test_the_check_can_be_turned_off(tmp_path, faulty_pallas):
+  config = gin_config.read(["configs/tiny_cpu.gin"], TINY + [
+      "LlamaConfig.attention_backend = 'pallas'", "TrainConfig.kernel_check = False"])
+  run = train.prepare(str(tmp_path), config)
+  assert run.attention.backend == "pallas" and run.attention.checks == ()
+  assert "kernel_check" not in run.attention.record()
+  assert run.attention.record()["attention_backend_reason"].startswith(
+      "pallas: set by LlamaConfig.attention_backend")
+
+
+def test_auto_on_cpu_runs_xla_unchecked(tmp_path):
+  run = train.prepare(str(tmp_path), gin_config.read(["configs/tiny_cpu.gin"], TINY))
+  assert (run.attention.backend, run.attention.checks) == ("xla", ())
+
+
+def test_memory_line_and_peak_from_a_stub_device(monkeypatch):
+  """Formatting only: a stub device that reports memory_stats as a GPU's runtime does."""
+  class StubGpu:
+    def __init__(self, peak):
+      self.peak = peak
+
+    def memory_stats(self):
+      return {"peak_bytes_in_use": self.peak, "bytes_limit": 80 * 2**30}
+  monkeypatch.setattr(metrics.jax, "local_devices", lambda: [StubGpu(3 * 2**29), StubGpu(2**30)])
+  peak = metrics.peak_memory_gib()
+  assert peak == 1.5
+  line = metrics.memory_line({"step": 1, "peak_memory_gib": peak, "compiled_memory_gib": 1.25})
+  assert "1.50 GiB peak in use" in line and "compiled figure of the step 1.25 GiB" in line
+  assert "not reported" in metrics.memory_line({"step": 1, "compiled_memory_gib": 1.25})
+
+
+def test_metrics_jsonl_takes_the_strings_tensorboard_cannot(tmp_path):
+  writer = metrics.MetricsWriter(str(tmp_path), enabled=True)
+  writer.write({"step": 1, "loss": 2.0, "attention_backend": "xla", "kernel_check_max_abs_diff":
+                None})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    assert json.loads(f.readline()) == {"step": 1, "loss": 2.0, "attention_backend": "xla"}

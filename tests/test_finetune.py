@@ -192,7 +192,7 @@ def test_export_of_a_missing_step_lists_the_steps(workdir, tmp_path):
 
 def test_evaluate_a_workdir_equals_its_export(workdir, tmp_path):
   root, _ = workdir
-  np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.uint16))
+  np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.int32))
   common = [f"--data={tmp_path / 'doc.npy'}", f"--seq_len={SEQ_LEN}", "--mesh_data=1"]
   ours = evaluate.main([f"--workdir={root}", "--step=2", "--mesh_seq=4", *common])
   export.export_checkpoint(str(root), str(tmp_path / "hf"), step=2)

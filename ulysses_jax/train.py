@@ -365,8 +365,6 @@ def _configure_logging():
   """Our log lines with a timestamp; the libraries' own chatter (orbax, absl) at warnings."""
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-  # gin warns for each search-path entry an include is not found in before the one it is.
-  handler.addFilter(lambda record: not str(record.msg).startswith("Path not found"))
   root = logging.getLogger()
   root.handlers[:] = [handler]
   root.setLevel(logging.WARNING)

@@ -142,7 +142,7 @@ def model_config(init_from: str, bound: Mapping[str, object] | None = None) -> L
   problems += [f"LlamaConfig.{k}={bound[k]!r} but the checkpoint has {k}={getattr(base, k)!r}"
                for k in ARCHITECTURE_FIELDS if k in bound and bound[k] != getattr(base, k)]
   if problems:
-    raise ConfigError(f"the model shapes come from init_from={init_from!r}, which gin "
+    raise ConfigError(f"the model shapes come from the checkpoint {init_from!r}, which gin "
                       f"contradicts: {'; '.join(problems)}. Remove these bindings (and any "
                       "model gin file include) or start from a matching checkpoint.")
   return base.replace(**{k: v for k, v in bound.items() if k not in ARCHITECTURE_FIELDS})

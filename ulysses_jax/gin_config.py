@@ -20,7 +20,7 @@ import os
 import gin
 
 from ulysses_jax import finetune
-from ulysses_jax.checkpoint import CheckpointConfig
+from ulysses_jax.checkpoint import CheckpointConfig, read_run_config
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import DataConfig, RetrievalTask
 from ulysses_jax.models.config import LlamaConfig
@@ -92,25 +92,38 @@ def build(cls):
   return _plain(_BOUND[cls]())
 
 
-def run_config() -> RunConfig:
+def run_config(workdir: str | None = None) -> RunConfig:
   """The ``RunConfig`` of the parsed bindings, with the operative config text.
 
-  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint and the
-  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``).
+  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint, and the
+  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``); but when
+  ``workdir`` already holds checkpoints of the run, from the newest of them: a resumed run
+  never reads ``init_from``, which may since have been moved or deleted.
   """
   configs = {name: build(cls) for name, cls in (
       ("train", TrainConfig), ("model", LlamaConfig), ("data", DataConfig),
       ("optimizer", OptimizerConfig), ("checkpoint", CheckpointConfig))}
   if configs["train"].init_from:
-    configs["model"] = finetune.model_config(configs["train"].init_from,
-                                             bound_fields(LlamaConfig))
+    source = workdir if workdir and _has_run_config(workdir) else configs["train"].init_from
+    configs["model"] = finetune.model_config(source, bound_fields(LlamaConfig))
   return RunConfig(**configs, gin=gin.operative_config_str())
 
 
-def read(files: list[str], params: list[str]) -> RunConfig:
+def read(files: list[str], params: list[str], workdir: str | None = None) -> RunConfig:
   """``parse`` then ``run_config``."""
   parse(files, params)
-  return run_config()
+  return run_config(workdir)
+
+
+def _has_run_config(workdir: str) -> bool:
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(checkpoints):
+    return False
+  try:
+    read_run_config(checkpoints)
+  except Exception:  # pylint: disable=broad-except  # no step yet, or one saved without it
+    return False
+  return True
 
 
 def bound_fields(cls) -> dict:

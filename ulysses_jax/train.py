@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     with _config_errors():
       from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
-      config = gin_config.read(args.gin_file, args.gin_param)
+      config = gin_config.read(args.gin_file, args.gin_param, args.workdir)
       cfg = config.train
       distributed.configure_platform(cfg.platform, cfg.cpu_devices, cfg.compilation_cache)
       distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)

@@ -31,7 +31,6 @@ unevaluated).
 """
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping
 
@@ -41,7 +40,7 @@ import tensorstore as ts
 from jax.sharding import Mesh
 
 from ulysses_jax import hf, sharding
-from ulysses_jax.checkpoint import read_run_config
+from ulysses_jax.checkpoint import read_run_config, saved_arrays
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.llama import PRESETS, Llama, LlamaConfig
 
@@ -88,28 +87,19 @@ class SavedParams:
       raise ConfigError(str(e)) from None
     self.config = LlamaConfig.from_dict(self.run["model"])
     self.state_dir = os.path.join(checkpoints, str(self.step), "state")
-    with open(os.path.join(self.state_dir, "_METADATA"), encoding="utf-8") as f:
-      metadata = json.load(f)
-    self._keys = {}
-    for entry in metadata["tree_metadata"].values():
-      keys = tuple(str(k["key"]) for k in entry["key_metadata"])
-      if keys[0] == "params":
-        self._keys[keys[1:-1] if keys[-1] == "value" else keys[1:]] = ".".join(keys)
-    base = {"driver": "file", "path": self.state_dir + os.sep}
-    self._kvstore = {"driver": "ocdbt", "base": base} if metadata["use_ocdbt"] else base
-    self._driver = "zarr3" if metadata["use_zarr3"] else "zarr"
+    self._specs = {keys[1:-1] if keys[-1] == "value" else keys[1:]: spec
+                   for keys, spec in saved_arrays(self.state_dir).items()
+                   if keys[0] == "params"}
     self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
                                 "data_copy_concurrency": {"limit": copy_concurrency}})
     self._open = {}
 
   def _store(self, path: tuple[str, ...]):
-    if path not in self._keys:
+    if path not in self._specs:
       raise ConfigError(f"{self.state_dir} holds no parameter {'.'.join(path)}; it has "
-                        f"{sorted('.'.join(k) for k in self._keys)}")
+                        f"{sorted('.'.join(k) for k in self._specs)}")
     if path not in self._open:
-      self._open[path] = ts.open({"driver": self._driver, "kvstore": {
-          **self._kvstore, "path": self._keys[path]}}, open=True,
-          context=self._context).result()
+      self._open[path] = ts.open(self._specs[path], open=True, context=self._context).result()
     return self._open[path]
 
   def shape(self, path: tuple[str, ...]) -> tuple[int, ...]:

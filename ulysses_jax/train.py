@@ -43,6 +43,7 @@ from ulysses_jax import distributed, export, finetune
 from ulysses_jax import evaluate as evaluate_lib
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
+from ulysses_jax import xla_log
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import make_datasets, retrieval_accuracy
@@ -251,7 +252,9 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        state, step_metrics = run.step_fn(state, batch)
+        with (xla_log.remat_warning_explained() if step == start + 1  # compiles
+              else contextlib.nullcontext()):
+          state, step_metrics = run.step_fn(state, batch)
         data_state = run.train_ds.get_state()
         if step < cfg.steps:
           batch = next(run.train_ds)  # host work while the device runs the step

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from ulysses_jax import gin_config, token_files, train
+from ulysses_jax import evaluate, gin_config, token_files, train
 from ulysses_jax.token_files import TOKEN_DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,6 +99,37 @@ def test_train_names_a_damaged_token_file_in_one_error_line(tmp_path, capsys, ki
   assert len(err) == 1 and err[0].startswith(f"error: token file {tmp_path / 'doc.npy'}: "), err
   assert re.search(DAMAGED[kind], err[0]), err
   assert not workdir.exists()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  pytest.importorskip("transformers")
+  from test_hf import random_hf_model  # pylint: disable=import-outside-toplevel
+  path = tmp_path_factory.mktemp("hf")
+  random_hf_model("LlamaForCausalLM", vocab_size=256, num_key_value_heads=2).save_pretrained(path)
+  return path
+
+
+@pytest.mark.parametrize("kind", DAMAGED)
+def test_evaluate_names_a_damaged_token_file(hf_dir, tmp_path, kind):
+  _write_damaged(tmp_path / "doc.npy", kind)
+  with pytest.raises(ValueError, match=rf"^token file {re.escape(str(tmp_path / 'doc.npy'))}: "
+                     rf".*{DAMAGED[kind]}"):
+    evaluate.main([f"--hf={hf_dir}", f"--data={tmp_path / 'doc.npy'}", "--seq_len=16"])
+
+
+def test_evaluate_reads_token_files_of_unusual_dtypes(hf_dir, tmp_path):
+  docs = {"a.npy": _tokens(40, 128, 1).astype(np.int8), "b.npy": _tokens(30, 256, 2).astype(">u8"),
+          "c.bin": _tokens(20, 256, 3).astype(np.int32), "d.npy": np.zeros(0, np.int16)}
+  for name, tokens in docs.items():
+    (np.save if name.endswith(".npy") else lambda p, t: t.tofile(p))(tmp_path / name, tokens)
+  flags = [f"--hf={hf_dir}", "--seq_len=16"]
+  together = evaluate.main([*flags, f"--data={tmp_path / '*.npy'},{tmp_path / 'c.bin'}",
+                            "--token_dtype=int32"])
+  assert together["tokens"] == 39 + 29 + 19
+  alone = evaluate.main([*flags, f"--data={tmp_path / 'c.bin'}", "--token_dtype=int32"])
+  as_uint16 = evaluate.main([*flags, f"--data={tmp_path / 'c.bin'}"])  # each id split in two
+  assert alone["tokens"] == 19 and as_uint16["tokens"] == 39
 
 
 def test_training_from_an_int64_token_file(tmp_path):

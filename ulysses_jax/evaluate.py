@@ -211,6 +211,8 @@ def _parse(argv):
   parser.add_argument("--batch_size", type=int, help="rows per batch (default: mesh_data)")
   parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the "
                       "checkpoint's tokenizer.json / the run's DataConfig.tokenizer)")
+  parser.add_argument("--token_dtype", help="dtype of .bin token files, e.g. int32 (default: "
+                      "the run's DataConfig.token_dtype, else uint16; .npy files carry theirs)")
   parser.add_argument("--mesh_data", type=int, default=1)
   parser.add_argument("--mesh_seq", type=int, default=-1, help="-1: all remaining devices")
   parser.add_argument("--cpu_devices", type=int, default=0, help="virtual CPU devices")
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
     data_defaults["tokenizer"] = os.path.join(args.hf, "tokenizer.json")
   if args.tokenizer:
     data_defaults["tokenizer"] = args.tokenizer
+  if args.token_dtype:
+    data_defaults["token_dtype"] = args.token_dtype
   config = finetune.model_config(source, {"dtype": args.dtype, "remat_policy": "none"})
   seq = args.mesh_seq if args.mesh_seq > 0 else len(jax.devices()) // args.mesh_data
   mesh = make_mesh(args.mesh_data, seq, devices=jax.devices()[:args.mesh_data * seq])

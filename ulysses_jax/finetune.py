@@ -18,8 +18,9 @@ written back on export).
 
 Wiring into the trainer (resuming from the run's own checkpoints takes precedence)::
 
-  if cfg.init_from:  # before abstract_train_state: the shapes come from the checkpoint
-    model_cfg = finetune.model_config(cfg.init_from, bound_llama_fields)
+  if cfg.init_from:  # before abstract_train_state: the shapes come from the checkpoint,
+    # or from the run's own workdir when it holds checkpoints (a resume never reads init_from)
+    model_cfg = finetune.model_config(workdir if resuming else cfg.init_from, bound_llama_fields)
   ...
   if restored is None:
     model = (finetune.load_model(cfg.init_from, model_cfg, mesh) if cfg.init_from

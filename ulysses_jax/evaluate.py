@@ -2,7 +2,7 @@
 
   python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --data=PATHS
       --seq_len=S [--mesh_data=N] [--mesh_seq=P] [--cpu_devices=N] [--json=PATH]
-      [--plot=PATH] [--passkey]
+      [--plot=PATH] [--passkey] [--tokenizer=T] [--token_dtype=int32]
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i

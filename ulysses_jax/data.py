@@ -88,8 +88,7 @@ class DataConfig:
   tokenizer: "byte" or the path of a Hugging Face ``tokenizer.json`` (for a fine-tune, the
     checkpoint's own); its vocabulary must fit the model's ``vocab_size``.
   text_field: the JSONL field holding a record's text.
-  token_dtype: dtype of raw ``.bin`` token files, any integer type (``.npy`` files carry
-    their own); ids must be in ``[0, vocab_size)``.
+  token_dtype: integer dtype of raw ``.bin`` token files (``.npy`` files carry their own).
   eos_id: in token files, the id ending each document; None: each file is one document.
   seq_len: S, tokens per row; must divide by the mesh's seq axis.
   batch_size: global rows per batch; must divide by the mesh's data axis.

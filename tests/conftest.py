@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices, set before JAX is imported anywhere."""
 
+import logging
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -23,3 +24,17 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords and not has_gpu:
       item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_log_handler():
+  """A command line's main() run in a test adds a root handler writing to that test's
+  captured stderr, closed once the test ends: it goes with the test (pytest's own handlers,
+  subclasses, stay)."""
+  root = logging.getLogger()
+  before, level = root.handlers[:], root.level
+  yield
+  for handler in root.handlers[:]:
+    if type(handler) is logging.StreamHandler and handler not in before:
+      root.removeHandler(handler)
+  root.setLevel(level)

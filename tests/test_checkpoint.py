@@ -1,8 +1,12 @@
 """Tests for ulysses_jax.checkpoint: save policy, resharding restore, fallback, stop signals."""
 
+import gc
 import logging
 import os
 import signal
+import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,25 @@ from ulysses_jax import checkpoint
 from ulysses_jax.mesh import DATA, SEQ, make_mesh
 
 SPECS = {"embed": P((DATA, SEQ), None), "dense": P(None, (DATA, SEQ)), "norm": P()}
+
+
+@pytest.fixture(autouse=True)
+def no_background_errors(monkeypatch, caplog):
+  """Fails a test during which a thread died of an exception, an exception was raised where
+  nothing could catch it (such as orbax's reads finishing after their event loop closed:
+  "RuntimeError: Event loop is closed" from TensorStore's threads) or asyncio logged an
+  error (a task's exception never retrieved)."""
+  errors = []
+  monkeypatch.setattr(sys, "unraisablehook", lambda u: errors.append(
+      f"unraisable {u.exc_type.__name__}: {u.exc_value}"))
+  monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(
+      f"thread {a.thread and a.thread.name} {a.exc_type.__name__}: {a.exc_value}"))
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    yield
+    time.sleep(0.2)  # reads left running finish within this on an idle machine
+    gc.collect()  # tasks dropped with an exception log it when collected
+  errors += [f"asyncio: {r.getMessage()[:300]}" for r in caplog.records if r.name == "asyncio"]
+  assert not errors, "\n".join(errors)
 
 
 def _params(mesh):
@@ -143,6 +166,21 @@ def test_damaged_newest_falls_back(tmp_path, caplog):
     ckpt.wait()
     assert ckpt.restore(target).step == 2
   assert not os.path.exists(tmp_path / "3.orbax-checkpoint-tmp-1234")  # cleaned up
+
+
+def test_damaged_checkpoints_leave_nothing_running(tmp_path):
+  """Restoring past a damaged checkpoint, again and again: the autouse fixture fails the
+  test if any read outlives the restore that started it."""
+  mesh = make_mesh(data=2, seq=4)
+  target = _abstract(_state(mesh), _mesh_shardings(mesh))
+  for attempt in range(5):
+    directory = tmp_path / str(attempt)
+    with checkpoint.Checkpointer(directory, checkpoint.CheckpointConfig(async_save=False)) as c:
+      for s in (1, 2):
+        c.save(s, _state(mesh, s), {"next_row": s}, run_config={}, force=True)
+    _damage(directory / "2")
+    with checkpoint.Checkpointer(directory) as c:
+      assert c.restore(target).step == 1
 
 
 def test_nothing_restores_is_an_error(tmp_path):

@@ -249,9 +249,9 @@ def _files(paths, **kw):
     (lambda d: _files(str(d / "broken.jsonl")), r"broken.jsonl:1: not a JSON object"),
     (lambda d: _files(str(d / "big.txt"), tokenizer=str(d / "nope.json")), "tokenizer file not"),
     (lambda d: _files([str(d / "big.txt"), str(d / "t16.bin")]), "mix of token files"),
-    (lambda d: _files(str(d / "t16.bin"), token_dtype="int8"), "token_dtype must be one of"),
+    (lambda d: _files(str(d / "t16.bin"), token_dtype="float32"), "token_dtype must be one of"),
     (lambda d: _files(str(d / "odd.bin")), "not a whole number of uint16 tokens"),
-    (lambda d: _files(str(d / "f32.npy")), "need a 1-D array of uint16/uint32"),
+    (lambda d: _files(str(d / "f32.npy")), "f32.npy: holds float32 values, need an integer"),
     (lambda d: data.DataConfig(source="web"),
      "DataConfig.source must be one of 'stdlib', 'files', 'retrieval', got 'web'"),
     (lambda d: data.DataConfig(paths="x.txt"), "it takes no paths"),
@@ -276,7 +276,7 @@ def test_bad_data_is_a_clear_error(tmp_path, mesh, make_config, message):
 def test_tokens_beyond_the_vocabulary(tmp_path, mesh):
   np.arange(300, dtype=np.uint16).tofile(tmp_path / "t.bin")
   config = _files(str(tmp_path / "t.bin"), eval_fraction=0.1)
-  with pytest.raises(ValueError, match=r"t.bin holds id 299, beyond the model's vocab_size=256"):
+  with pytest.raises(ValueError, match=r"t.bin: token 256 is 256; the model's vocab_size is 256"):
     data.make_datasets(config, mesh, vocab_size=256)
   train, _ = data.make_datasets(config, mesh, vocab_size=300)
   assert train.vocab_size == 300

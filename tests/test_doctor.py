@@ -35,6 +35,8 @@ def test_doctor_on_cpu_runs_the_xla_kernel_and_the_step_and_says_what_needs_a_gp
   assert report["passed"] is True
   assert "every check that can run here passed" in out
   assert report["environment"]["jax"] and report["environment"]["platform"] == "cpu"
+  assert report["auto_backend"]["backend"] == "xla"
+  assert "attention_backend='auto' picks xla" in out
 
 
 def test_doctor_exits_1_naming_a_kernel_that_disagrees_with_the_reference(monkeypatch, capsys):

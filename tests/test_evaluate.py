@@ -31,7 +31,8 @@ def setup(tmp_path_factory):
   reference = random_hf_model("LlamaForCausalLM", num_key_value_heads=2)
   reference.save_pretrained(root / "hf")
   rng = np.random.default_rng(0)
-  docs = [rng.integers(0, 128, n).astype(np.uint16) for n in DOC_LENGTHS]
+  docs = [rng.integers(0, 128, n).astype(dtype)  # token files of the dtypes users write
+          for n, dtype in zip(DOC_LENGTHS, (np.int32, np.int64, np.uint16, np.uint8))]
   for i, d in enumerate(docs):
     np.save(root / f"doc{i}.npy", d)
   return root, reference, docs

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import evaluate, export, finetune  # noqa: E402
+from ulysses_jax import evaluate, export, finetune, gin_config  # noqa: E402
 from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, make_global_batch  # noqa: E402
@@ -161,6 +161,16 @@ def test_init_from_workdir_reads_its_weights_into_any_mesh(workdir):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_resumed_fine_tune_reads_its_model_from_its_workdir_not_init_from(workdir, tmp_path):
+  root, trained = workdir
+  gone = f"TrainConfig.init_from='{tmp_path / 'deleted_base'}'"
+  with pytest.raises(ConfigError, match=r"checkpoint '.*deleted_base' does not exist"):
+    gin_config.read(["configs/finetune_tiny_cpu.gin"], [gone], str(tmp_path / "fresh"))
+  config = gin_config.read(["configs/finetune_tiny_cpu.gin"], [gone], str(root))
+  # The checkpoint's model (its RoPE scaling too), with the gin file's bindings on top.
+  assert config.model == trained.config.replace(loss_chunk=128)
+
+
 def test_export_loads_in_transformers_with_our_logits(workdir, tmp_path):
   root, trained = workdir
   tokens, _ = _batch(seed=2)
@@ -192,7 +202,7 @@ def test_export_of_a_missing_step_lists_the_steps(workdir, tmp_path):
 
 def test_evaluate_a_workdir_equals_its_export(workdir, tmp_path):
   root, _ = workdir
-  np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.uint16))
+  np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.int32))
   common = [f"--data={tmp_path / 'doc.npy'}", f"--seq_len={SEQ_LEN}", "--mesh_data=1"]
   ours = evaluate.main([f"--workdir={root}", "--step=2", "--mesh_seq=4", *common])
   export.export_checkpoint(str(root), str(tmp_path / "hf"), step=2)

@@ -89,7 +89,7 @@ def test_long_documents_split_or_truncate(tmp_path, mesh):
     (dict(seq_len="abc"), "DataConfig.seq_len must be an int, got 'abc'"),
     (dict(long_documents="drop"), "DataConfig.long_documents must be one of 'split', "
                                   "'truncate', got 'drop'"),
-    (dict(token_dtype="int8"), "DataConfig.token_dtype must be one of 'uint16', 'uint32'"),
+    (dict(token_dtype="float32"), "DataConfig.token_dtype must be one of 'uint8', 'uint16'"),
     (dict(eval_fraction=1.0), r"DataConfig.eval_fraction must be in \[0, 1\), got 1.0"),
 ])
 def test_bad_config_values_are_config_errors(fields, message):

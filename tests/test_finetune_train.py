@@ -2,6 +2,7 @@
 the end (``TrainConfig.export_at_end``) and resuming from its own checkpoints."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import finetune, gin_config, train  # noqa: E402
+from ulysses_jax import evaluate, finetune, gin_config, train  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,3 +51,26 @@ def test_fine_tune_from_hf_exports_and_resumes(tmp_path):
   # Running again resumes from the run's own checkpoint, not from init_from.
   summary = run(8)
   assert summary["start_step"] == 6 and summary["restored_step"] == 6
+
+
+def test_evaluate_fine_tune_export_evaluate_then_resume_without_the_base(tmp_path, capsys):
+  """A user's path with an int32 token file, through the command lines; then the base model
+  is deleted and the run resumes from its own checkpoint."""
+  random_hf_model("LlamaForCausalLM", vocab_size=256).save_pretrained(tmp_path / "hf")
+  np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
+  evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
+  before = evaluate.main([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
+  flags = [f"--workdir={tmp_path / 'run'}", "--gin_file=configs/finetune_tiny_cpu.gin",
+           *(f"--gin_param={p}" for p in (
+               f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
+               f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
+               f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
+               "CheckpointConfig.save_every=3", "OptimizerConfig.learning_rate=1e-2"))]
+  assert train.main([*flags, "--gin_param=STEPS=6"]) == train.EXIT_OK
+  after = evaluate.main([f"--hf={tmp_path / 'out'}", *evaluate_flags])
+  assert after["tokens"] == before["tokens"] and after["loss"] < before["loss"] - 0.5
+  shutil.rmtree(tmp_path / "hf")
+  capsys.readouterr()
+  assert train.main([*flags, "--gin_param=STEPS=8"]) == train.EXIT_OK, capsys.readouterr().err
+  out = capsys.readouterr().out
+  assert "Trained steps 7..8 in" in out and "(resumed from step 6)" in out, out

@@ -7,6 +7,7 @@ GPU compiler for compile-only H100 devices: the HLO checked is the program the G
 
 import glob
 import json
+import logging
 import os
 import re
 import subprocess
@@ -171,6 +172,23 @@ def test_cli_llama8b_512k_on_one_gpu_counts_the_offloaded_state_on_the_host(tmp_
   # On the device: the embedding and head (2 x 128,256 x 4,096 bfloat16, 1.96 GiB) + batch.
   assert r["device_breakdown"]["arguments"] < 2.1 * GIB
   assert r["device_bytes"] < r["device_capacity_bytes"]
+
+
+@pytest.mark.slow
+def test_cli_explains_xlas_rematerialisation_warning_of_an_offloaded_step(tmp_path, capfd, caplog,
+                                                                          monkeypatch):
+  """XLA's estimate adds host and device memory (45 + 62 GiB here, on an 80 GiB GPU): it warns
+  "Can't reduce memory use below ..." for a step that fits; the user reads our line instead."""
+  from ulysses_jax import xla_log
+  monkeypatch.setattr(xla_log, "_explained", False)
+  with caplog.at_level(logging.WARNING, logger="ulysses_jax"):
+    status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x1",
+                     "--gin_file=configs/llama8b_1gpu_512k.gin",
+                     "--gin_param=LlamaConfig.num_layers=16")
+  assert status == 0 and r["fits"] and r["device_bytes"] + r["host_bytes"] > 80 * GIB
+  assert "Can't reduce memory use" not in capfd.readouterr().err
+  explained = [x.getMessage() for x in caplog.records if x.name == "ulysses_jax.xla_log"]
+  assert len(explained) == 1 and "adds host-offloaded buffers" in explained[0], explained
 
 
 @pytest.mark.slow

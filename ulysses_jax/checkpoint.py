@@ -18,6 +18,7 @@ a different mesh than the one that saved it.
 """
 
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from ulysses_jax.config_checks import at_least, check_fields
@@ -104,6 +106,7 @@ class Checkpointer:
     failed = []
     for step in sorted(self._manager.all_steps(), reverse=True):
       try:
+        open_every_array(os.path.join(self.directory, str(step), "state"))
         out = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
       except Exception as e:  # pylint: disable=broad-except  # damage surfaces in many layers
@@ -150,6 +153,34 @@ class Checkpointer:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def saved_arrays(state_dir: str) -> dict[tuple[str, ...], dict]:
+  """The TensorStore spec of every array of an orbax ``state`` item, by its key path (e.g.
+  ``("params", "embed")``); read from its ``_METADATA``, no arrays are opened."""
+  with open(os.path.join(state_dir, "_METADATA"), encoding="utf-8") as f:
+    metadata = json.load(f)
+  base = {"driver": "file", "path": state_dir + os.sep}
+  kvstore = {"driver": "ocdbt", "base": base} if metadata["use_ocdbt"] else base
+  driver = "zarr3" if metadata["use_zarr3"] else "zarr"
+  specs = {}
+  for entry in metadata["tree_metadata"].values():
+    if entry["value_metadata"]["value_type"] in ("jax.Array", "np.ndarray"):
+      keys = tuple(str(k["key"]) for k in entry["key_metadata"])
+      specs[keys] = {"driver": driver, "kvstore": {**kvstore, "path": ".".join(keys)}}
+  return specs
+
+
+def open_every_array(state_dir: str):
+  """Opens every array of an orbax ``state`` item (reading its metadata), one at a time.
+
+  A damaged checkpoint fails here, with nothing left running. Inside orbax's restore it
+  fails in one of many concurrent reads: the others outlive the event loop orbax ran them in,
+  and their completions print "Event loop is closed" tracebacks from TensorStore's threads.
+  """
+  context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+  for spec in saved_arrays(state_dir).values():
+    ts.open(spec, open=True, context=context).result()
 
 
 def read_run_config(directory: str, step: int | None = None) -> tuple[int, dict]:

@@ -15,9 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-TOKEN_DTYPES = ("uint16", "uint32")
 SPLIT_SEED = 20250101  # fixes the train/eval split independently of the training seed
-SCAN_CHUNK = 1 << 24
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -182,43 +180,6 @@ def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text") -> Co
     targets = [np.concatenate([np.full(x.size, i == 1) for d in docs
                                for i, x in enumerate(d)])]
   return Corpus([tokens], np.zeros(len(docs), np.int64), starts, lengths, targets)
-
-
-def load_token_file(path: str, dtype: str) -> np.ndarray:
-  if path.endswith(".npy"):
-    arr = np.load(path, mmap_mode="r")
-    if arr.ndim != 1 or arr.dtype.name not in TOKEN_DTYPES:
-      raise ValueError(f"token file {path}: need a 1-D array of {'/'.join(TOKEN_DTYPES)}, got "
-                       f"{arr.ndim}-D {arr.dtype.name}")
-    return arr
-  if dtype not in TOKEN_DTYPES:
-    raise ValueError(f"token_dtype must be one of {TOKEN_DTYPES}, got {dtype!r}")
-  size, item = os.path.getsize(path), np.dtype(dtype).itemsize
-  if size % item:
-    raise ValueError(f"token file {path}: {size} bytes is not a whole number of {dtype} tokens")
-  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
-
-
-def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
-                  vocab_size: int | None) -> tuple[Corpus, int]:
-  """Memory-maps token files (one chunked scan: max id, document ends); returns max id + 1."""
-  arrays, parts, top = [], [], -1
-  for i, path in enumerate(files):
-    arr = load_token_file(path, dtype)
-    ends = []
-    for lo in range(0, len(arr), SCAN_CHUNK):
-      chunk = np.asarray(arr[lo:lo + SCAN_CHUNK])
-      top = max(top, int(chunk.max()))
-      if vocab_size is not None and top >= vocab_size:
-        raise ValueError(f"token file {path} holds id {top}, beyond the model's vocab_size="
-                         f"{vocab_size}")
-      if eos_id is not None:
-        ends.append(lo + 1 + np.flatnonzero(chunk == eos_id))
-    bounds = np.unique(np.concatenate([[0, len(arr)], *ends]).astype(np.int64))
-    starts, lengths = bounds[:-1], np.diff(bounds)
-    arrays.append(arr)
-    parts.append(Corpus(arrays, np.full(len(starts), i, np.int64), starts, lengths))
-  return concat(parts), top + 1
 
 
 def split_corpus(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus | None]:

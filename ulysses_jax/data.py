@@ -32,10 +32,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.corpus import (TOKEN_DTYPES, Corpus, make_tokenizer, resolve_paths,
-                                split_corpus, stdlib_files, text_corpus, token_corpus)
+from ulysses_jax.corpus import (Corpus, make_tokenizer, resolve_paths, split_corpus,
+                                stdlib_files, text_corpus)
 from ulysses_jax.mesh import DATA, make_mesh, sequence_axes, sequence_shards
 from ulysses_jax.sharding import batch_spec
+from ulysses_jax.token_files import TOKEN_DTYPES, token_corpus
 
 IGNORE_LABEL = -1
 SOURCES = ("stdlib", "files", "retrieval")
@@ -87,7 +88,7 @@ class DataConfig:
   tokenizer: "byte" or the path of a Hugging Face ``tokenizer.json`` (for a fine-tune, the
     checkpoint's own); its vocabulary must fit the model's ``vocab_size``.
   text_field: the JSONL field holding a record's text.
-  token_dtype: dtype of raw ``.bin`` token files (``.npy`` files carry their own).
+  token_dtype: integer dtype of raw ``.bin`` token files (``.npy`` files carry their own).
   eos_id: in token files, the id ending each document; None: each file is one document.
   seq_len: S, tokens per row; must divide by the mesh's seq axis.
   batch_size: global rows per batch; must divide by the mesh's data axis.

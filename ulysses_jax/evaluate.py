@@ -4,7 +4,8 @@ probes: a forward pass only.
   python -m ulysses_jax.evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
       [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
       [--seed=N] [--threshold=A]] [--examples=FILE.jsonl] [--mesh_data=N] [--mesh_seq=P]
-      [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--no_kernel_check]
+      [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--tokenizer=T] [--token_dtype=int32]
+      [--no_kernel_check]
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
@@ -252,6 +253,8 @@ def _parse(argv):
   parser.add_argument("--batch_size", type=int, help="rows per batch (default: mesh_data)")
   parser.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the "
                       "checkpoint's tokenizer.json / the run's DataConfig.tokenizer)")
+  parser.add_argument("--token_dtype", help="dtype of .bin token files, e.g. int32 (default: "
+                      "the run's DataConfig.token_dtype, else uint16; .npy files carry theirs)")
   parser.add_argument("--mesh_data", type=int, default=1)
   parser.add_argument("--mesh_seq", type=int, default=-1, help="-1: all remaining devices")
   parser.add_argument("--cpu_devices", type=int, default=0, help="virtual CPU devices")
@@ -326,6 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
     data_defaults["tokenizer"] = os.path.join(args.hf, "tokenizer.json")
   if args.tokenizer:
     data_defaults["tokenizer"] = args.tokenizer
+  if args.token_dtype:
+    data_defaults["token_dtype"] = args.token_dtype
   config = finetune.model_config(source, {"dtype": args.dtype, "remat_policy": "none"})
   seq = args.mesh_seq if args.mesh_seq > 0 else len(jax.devices()) // args.mesh_data
   mesh = make_mesh(args.mesh_data, seq, devices=jax.devices()[:args.mesh_data * seq])

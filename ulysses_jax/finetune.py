@@ -18,8 +18,9 @@ written back on export).
 
 Wiring into the trainer (resuming from the run's own checkpoints takes precedence)::
 
-  if cfg.init_from:  # before abstract_train_state: the shapes come from the checkpoint
-    model_cfg = finetune.model_config(cfg.init_from, bound_llama_fields)
+  if cfg.init_from:  # before abstract_train_state: the shapes come from the checkpoint,
+    # or from the run's own workdir when it holds checkpoints (a resume never reads init_from)
+    model_cfg = finetune.model_config(workdir if resuming else cfg.init_from, bound_llama_fields)
   ...
   if restored is None:
     model = (finetune.load_model(cfg.init_from, model_cfg, mesh) if cfg.init_from
@@ -31,7 +32,6 @@ unevaluated).
 """
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping
 
@@ -41,7 +41,7 @@ import tensorstore as ts
 from jax.sharding import Mesh
 
 from ulysses_jax import hf, sharding
-from ulysses_jax.checkpoint import read_run_config
+from ulysses_jax.checkpoint import read_run_config, saved_arrays
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.llama import PRESETS, Llama, LlamaConfig
 
@@ -88,28 +88,19 @@ class SavedParams:
       raise ConfigError(str(e)) from None
     self.config = LlamaConfig.from_dict(self.run["model"])
     self.state_dir = os.path.join(checkpoints, str(self.step), "state")
-    with open(os.path.join(self.state_dir, "_METADATA"), encoding="utf-8") as f:
-      metadata = json.load(f)
-    self._keys = {}
-    for entry in metadata["tree_metadata"].values():
-      keys = tuple(str(k["key"]) for k in entry["key_metadata"])
-      if keys[0] == "params":
-        self._keys[keys[1:-1] if keys[-1] == "value" else keys[1:]] = ".".join(keys)
-    base = {"driver": "file", "path": self.state_dir + os.sep}
-    self._kvstore = {"driver": "ocdbt", "base": base} if metadata["use_ocdbt"] else base
-    self._driver = "zarr3" if metadata["use_zarr3"] else "zarr"
+    self._specs = {keys[1:-1] if keys[-1] == "value" else keys[1:]: spec
+                   for keys, spec in saved_arrays(self.state_dir).items()
+                   if keys[0] == "params"}
     self._context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
                                 "data_copy_concurrency": {"limit": copy_concurrency}})
     self._open = {}
 
   def _store(self, path: tuple[str, ...]):
-    if path not in self._keys:
+    if path not in self._specs:
       raise ConfigError(f"{self.state_dir} holds no parameter {'.'.join(path)}; it has "
-                        f"{sorted('.'.join(k) for k in self._keys)}")
+                        f"{sorted('.'.join(k) for k in self._specs)}")
     if path not in self._open:
-      self._open[path] = ts.open({"driver": self._driver, "kvstore": {
-          **self._kvstore, "path": self._keys[path]}}, open=True,
-          context=self._context).result()
+      self._open[path] = ts.open(self._specs[path], open=True, context=self._context).result()
     return self._open[path]
 
   def shape(self, path: tuple[str, ...]) -> tuple[int, ...]:
@@ -142,7 +133,7 @@ def model_config(init_from: str, bound: Mapping[str, object] | None = None) -> L
   problems += [f"LlamaConfig.{k}={bound[k]!r} but the checkpoint has {k}={getattr(base, k)!r}"
                for k in ARCHITECTURE_FIELDS if k in bound and bound[k] != getattr(base, k)]
   if problems:
-    raise ConfigError(f"the model shapes come from init_from={init_from!r}, which gin "
+    raise ConfigError(f"the model shapes come from the checkpoint {init_from!r}, which gin "
                       f"contradicts: {'; '.join(problems)}. Remove these bindings (and any "
                       "model gin file include) or start from a matching checkpoint.")
   return base.replace(**{k: v for k, v in bound.items() if k not in ARCHITECTURE_FIELDS})

@@ -7,15 +7,20 @@ else in the library reads gin: ``train.train`` and ``aot`` take the ``RunConfig`
 module builds.
 
     run = gin_config.read(["configs/tiny_cpu.gin"], ["TrainConfig.steps=50"])
+
+A relative path in ``--gin_file`` or an ``include`` is looked for next to the including file,
+then in the working directory, then in the repository (so ``include 'configs/...'`` works from
+any directory).
 """
 
+import contextlib
 import dataclasses
 import os
 
 import gin
 
 from ulysses_jax import finetune
-from ulysses_jax.checkpoint import CheckpointConfig
+from ulysses_jax.checkpoint import CheckpointConfig, read_run_config
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import DataConfig, RetrievalTask
 from ulysses_jax.models.config import LlamaConfig
@@ -29,7 +34,39 @@ CONFIG_CLASSES = (TrainConfig, LlamaConfig, RopeScaling, DataConfig, RetrievalTa
 # Gin's wrapper of each class: calling it applies the parsed bindings. The wrappers are
 # subclasses; ``_plain`` turns what they build back into the classes themselves.
 _BOUND = {cls: gin.external_configurable(cls, module="ulysses_jax") for cls in CONFIG_CLASSES}
-gin.add_config_file_search_path(REPO_ROOT)  # so `include 'configs/...'` works from any cwd
+_including = []  # the gin files being read, the innermost last
+
+
+def _search_dirs() -> list[str]:
+  """Where a relative gin path is looked for, in order: the directory of the file that
+  includes it, the working directory, the repository (``include 'configs/...'``)."""
+  return list(dict.fromkeys([*map(os.path.dirname, _including[-1:]), os.getcwd(), REPO_ROOT]))
+
+
+def _find(path: str) -> str:
+  for directory in [""] if os.path.isabs(path) else _search_dirs():
+    if os.path.isfile(os.path.join(directory, path)):
+      return os.path.join(directory, path)
+  where = "" if os.path.isabs(path) else f" (looked in {', '.join(_search_dirs())})"
+  by = f", included by {_including[-1]}," if _including else ""
+  raise FileNotFoundError(f"gin file {path!r}{by} not found{where}; the experiments are in "
+                          f"{REPO_ROOT}/configs")
+
+
+@contextlib.contextmanager
+def _open(path: str):
+  """Gin's reader of every gin file: nested includes resolve from this file's directory."""
+  with open(_find(path), encoding="utf-8") as f:
+    _including.append(os.path.abspath(f.name))
+    try:
+      yield f
+    finally:
+      _including.pop()
+
+
+# Ours goes before gin's own readers (gin 0.5 has no public way to order them): gin would try
+# the working directory first, and its package-path reader logs an ERROR for every miss.
+gin.config._FILE_READERS.insert(0, (_open, lambda path: True))  # pylint: disable=protected-access
 
 
 def parse(files: list[str], params: list[str]):
@@ -37,14 +74,12 @@ def parse(files: list[str], params: list[str]):
   if not files:
     raise ConfigError("give at least one --gin_file (e.g. --gin_file=configs/tiny_cpu.gin)")
   for f in files:
-    if not any(os.path.isfile(os.path.join(d, f)) for d in ("", REPO_ROOT)):
-      raise FileNotFoundError(f"gin file {f!r} not found (looked in {os.getcwd()} and "
-                              f"{REPO_ROOT}); the experiments are in {REPO_ROOT}/configs")
+    _find(f)
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(files, params)
-  except TypeError as e:  # gin's package-path fallback fails like this on a missing include
-    raise FileNotFoundError(f"a gin `include` names a file that does not exist ({e})") from e
+  except FileNotFoundError as e:  # a missing include; gin appends where, which ours names
+    raise FileNotFoundError(str(e).splitlines()[0]) from None
   except SyntaxError as e:  # gin's parser: most often a string value without quotes
     where = f"{e.filename}, line {e.lineno}" if e.filename else "--gin_param"
     raise ConfigError(f"gin cannot parse {(e.text or '').strip()!r} ({where}): values are "
@@ -57,25 +92,38 @@ def build(cls):
   return _plain(_BOUND[cls]())
 
 
-def run_config() -> RunConfig:
+def run_config(workdir: str | None = None) -> RunConfig:
   """The ``RunConfig`` of the parsed bindings, with the operative config text.
 
-  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint and the
-  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``).
+  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint, and the
+  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``); but when
+  ``workdir`` already holds checkpoints of the run, from the newest of them: a resumed run
+  never reads ``init_from``, which may since have been moved or deleted.
   """
   configs = {name: build(cls) for name, cls in (
       ("train", TrainConfig), ("model", LlamaConfig), ("data", DataConfig),
       ("optimizer", OptimizerConfig), ("checkpoint", CheckpointConfig))}
   if configs["train"].init_from:
-    configs["model"] = finetune.model_config(configs["train"].init_from,
-                                             bound_fields(LlamaConfig))
+    source = workdir if workdir and _has_run_config(workdir) else configs["train"].init_from
+    configs["model"] = finetune.model_config(source, bound_fields(LlamaConfig))
   return RunConfig(**configs, gin=gin.operative_config_str())
 
 
-def read(files: list[str], params: list[str]) -> RunConfig:
+def read(files: list[str], params: list[str], workdir: str | None = None) -> RunConfig:
   """``parse`` then ``run_config``."""
   parse(files, params)
-  return run_config()
+  return run_config(workdir)
+
+
+def _has_run_config(workdir: str) -> bool:
+  checkpoints = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(checkpoints):
+    return False
+  try:
+    read_run_config(checkpoints)
+  except Exception:  # pylint: disable=broad-except  # no step yet, or one saved without it
+    return False
+  return True
 
 
 def bound_fields(cls) -> dict:

@@ -45,7 +45,7 @@ class TrainConfig:
   init_from: start from trained weights ("" = random init): a Hugging Face checkpoint
     directory or a workdir / checkpoint of ours (``ulysses_jax.finetune``; weights only, a
     fresh optimizer). The model's shapes come from it; a resumed run restores its own
-    checkpoints instead.
+    checkpoints instead and never reads it (``gin_config.read(..., workdir)``).
   export_at_end: a directory to write the final weights to as a Hugging Face checkpoint
     (``ulysses_jax.export``) when the run finishes ("" = no export).
   position_eval: at eval steps also log the held-out loss by position in the row, in

@@ -46,6 +46,7 @@ from ulysses_jax import distributed, export, finetune, kernel_check, ruler
 from ulysses_jax import evaluate as evaluate_lib
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
+from ulysses_jax import xla_log
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
@@ -265,7 +266,9 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        state, step_metrics = run.step_fn(state, batch)
+        with (xla_log.remat_warning_explained() if step == start + 1  # compiles
+              else contextlib.nullcontext()):
+          state, step_metrics = run.step_fn(state, batch)
         data_state = run.train_ds.get_state()
         if step < cfg.steps:
           batch = next(run.train_ds)  # host work while the device runs the step
@@ -367,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     with _config_errors():
       from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
-      config = gin_config.read(args.gin_file, args.gin_param)
+      config = gin_config.read(args.gin_file, args.gin_param, args.workdir)
       cfg = config.train
       distributed.configure_platform(cfg.platform, cfg.cpu_devices, cfg.compilation_cache)
       distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -387,8 +390,6 @@ def _configure_logging():
   """Our log lines with a timestamp; the libraries' own chatter (orbax, absl) at warnings."""
   handler = logging.StreamHandler()
   handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-  # gin warns for each search-path entry an include is not found in before the one it is.
-  handler.addFilter(lambda record: not str(record.msg).startswith("Path not found"))
   root = logging.getLogger()
   root.handlers[:] = [handler]
   root.setLevel(logging.WARNING)

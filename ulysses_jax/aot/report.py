@@ -20,7 +20,8 @@ from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.step import TrainStep, build_train_step
 from ulysses_jax.gpus import Gpu
-from ulysses_jax.metrics import device_breakdown, flops_per_token  # noqa: F401  (public here too)
+from ulysses_jax.metrics import device_breakdown, flops_per_token
+from ulysses_jax.xla_log import remat_warning_explained
 
 GIB = 2**30
 # XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
@@ -44,10 +45,12 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   smaller of the two: the footprint ``ulysses_jax.plan`` predicts)."""
   start = time.perf_counter()
   lowered = built.step.lower(built.state, built.batch)
-  compiled = lowered.compile()
+  with remat_warning_explained():
+    compiled = lowered.compile()
   report = describe(compiled, built, gpu, nodes, compile_s=time.perf_counter() - start)
   if under_pressure:
-    pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
+    with remat_warning_explained(explain=False):  # the limit is low on purpose here
+      pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
     report.update(device_bytes_under_pressure=pressed,
                   least_device_bytes=min(report["device_bytes"], pressed))
   return report

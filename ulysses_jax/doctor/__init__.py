@@ -2,7 +2,9 @@
 
 It checks what a training run relies on, on the machine it runs on, in a few minutes:
 
-* the environment: devices, JAX and jaxlib, the CUDA runtime and driver;
+* the environment: devices, JAX and jaxlib, the CUDA runtime and driver, and which attention
+  kernel ``attention_backend="auto"`` picks here for a training run (bf16, head dim 128, GQA,
+  causal, packed documents) and why;
 * each attention kernel (our Mosaic GPU kernels for Hopper, our Triton-lowered kernels,
   cuDNN, the XLA chunked backend) against the float32 dense reference (bf16 inputs, head dim
   128, causal and full, S = 4K / 16K / 64K on GPUs), then its forward and backward TFLOP/s
@@ -22,6 +24,7 @@ import subprocess
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.attention import backends
 from ulysses_jax.doctor import kernels as kernels_lib
 from ulysses_jax.doctor import step as step_lib
 from ulysses_jax.kernels import target as target_lib
@@ -91,7 +94,12 @@ def run(seq_lens=None, with_step: bool = True) -> dict:
   on_gpu = target_lib.of_device(devices[0]).on_gpu
   seq_lens = seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
   warmup, iters = (2, 10) if on_gpu else (1, 2)
+  choice = backends.choose_backend(dtype=jnp.bfloat16, head_dim=HEAD_DIM, num_q_heads=32,
+                                   num_kv_heads=8, causal=True, segment_ids_given=True,
+                                   mesh=jax.sharding.Mesh(devices[:1], ("d",)))
   report = {"environment": environment(devices), "head_dim": HEAD_DIM,
+            "auto_backend": {"backend": choice.backend, "reason": choice.reason,
+                             "fallbacks": list(choice.fallbacks)},
             "flops_formula": kernels_lib.FLOPS_FORMULA, "tolerance": kernels_lib.TOLERANCE,
             "fa3_source": FA3_SOURCE,
             "kernels": kernel_rows(devices[0], seq_lens, warmup=warmup, iters=iters)}

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 def format_report(report: dict) -> str:
   """The text the command prints: environment, kernel table, step, checks, verdict."""
   lines = [f"{key}: {value}" for key, value in report["environment"].items()]
+  auto = report["auto_backend"]
+  lines.append(f"attention_backend='auto' picks {auto['backend']}: {auto['reason']}"
+               + (f" (falls back to {', '.join(auto['fallbacks'])})" if auto["fallbacks"] else ""))
   lines += ["", f"attention kernels: bf16, head dim {report['head_dim']}; check: relative L2 "
             f"error < {report['tolerance']} against the float32 dense reference",
             report["flops_formula"], f"fa3_fwd_tflops: {report['fa3_source']}",

@@ -27,7 +27,6 @@ from ulysses_jax.models.llama import init_llama
 from ulysses_jax.run_config import RunConfig, TrainConfig
 from ulysses_jax.train_step import init_train_state
 
-GIB = 2**30
 TIMED_STEPS = 3
 # The measured peak may exceed the compiled figure by allocator rounding and the runtime's own
 # buffers (the batch's host copy, the RNG, the compiled code): more than this is a real miss.
@@ -67,7 +66,6 @@ def run_step(devices: list, on_gpu: bool) -> dict:
   start = time.perf_counter()
   compiled = step.lower(abstract, batch).compile()
   compile_s = time.perf_counter() - start
-  compiled_bytes = sum(report_lib.device_breakdown(compiled.memory_analysis()).values())
   state = init_train_state(init_llama(config.model, mesh, seed=0), optimizer,
                            memory=config.train.memory)[1]
   state, metrics = compiled(state, batch)  # the first step: allocations, autotuning
@@ -81,7 +79,7 @@ def run_step(devices: list, on_gpu: bool) -> dict:
   result = {"model": config.model.preset, "layers": config.model.num_layers,
             "seq_len": seq_len, "mesh": dict(mesh.shape), "compile_s": compile_s,
             "loss": float(metrics["loss"]), "step_s": float(np.median(times)),
-            "compiled_memory_gib": compiled_bytes / GIB,
+            "compiled_memory_gib": metrics_lib.compiled_memory_gib(compiled),
             "peak_memory_gib": metrics_lib.peak_memory_gib()}
   gpu = gpu_of(devices[0]) if on_gpu else None
   if gpu is not None:

@@ -1,0 +1,81 @@
+"""XLA's rematerialisation warning, written from C++ to file descriptor 2, becomes one line of
+ours; every other line on the descriptor passes through unchanged."""
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from ulysses_jax import xla_log
+
+REMAT = (b"W1124 14:13:09.815749   30646 hlo_rematerialization.cc:3402] Can't reduce memory use "
+         b"below 83.63GiB (89795223790 bytes) by rematerialization; only reduced to 108.56GiB "
+         b"(116565132608 bytes), down from 110.81GiB (118979082592 bytes) originally\n")
+OTHER = b"W1124 14:13:10.000001   30646 gpu_compiler.cc:1] some other XLA warning\n"
+
+
+@pytest.fixture(autouse=True)
+def not_yet_explained(monkeypatch):
+  monkeypatch.setattr(xla_log, "_explained", False)
+
+
+def test_the_warning_is_explained_once_and_others_pass_through(capfd, caplog):
+  with caplog.at_level(logging.WARNING, logger="ulysses_jax"):
+    for _ in range(2):
+      with xla_log.remat_warning_explained():
+        os.write(2, OTHER + REMAT)
+  err = capfd.readouterr().err
+  assert err == OTHER.decode() * 2
+  explained = [r.getMessage() for r in caplog.records if r.name == "ulysses_jax.xla_log"]
+  assert explained == [xla_log.explanation("83.63GiB", "108.56GiB")]
+  assert "could not bring its memory estimate of the step below 83.63GiB" in explained[0]
+
+
+def test_where_the_limit_is_lowered_on_purpose_it_is_dropped_unexplained(capfd, caplog):
+  with caplog.at_level(logging.WARNING, logger="ulysses_jax"):
+    with xla_log.remat_warning_explained(explain=False):
+      os.write(2, REMAT + OTHER)
+  assert capfd.readouterr().err == OTHER.decode()
+  assert not caplog.records
+
+
+def test_stderr_comes_back_after_an_exception(capfd):
+  with pytest.raises(RuntimeError, match="compile failed"):
+    with xla_log.remat_warning_explained():
+      os.write(2, OTHER)
+      raise RuntimeError("compile failed")
+  os.write(2, b"after\n")
+  assert capfd.readouterr().err == OTHER.decode() + "after\n"
+
+
+def test_the_trainer_explains_it_when_its_first_step_compiles(tmp_path, capfd, caplog,
+                                                              monkeypatch):
+  """XLA's CPU compiler does not rematerialise, so the step's first call (the one that
+  compiles) writes the line as XLA's GPU compiler would for an offloaded step."""
+  from ulysses_jax import gin_config, train  # pylint: disable=import-outside-toplevel
+  build = train.build_train_step
+
+  def build_logging_step(config, mesh):
+    *rest, step = build(config, mesh)
+    calls = []
+    def step_that_logs(*args):
+      if not calls:
+        os.write(2, REMAT + OTHER)
+      calls.append(1)
+      return step(*args)
+    return *rest, step_that_logs
+
+  monkeypatch.setattr(train, "build_train_step", build_logging_step)
+  np.save(tmp_path / "doc.npy", np.arange(2000) % 256)
+  config = gin_config.read(["configs/tiny_cpu.gin"], [
+      "LlamaConfig.preset='tiny'", "DataConfig.seq_len=16", "STEPS=2", "TrainConfig.eval_every=0",
+      "DataConfig.source='files'", f"DataConfig.paths='{tmp_path / 'doc.npy'}'",
+      "DataConfig.eval_fraction=0.0",
+      "OptimizerConfig.warmup_steps=0", "TrainConfig.progress_bar=False"])
+  with caplog.at_level(logging.WARNING, logger="ulysses_jax"):
+    assert train.train(str(tmp_path / "run"), config)["step"] == 2
+  err = capfd.readouterr().err
+  assert OTHER.decode() in err and "Can't reduce memory use" not in err
+  explained = [r.getMessage() for r in caplog.records if r.name == "ulysses_jax.xla_log"]
+  assert explained == [xla_log.explanation("83.63GiB", "108.56GiB")]

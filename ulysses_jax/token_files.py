@@ -1,0 +1,96 @@
+"""Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype.
+
+Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (ids within
+``[0, vocab_size)``, document ends) and converted to int64 one row window at a time
+(``Corpus.read``), so a file larger than the host's memory trains. A damaged file (truncated,
+not a ``.npy``, not a 1-D integer array) is a ``ValueError`` naming the file and the fault.
+"""
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ulysses_jax.corpus import Corpus, concat
+
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
+SCAN_CHUNK = 1 << 24
+_SAVE_HINT = "write token files with np.save(path, tokens) of a 1-D integer array"
+
+
+def _open_npy(path: str) -> np.ndarray:
+  """The array of a ``.npy`` file, memory-mapped, after checking its header and size."""
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    try:
+      version = np.lib.format.read_magic(f)
+      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                     else np.lib.format.read_array_header_2_0)
+      shape, _, dtype = read_header(f)
+    except (ValueError, EOFError, SyntaxError) as e:
+      raise ValueError(f"token file {path}: not a NumPy .npy file or its header is damaged "
+                       f"({e}); {_SAVE_HINT}") from None
+    offset = f.tell()
+  if len(shape) != 1:
+    raise ValueError(f"token file {path}: holds a {len(shape)}-D array of shape {shape}, "
+                     f"need a 1-D array of token ids (flatten it: tokens.reshape(-1))")
+  if dtype.kind not in "iu":
+    raise ValueError(f"token file {path}: holds {dtype.name} values, need an integer dtype "
+                     f"({'/'.join(TOKEN_DTYPES)}); convert with tokens.astype(np.int32)")
+  need = offset + shape[0] * dtype.itemsize
+  if size < need:
+    raise ValueError(f"token file {path}: truncated: its header promises {shape[0]} "
+                     f"{dtype.name} tokens ({need} bytes) but the file has {size} bytes; "
+                     "write it again")
+  if not shape[0]:
+    return np.zeros(0, dtype)
+  return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+
+def load_token_file(path: str, dtype: str) -> np.ndarray:
+  """A token file as a 1-D memory-mapped array; ``dtype`` is that of ``.bin`` files."""
+  if path.endswith(".npy"):
+    return _open_npy(path)
+  if dtype not in TOKEN_DTYPES:
+    raise ValueError(f"token_dtype must be one of {TOKEN_DTYPES}, got {dtype!r}")
+  size, item = os.path.getsize(path), np.dtype(dtype).itemsize
+  if size % item:
+    raise ValueError(f"token file {path}: {size} bytes is not a whole number of {dtype} tokens "
+                     f"({item} bytes each): truncated, or DataConfig.token_dtype is not the "
+                     "dtype it was written with")
+  return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+
+
+def _first_outside(path: str, chunk: np.ndarray, lo: int, vocab_size: int | None):
+  """Raises for the first id of ``chunk`` (tokens ``lo``... of ``path``) that is negative or
+  not below ``vocab_size``."""
+  bad = chunk < 0 if vocab_size is None else (chunk < 0) | (chunk >= vocab_size)
+  if not bad.any():
+    return
+  i = int(np.argmax(bad))
+  allowed = ("token ids are >= 0" if vocab_size is None
+             else f"the model's vocab_size is {vocab_size}, so ids are in [0, {vocab_size})")
+  raise ValueError(f"token file {path}: token {lo + i} is {int(chunk[i])}; {allowed}. "
+                   "Tokenize with the model's own tokenizer, or use a model whose vocabulary "
+                   "holds these ids")
+
+
+def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
+                 vocab_size: int | None) -> tuple[Corpus, int]:
+  """Memory-maps token files (one chunked scan: ids in range, document ends); returns the
+  corpus and max id + 1."""
+  arrays, parts, top = [], [], -1
+  for i, path in enumerate(files):
+    arr = load_token_file(path, dtype)
+    ends = []
+    for lo in range(0, len(arr), SCAN_CHUNK):
+      chunk = np.asarray(arr[lo:lo + SCAN_CHUNK])
+      _first_outside(path, chunk, lo, vocab_size)
+      top = max(top, int(chunk.max()))
+      if eos_id is not None:
+        ends.append(lo + 1 + np.flatnonzero(chunk == eos_id))
+    bounds = np.unique(np.concatenate([[0, len(arr)], *ends]).astype(np.int64))
+    starts, lengths = bounds[:-1], np.diff(bounds)
+    arrays.append(arr)
+    parts.append(Corpus(arrays, np.full(len(starts), i, np.int64), starts, lengths))
+  return concat(parts), top + 1

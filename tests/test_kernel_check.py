@@ -125,3 +125,9 @@ def test_metrics_jsonl_takes_the_strings_tensorboard_cannot(tmp_path):
   writer.close()
   with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
     assert json.loads(f.readline()) == {"step": 1, "loss": 2.0, "attention_backend": "xla"}
+  # A resumed run replays the kept lines to TensorBoard: the strings stay out of it there too.
+  writer = metrics.MetricsWriter(str(tmp_path), resume_step=1, enabled=True)
+  writer.write({"step": 2, "loss": 1.5})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", encoding="utf-8") as f:
+    assert [json.loads(line)["step"] for line in f] == [1, 2]

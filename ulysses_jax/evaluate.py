@@ -334,12 +334,12 @@ def main(argv: list[str] | None = None) -> dict:
   config = finetune.model_config(source, {"dtype": args.dtype, "remat_policy": "none"})
   seq = args.mesh_seq if args.mesh_seq > 0 else len(jax.devices()) // args.mesh_data
   mesh = make_mesh(args.mesh_data, seq, devices=jax.devices()[:args.mesh_data * seq])
-  config = kernel_check.settle(config, mesh, check=not args.no_kernel_check).model_config(config)
   data_config = DataConfig(
       **{**data_defaults, "source": "files", "seq_len": args.seq_len, "eval_fraction": 0.0,
          "paths": tuple(p for d in args.data for p in d.split(",") if p),
          "batch_size": args.batch_size or args.mesh_data})
-  tokenizer = make_tokenizer(data_config.tokenizer)
+  needs_tokenizer = args.passkey or args.ruler or args.examples
+  tokenizer = make_tokenizer(data_config.tokenizer) if needs_tokenizer else None
   windows = None
   if data_config.paths:
     windows = document_windows(data_config, mesh, vocab_size=config.vocab_size)
@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict:
   if args.examples:
     examples = ruler.read_examples(args.examples, tokenizer)
     probes["examples"] = examples, make_dataset(examples)
+  # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
+  config = kernel_check.settle(config, mesh, check=not args.no_kernel_check).model_config(config)
   graphdef, params = nnx.split(finetune.load_model(source, config, mesh))
   evaluator = PositionEval(graphdef)
   result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}

@@ -139,8 +139,9 @@ class MetricsWriter:
     self._to_tensorboard(finite)
 
   def _to_tensorboard(self, record: dict):
+    """The numbers of ``record`` (a resumed run replays its kept lines: strings, nulls too)."""
     for key, value in record.items():
-      if key != "step" and value is not None:
+      if key != "step" and isinstance(value, (int, float)):
         self._tb.add_scalar(key, value, record["step"])
     self._tb.flush()
 

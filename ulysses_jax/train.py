@@ -128,12 +128,13 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
   with _config_errors():
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
+    # The data first: a bad file is one error line, before the kernel runs or logs anything.
+    train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
+                                                  vocab_size=config.model.vocab_size)
     attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
     optimizer, graphdef, abstract, step_fn = build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh)
     _check_fits(abstract)
-    train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
-                                                  vocab_size=config.model.vocab_size)
     restored = None
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
       # Checked before restoring: a restore into other shapes fails deep in orbax, and its

@@ -365,8 +365,9 @@ def main(argv: list[str] | None = None) -> dict:
     examples = ruler.read_examples(args.examples, tokenizer)
     probes["examples"] = examples, make_dataset(examples)
   # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
-  config = kernel_check.settle(config, mesh, check=not args.no_kernel_check).model_config(config)
-  graphdef, params = nnx.split(finetune.load_model(source, config, mesh))
+  attention = kernel_check.settle(config, mesh, check=not args.no_kernel_check)
+  graphdef, params = nnx.split(finetune.load_model(source, attention.model_config(config), mesh))
+  print(f"attention: {attention.choice.reason}", file=sys.stderr)
   evaluator = PositionEval(graphdef)
   result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}
   if windows is not None:

@@ -138,7 +138,8 @@ def settle(model_config, mesh: Mesh, *, check: bool = True,
            segment_ids_given: bool = True) -> Settled:
   """The backend a model (``LlamaConfig``: causal) runs on ``mesh``: ``attention_backend``
   (``"auto"``: ``choose_backend``'s pick), checked when ``check`` and it is not ``"xla"``, and
-  on failure the next of the chain that passes. Logs the choice once and each failure."""
+  on failure the next of the chain that passes. Logs each check; the caller logs the choice
+  (``Settled.choice.reason``) once the run is known to proceed."""
   c = model_config
   case = dict(dtype=c.dtype, head_dim=c.head_dim, num_q_heads=c.num_heads,
               num_kv_heads=c.num_kv_heads, causal=True, segment_ids_given=segment_ids_given)
@@ -150,8 +151,6 @@ def settle(model_config, mesh: Mesh, *, check: bool = True,
                                     f"(auto would pick {choice.reason})", chain[1:])
   chain = (choice.backend, *choice.fallbacks)
   lead = jax.process_index() == 0
-  if lead:
-    _log.info("attention: %s", choice.reason)
   checks, backend = [], chain[0]
   # Every chain ends with "xla", the reference itself: never checked, always the last resort.
   for backend, fallback in zip(chain, chain[1:] if check else ()):

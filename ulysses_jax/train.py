@@ -252,6 +252,7 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
     _log.info("%s devices as %s; %s parameters; %d tokens/step; %s", jax.device_count(),
               dict(run.mesh.shape), f"{count_params(config.model):,}", record_args["tokens"],
               f"resuming at step {start}" if start else "starting from scratch")
+    _log.info("attention: %s", run.attention.choice.reason)
   ckpt = Checkpointer(summary["checkpoints"], config.checkpoint)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
   bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,

@@ -11,7 +11,7 @@ from ulysses_jax.doctor import kernels as kernels_lib
 
 def test_doctor_on_cpu_runs_the_xla_kernel_and_the_step_and_says_what_needs_a_gpu(
     tmp_path, capsys):
-  path = tmp_path / "doctor.json"
+  path = tmp_path / "runs" / "doctor.json"  # a folder not made yet, as in a fresh clone
   assert doctor_cli.main(["--json", str(path), "--seq-lens", "256"]) == 0
   report = json.loads(path.read_text())
   out = capsys.readouterr().out
@@ -58,3 +58,11 @@ def test_doctor_refuses_bad_lengths_before_any_work(bad, capsys):
     doctor_cli.main(["--seq-lens", bad])
   assert exit_info.value.code == 2
   assert "expected positive integers separated by commas" in capsys.readouterr().err
+
+
+def test_doctor_refuses_a_json_path_it_cannot_write_before_any_work(tmp_path, capsys):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(SystemExit) as exit_info:
+    doctor_cli.main(["--json", str(tmp_path / "file" / "doctor.json")])
+  assert exit_info.value.code == 2
+  assert "cannot make the folder of" in capsys.readouterr().err

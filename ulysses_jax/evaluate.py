@@ -36,7 +36,6 @@ document piece).
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -47,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from ulysses_jax import distributed, finetune, kernel_check, passkey, ruler, sharding
+from ulysses_jax.cli import json_path, write_json
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, Dataset, document_windows
@@ -259,7 +259,7 @@ def _parse(argv):
   parser.add_argument("--mesh_seq", type=int, default=-1, help="-1: all remaining devices")
   parser.add_argument("--cpu_devices", type=int, default=0, help="virtual CPU devices")
   parser.add_argument("--dtype", default="float32", help="compute dtype")
-  parser.add_argument("--json", help="write the result here")
+  parser.add_argument("--json", type=json_path, help="write the result here")
   parser.add_argument("--plot", help="PNG of loss by position (and the pass-key heatmap)")
   parser.add_argument("--passkey", action="store_true", help="run the pass-key test")
   parser.add_argument("--passkey_trials", type=int, default=2, help="keys per cell")
@@ -381,8 +381,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "results": scored})
   print(format_result(result))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=2)
+    write_json(args.json, result)
   if args.plot:
     plot(result, args.plot)
   return result

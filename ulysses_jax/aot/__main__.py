@@ -13,13 +13,13 @@ would refuse, no CUDA plugin).
 """
 
 import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from ulysses_jax.aot.devices import AotError, gpu_devices, gpu_spec, parse_topology  # noqa: E402
+from ulysses_jax.cli import json_path, write_json  # noqa: E402
 from ulysses_jax.gpus import GPUS  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="<slices>x<hosts per slice>x<GPUs per host>, e.g. 4x1x8")
   parser.add_argument("--gin_file", action="append", default=[], help="repeatable")
   parser.add_argument("--gin_param", action="append", default=[], help="repeatable")
-  parser.add_argument("--json", help="also write the report as JSON here")
+  parser.add_argument("--json", type=json_path, help="also write the report as JSON here")
   args = parser.parse_args(argv)
   from ulysses_jax.aot.report import compile_and_report, format_report
   from ulysses_jax.aot.step import build_train_step
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
   report = compile_and_report(built, spec, nodes=slices * hosts)
   print(format_report(report))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=1)
+    write_json(args.json, report)
   return 0 if report["fits"] else 1
 
 

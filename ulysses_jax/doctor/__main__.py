@@ -7,10 +7,10 @@ failed, 2 bad arguments.
 """
 
 import argparse
-import json
 import sys
 
 from ulysses_jax.benchmarking import format_table
+from ulysses_jax.cli import json_path, write_json
 
 KERNEL_COLUMNS = ["kernel", "S", "causal", "B", "H", "err_out", "err_grad", "fwd_tflops",
                   "bwd_tflops", "fa3_fwd_tflops", "status"]
@@ -19,7 +19,7 @@ KERNEL_COLUMNS = ["kernel", "S", "causal", "B", "H", "err_out", "err_grad", "fwd
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m ulysses_jax.doctor", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--json", help="also write the report as JSON here")
+  parser.add_argument("--json", type=json_path, help="also write the report as JSON here")
   parser.add_argument("--seq-lens", type=_lengths, default=None,
                       help="comma-separated sequence lengths of the kernel rows (default: "
                            "4096,16384,65536 on GPUs, 512,1024 on CPUs)")
@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
   report = doctor.run(args.seq_lens, with_step=not args.no_step)
   print(format_report(report))
   if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(report, f, indent=1, default=str)
+    write_json(args.json, report, default=str)
     print(f"wrote {args.json}")
   return 0 if report["passed"] else 1
 

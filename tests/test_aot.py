@@ -12,9 +12,12 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from ulysses_jax import aot, make_mesh
 from ulysses_jax.aot import cost, roofline  # noqa: F401  (aot.cost, aot.roofline)
+from ulysses_jax.aot import report as report_lib
 from ulysses_jax.attention.backends import choose_backend, resolve_backend
 from ulysses_jax.kernels import flash_attention as fa
 from ulysses_jax.kernels import target as target_lib
+
+GIB = 2**30
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -126,10 +129,40 @@ def test_one_gpu_table_for_aot_and_the_planner():
   assert aot.GPUS is gpus.GPUS
   for name, gpu in gpus.GPUS.items():
     hardware = plan.Hardware.of(name)
-    assert hardware.budget_bytes == gpu.budget_bytes == gpu.memory_bytes  # no reserve yet
+    assert hardware.budget_bytes == gpu.budget_bytes < gpu.memory_bytes
   a100, h100 = plan.Hardware.of("a100"), plan.Hardware.of("h100")
   assert a100.flops / h100.flops == pytest.approx(312 / 989.4)
   assert a100.intra_bw / h100.intra_bw == pytest.approx(300 / 450)
+
+
+def test_the_runtime_reserve_is_a_tenth_of_each_gpu_and_can_be_given_in_gib():
+  """The budget is the capacity less the reserve (at least 6 GiB on an H100, proportionally
+  more on larger GPUs); --reserve_gib replaces it, and nonsense is refused."""
+  h100, h200 = aot.GPUS["h100"], aot.GPUS["h200"]
+  assert h100.runtime_reserve_bytes >= 6 * GIB
+  assert h100.budget_bytes == h100.memory_bytes - h100.runtime_reserve_bytes
+  for gpu in aot.GPUS.values():
+    assert gpu.runtime_reserve_bytes / gpu.memory_bytes == pytest.approx(0.10)
+  assert h200.runtime_reserve_bytes > h100.runtime_reserve_bytes
+  assert h100.with_reserve(None) is h100
+  assert h100.with_reserve(4).runtime_reserve_bytes == 4 * GIB
+  assert h100.with_reserve(0).budget_bytes == h100.memory_bytes
+  for bad in (-1, 80):
+    with pytest.raises(ValueError, match="the runtime reserve must be at least 0 and below "
+                                         "the GPU's 79.11 GiB"):
+      h100.with_reserve(bad)
+
+
+@pytest.mark.parametrize("io_gib", [0, 10, 60, 66, 200])
+def test_budget_options_give_the_compile_the_limit_of_a_run_holding_the_budget(io_gib):
+  """XLA's limit is (base - io) * slop / 100, base 80 % of the GPU on compile-only devices and
+  the client's pool in a run (the trainer's XLA_CLIENT_MEM_FRACTION: the budget): with the
+  options the two limits agree, whether io is small, near the base or above both."""
+  gpu, io = aot.GPUS["h100"], io_gib * GIB
+  slop = report_lib.budget_options(gpu, io)["xla_gpu_memory_limit_slop_factor"]
+  compile_only = (int(gpu.memory_bytes * 0.8) - io) * slop / 100
+  in_the_run = (gpu.budget_bytes - io) * 95 / 100
+  assert compile_only == pytest.approx(in_the_run, rel=0.02)
 
 
 def test_bad_gpu_and_topology_are_refused_before_any_work():

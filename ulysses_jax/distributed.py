@@ -14,7 +14,12 @@ import os
 
 import jax
 
+from ulysses_jax.gpus import RUNTIME_RESERVE_FRACTION
+
 PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
+# JAX's GPU client preallocates this share of each GPU for XLA (both names are read; the second
+# is the older one, and setting both is an error).
+MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def _launcher_size() -> int:
@@ -42,6 +47,8 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
                      "JAX's default")
   if platform:
     jax.config.update("jax_platforms", platform)
+  if platform not in ("cpu", "tpu"):
+    reserve_gpu_memory()
   if cpu_devices:
     try:
       jax.config.update("jax_num_cpu_devices", cpu_devices)
@@ -51,6 +58,30 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
   if compilation_cache:
     jax.config.update("jax_compilation_cache_dir", compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def reserve_gpu_memory() -> None:
+  """Gives XLA the budget ``ulysses_jax.aot`` and the planner check against: each GPU's memory
+  less ``RUNTIME_RESERVE_FRACTION`` for the CUDA context, the libraries and NCCL (JAX's
+  default leaves a quarter). A fraction the user set stays. Call before JAX's GPU backend
+  starts (``configure_platform`` does)."""
+  if not any(os.environ.get(var) for var in MEM_FRACTION_VARS):
+    os.environ[MEM_FRACTION_VARS[0]] = f"{1 - RUNTIME_RESERVE_FRACTION:.2f}"
+
+
+def gpu_memory_line() -> str:
+  """What XLA's pool on the first local GPU is and where its size came from (for the log)."""
+  device = jax.local_devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  var = next((v for v in MEM_FRACTION_VARS if os.environ.get(v)), None)
+  setting = f"{var}={os.environ[var]}" if var else "JAX's default fraction, 0.75"
+  budget = 1 - RUNTIME_RESERVE_FRACTION
+  note = ("the rest is left to the CUDA context, the libraries and NCCL, as aot's budget "
+          "assumes" if float(os.environ[var] if var else 0.75) <= budget + 1e-9 else
+          f"above the {budget:.0%} aot's budget assumes: the CUDA context, the libraries and "
+          f"NCCL may not find the memory they need")
+  size = "unknown" if limit is None else f"{limit / 2**30:.2f} GiB"
+  return f"XLA's memory pool per GPU: {size} ({setting}; {note})"
 
 
 def check_platform(platform: str = "", cpu_devices: int = 0):

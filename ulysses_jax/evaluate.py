@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
   if args.cpu_devices:
     distributed.configure_platform("cpu", args.cpu_devices)
     distributed.check_platform("cpu", args.cpu_devices)
+  else:
+    distributed.reserve_gpu_memory()
   source, data_defaults = args.hf, {}
   if args.workdir:
     saved = finetune.SavedParams(args.workdir, args.step)

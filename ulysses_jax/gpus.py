@@ -17,6 +17,18 @@ GPU as in NVIDIA's DGX systems.
 import dataclasses
 
 GB = 1e9
+GIB = 2**30
+# The share of each GPU's memory left to what runs outside XLA's program: the CUDA context and
+# the kernels' modules (about 0.5-1 GiB), cuBLAS/cuDNN handles, and NCCL's communicators with
+# their buffers, one set per group of devices that talk (a mesh has several: data, seq, ring,
+# and the FSDP axes together). NCCL alone was measured at 1.6 GB for one communicator and about
+# 6 GB for three or more (NVIDIA/nccl issue 864), and NVLink SHARP (NVLS) communicators take
+# more still: NVIDIA's JAX containers turned NVLS off because creating them ran out of memory
+# (NVIDIA/JAX-Toolbox pull request 383). A tenth of the GPU (7.9 GiB of an H100's 79.1, 14.1 of
+# an H200's) covers those with some room for the allocator; JAX's own default keeps a quarter
+# (it preallocates 75 %). The trainer hands XLA the rest (XLA_CLIENT_MEM_FRACTION), so the
+# budget aot and the planner check against is the pool the real run gets.
+RUNTIME_RESERVE_FRACTION = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,15 +50,30 @@ class Gpu:
   network_bandwidth: float    # per GPU per direction across nodes (InfiniBand), bytes/s
   pcie_bandwidth: float       # host <-> device per direction, bytes/s
   cudnn_version: tuple[int, int, int]
-  # What the runtime holds outside XLA's program (CUDA context, library workspaces, NCCL
-  # buffers). 0 for now: a step fits when its compiled bytes fit the whole capacity.
-  runtime_reserve_bytes: int = 0
+  # What the runtime holds outside XLA's program, as a share of memory_bytes.
+  runtime_reserve_fraction: float = RUNTIME_RESERVE_FRACTION
+
+  @property
+  def runtime_reserve_bytes(self) -> int:
+    """Device bytes left to the CUDA context, the libraries and NCCL (not XLA's)."""
+    return round(self.memory_bytes * self.runtime_reserve_fraction)
 
   @property
   def budget_bytes(self) -> int:
     """Device bytes a compiled step may use: the one budget ``aot``'s fit check and the
-    planner both read (capacity minus the runtime reserve)."""
+    planner both read (capacity minus the runtime reserve), and the pool XLA gets in a run."""
     return self.memory_bytes - self.runtime_reserve_bytes
+
+  def with_reserve(self, reserve_gib: float | None) -> "Gpu":
+    """This GPU with a runtime reserve of ``reserve_gib`` GiB (None: unchanged); a
+    ``ValueError`` unless it leaves some of the memory to XLA."""
+    if reserve_gib is None:
+      return self
+    if not 0 <= reserve_gib * GIB < self.memory_bytes:
+      raise ValueError(f"the runtime reserve must be at least 0 and below the GPU's "
+                       f"{self.memory_bytes / GIB:.2f} GiB, got {reserve_gib:g} GiB")
+    return dataclasses.replace(self, runtime_reserve_fraction=reserve_gib * GIB
+                               / self.memory_bytes)
 
 
 _H100 = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),

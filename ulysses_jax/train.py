@@ -253,6 +253,8 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
               dict(run.mesh.shape), f"{count_params(config.model):,}", record_args["tokens"],
               f"resuming at step {start}" if start else "starting from scratch")
     _log.info("attention: %s", run.attention.choice.reason)
+    if jax.default_backend() == "gpu":
+      _log.info(distributed.gpu_memory_line())
   ckpt = Checkpointer(summary["checkpoints"], config.checkpoint)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
   bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,

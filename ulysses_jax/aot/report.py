@@ -11,9 +11,11 @@ the host arguments, copies and outputs a real GPU would run, and ``memory_analys
 counts them where they live (``host_argument_size_in_bytes``, host temporaries).
 """
 
+import math
 import re
 import time
 
+import jax
 
 from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
@@ -33,6 +35,31 @@ GIB = 2**30
 # GiB compiled for an H200, 76.64 for an H100 and under pressure). Not always smaller: take the
 # smaller of the two (compile_and_report(..., under_pressure=True)).
 UNDER_PRESSURE = {"xla_gpu_memory_limit_slop_factor": 10}
+# That limit is (base - io) * slop / 100 (GetSchedulerMemoryLimit, xla/service/gpu/
+# gpu_compiler.cc): io the program's argument and output bytes (aliased ones once, host ones
+# included), base the memory JAX's client holds for XLA (its allocator's limit:
+# XLA_CLIENT_MEM_FRACTION of the GPU, which the trainer sets to the budget) or, on compile-only
+# devices, which have no allocator, 80 % of the GPU's memory.
+_DEFAULT_SLOP = 95
+_COMPILE_ONLY_BASE = 0.8
+
+
+def budget_options(gpu: Gpu, io_bytes: int) -> dict:
+  """Compiler options that give a compile for compile-only devices the memory limit XLA has
+  in a run whose client holds ``gpu.budget_bytes``: rematerialisation and scheduling then aim
+  at the budget, as on the GPU. ``io_bytes``: the step's argument and unaliased output bytes
+  per device."""
+  base = int(gpu.memory_bytes * _COMPILE_ONLY_BASE)
+  if base == io_bytes:
+    return {}
+  slop = round(_DEFAULT_SLOP * (gpu.budget_bytes - io_bytes) / (base - io_bytes))
+  return {"xla_gpu_memory_limit_slop_factor": max(-2**31, min(2**31 - 1, slop))}
+
+
+def argument_bytes(tree) -> int:
+  """Bytes per device of a tree of sharded ``ShapeDtypeStruct``s (device and host alike)."""
+  return max(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                 for x in jax.tree.leaves(tree)), 0)
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu", "cudnn": "__cudnn$",
            "cublas": "__cublas$"}
 
@@ -45,9 +72,12 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   smaller of the two: the footprint ``ulysses_jax.plan`` predicts)."""
   start = time.perf_counter()
   lowered = built.step.lower(built.state, built.batch)
+  # The state is donated and comes back aliased: the arguments are the step's io.
+  options = budget_options(gpu, argument_bytes((built.state, built.batch)))
   with remat_warning_explained():
-    compiled = lowered.compile()
+    compiled = lowered.compile(options)
   report = describe(compiled, built, gpu, nodes, compile_s=time.perf_counter() - start)
+  report["compiler_options"] = options
   if under_pressure:
     with remat_warning_explained(explain=False):  # the limit is low on purpose here
       pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
@@ -80,7 +110,7 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
       "fits": device_bytes <= gpu.budget_bytes,
       "device_bytes": device_bytes, "device_capacity_bytes": gpu.memory_bytes,
-      "budget_bytes": gpu.budget_bytes,
+      "reserve_bytes": gpu.runtime_reserve_bytes, "budget_bytes": gpu.budget_bytes,
       "shortfall_bytes": max(0, device_bytes - gpu.budget_bytes),
       "device_breakdown": device, "host_bytes": host_bytes, "host_breakdown": host,
       "collective_bytes": collectives, "kernels": kernels, "flops": flops,
@@ -91,12 +121,13 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
 
 
 def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
-                   topology: str, under_pressure: bool = False) -> dict:
+                   topology: str, under_pressure: bool = False,
+                   reserve_gib: float | None = None) -> dict:
   """The report of the train step of a gin config compiled for ``topology`` GPUs of kind
-  ``gpu``: what ``python -m ulysses_jax.aot`` prints (``under_pressure`` as in
-  ``compile_and_report``). Raises ``AotError`` / ``ValueError`` for bad input before
-  compiling."""
-  spec = gpu_spec(gpu)
+  ``gpu`` with a runtime reserve of ``reserve_gib`` (default: the GPU table's): what
+  ``python -m ulysses_jax.aot`` prints (``under_pressure`` as in ``compile_and_report``).
+  Raises ``AotError`` / ``ValueError`` for bad input before compiling."""
+  spec = gpu_spec(gpu).with_reserve(reserve_gib)
   slices, hosts, _ = parse_topology(topology)
   built = build_train_step(gin_files, gin_params, gpu_devices(gpu, topology))
   return compile_and_report(built, spec, nodes=slices * hosts, under_pressure=under_pressure)
@@ -114,6 +145,8 @@ def format_report(r: dict) -> str:
            f"  temporaries     {gib(d['temporaries'])}",
            f"  total           {gib(r['device_bytes'])}  of {gib(r['budget_bytes'])}"
            f"  {'fits' if r['fits'] else 'DOES NOT FIT: short by ' + gib(r['shortfall_bytes'])}",
+           f"  budget          {gib(r['budget_bytes'])}  = {gib(r['device_capacity_bytes'])} "
+           f"less {r['reserve_bytes'] / GIB:.2f} GiB for the CUDA context, libraries and NCCL",
            "per device, on the host",
            f"  offloaded state {gib(h['offloaded_state'])}",
            f"  temporaries     {gib(h['temporaries'] + h['outputs'])}  (offloaded activations)",

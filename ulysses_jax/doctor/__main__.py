@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                            "4096,16384,65536 on GPUs, 512,1024 on CPUs)")
   parser.add_argument("--no-step", action="store_true", help="skip the training step")
   args = parser.parse_args(argv)
+  from ulysses_jax import distributed  # pylint: disable=import-outside-toplevel
+  distributed.reserve_gpu_memory()  # the pool the trainer gives XLA, before JAX starts
   import ulysses_jax.doctor as doctor  # pylint: disable=import-outside-toplevel  (starts JAX)
   report = doctor.run(args.seq_lens, with_step=not args.no_step)
   print(format_report(report))

@@ -137,6 +137,8 @@ def _parser():
   add("--gpu", default="h100", choices=sorted(GPUS),
       help="the GPU: its memory, speeds, and what --verify compiles for")
   add("--gpu-mem", type=float, help="GB (10^9 bytes) per device (default: the --gpu's)")
+  add("--reserve-gib", "--reserve_gib", type=float, help="GiB per device left to the CUDA "
+      "context, the libraries and NCCL, as in aot (default: a tenth of the GPU's memory)")
   add("--intra-node", type=int, default=8, help="devices per node")
   host = parser.add_mutually_exclusive_group()
   host.add_argument("--host-mem-per-gpu", type=float,
@@ -206,19 +208,27 @@ def _knobs(args, model: Model) -> search.Knobs:
       offloads=pinned(args.offload, tuple(search.OFFLOADS)), mesh=args.mesh)
 
 
-def _hardware(args) -> Hardware:
+def _gpu(args):
+  """The ``--gpu`` with ``--gpu-mem`` and ``--reserve-gib`` applied."""
   gpu = GPUS[args.gpu]
   if args.gpu_mem is not None:
     gpu = dataclasses.replace(gpu, memory_bytes=int(args.gpu_mem * _GB))
+  try:
+    return gpu.with_reserve(args.reserve_gib)
+  except ValueError as e:
+    _fail(f"--reserve-gib: {e}")
+
+
+def _hardware(args) -> Hardware:
+  gpu = _gpu(args)
   per_gpu = (args.host_mem / min(args.devices, args.intra_node) if args.host_mem is not None
              else args.host_mem_per_gpu or _HOST_GB_PER_GPU)
   return Hardware.of(gpu, intra_node=args.intra_node, host_gb_per_gpu=per_gpu)
 
 
 def _header(args, model, hardware) -> str:
-  gpu = GPUS[args.gpu]
-  memory = gpu.memory_bytes if args.gpu_mem is None else args.gpu_mem * _GB
-  reserve = gpu.runtime_reserve_bytes
+  gpu = _gpu(args)
+  memory, reserve = gpu.memory_bytes, gpu.runtime_reserve_bytes
   host = f"{hardware.host_bytes / _GB:g} GB of free host memory per GPU"
   if args.host_mem is not None:
     host += f" ({args.host_mem:g} GB per node, over {min(args.devices, args.intra_node)} GPUs)"
@@ -226,7 +236,7 @@ def _header(args, model, hardware) -> str:
           f"{args.seq_len:,} tokens (accum_steps={args.accum_steps}) on {args.devices} x "
           f"{gpu.name}, {args.intra_node} per node\n"
           f"usable GPU memory {hardware.budget_bytes / _GIB:.2f} GiB per device: {memory / _GB:g}"
-          f" GB less the runtime reserve ({reserve / _GIB:g} GiB), the budget aot's fit check "
+          f" GB less the runtime reserve ({reserve / _GIB:.2f} GiB), the budget aot's fit check "
           f"uses; {host}")
 
 
@@ -327,7 +337,7 @@ def _verify(row: dict, args):
     try:
       from ulysses_jax.aot.report import compile_config
       report = compile_config([_model_gin_file(args, directory)], params, args.gpu, topology,
-                              under_pressure=True)
+                              under_pressure=True, reserve_gib=args.reserve_gib)
     except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
       _fail(f"--verify: {e}")
   memory = row["memory"]
@@ -340,5 +350,5 @@ def _verify(row: dict, args):
     print(f"  {name:6} {predicted / _GIB:8.2f} {compiled / _GIB:8.2f} {error:>6}")
   print(f"  (device: the smaller of the step compiled as is, {report['device_bytes'] / _GIB:.2f}"
         f", and under memory pressure, {report['device_bytes_under_pressure'] / _GIB:.2f})")
-  print(f"  the compiled step {'fits' if report['fits'] else 'DOES NOT FIT'} in "
-        f"{report['device_capacity_bytes'] / _GIB:.1f} GiB")
+  print(f"  the compiled step {'fits' if report['fits'] else 'DOES NOT FIT'} in the budget, "
+        f"{report['budget_bytes'] / _GIB:.2f} GiB")

@@ -5,13 +5,18 @@ R devices each hold S/R tokens of q, k, v. K/V blocks travel around the ring wit
 currently holds and merges the partial result into a float32 accumulator with log-sum-exp
 statistics. After R steps each query has seen every key. The backward rotates K/V again, and
 the dK/dV accumulated for a block travel with it, one last hop bringing them home; only the
-local q, k, v, the output and the lse are saved, never one K/V block per step. The travelling
-dK/dV are in the inputs' dtype: each device adds its float32 part and rounds once per hop
-(float32 sums in flight would hold two more float32 blocks per device, 4 GiB each for
-Llama-3.1-8B at 8M tokens per ring device, and double their traffic). With bfloat16 inputs
-and R = 4 the relative error of dK/dV against a float32 reference goes from 2.3-3.1e-3 to
-3.0-3.2e-3; dQ stays a float32 sum on its device. Per-device
+local q, k, v, the output and the lse are saved, never one K/V block per step. Per-device
 traffic is 2·(R−1)/R·B·S·Hkv·D elements forward (K and V), about O(S) whatever R is.
+
+**Precision and memory.** The output and dQ are summed over the steps in float32, the lse in
+float32; everything else is in the inputs' dtype: each step's partial output and gradients as
+the kernels write them, and the dK/dV sums, which travel with their block (each device adds its
+part and rounds once per hop). Float32 there would hold several more float32 blocks per device
+(4 GiB each for Llama-3.1-8B at 8M tokens per ring device) and double the dK/dV traffic. With
+bfloat16 inputs, R = 4 and packed segments, the relative error against a float32 dense
+reference is 2.1e-3 (out), 2.8-2.9e-3 (dq), 3.4e-3 (dk), 3.2e-3 (dv), the XLA backend's own
+(float32 partials) within 2 % (``python -m benchmarks.ring_numerics``; float32 partials gave
+2.6e-3, 3.1e-3, 3.0e-3 for dq, dk, dv).
 
 **Zigzag layout.** With a causal mask and the sequence in natural order, device R−1's queries
 see every key while device 0's see only its own: the ring would take as long as a non-causal
@@ -35,8 +40,10 @@ Without a causal mask the ring is balanced as is and the layout does not matter.
 whole block, masking by global positions. ``"pallas"`` runs the flash kernel, which knows no
 positions, so a causal step is cut into what the zigzag layout makes of it: at step 0 the
 device's own block, a plain causal attention (both chunks ascend); at step t > 0, from source
-device s, two fully visible chunk tiles, (q0, kv0) and (q1, kv0) when s < r, (q1, kv0) and
-(q1, kv1) when s > r, run as one non-causal call on the tiles stacked along the batch axis.
+device s, two fully visible chunk tiles, one non-causal call with the tiles as batch rows:
+(q0, kv0) and (q1, kv0) when s < r (the query chunks are rows of q as it lies, kv0 is
+repeated), (q1, kv0) and (q1, kv1) when s > r (the key chunks are rows, q1 repeated; the query
+chunk q0 sees nothing). A ``lax.switch`` picks the case, so each builds only its own rows.
 """
 
 import dataclasses
@@ -225,66 +232,82 @@ def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
       block_q=ring.block, block_kv=ring.block, return_lse=True)
 
 
-def _tile_chunks(ring, step):
-  """Which local chunk each flash tile of a causal step t > 0 takes (module docstring), for
-  queries and for keys: ``True`` the first chunk, ``False`` the second (traced or not)."""
-  early = ring.source_is_earlier(step)
-  return (early, False), (True, early)
+def _step_case(ring, step):
+  """Which local attention a causal step is (module docstring): 0 the device's own block
+  (causal), 1 a block from an earlier device (both query chunks see its first chunk), 2 from a
+  later one (the second query chunk sees both of its chunks)."""
+  return jnp.where(step == 0, 0, jnp.where(ring.source_is_earlier(step), 1, 2))
 
 
-def _stack_tiles(chunks, x, axis=1):
-  """``[B, 2c, ...]`` -> the tiles' chunks stacked on the batch axis, ``[2B, c, ...]``."""
+# The rectangular tiles of steps t > 0 as flash calls over equal lengths: the chunks of a
+# [B, 2c, ...] block become batch rows ([2B, c, ...], a reshape), and a chunk seen by both
+# rows of the other side is repeated. None (no segment ids) passes through.
+
+def _chunks_as_rows(x, axis=1):
+  """``[B, 2c, ...]`` -> ``[2B, c, ...]`` (row 2b+i: chunk i of b); lse ``[B, H, 2c]`` with
+  ``axis=2`` -> ``[2B, H, c]``."""
   if x is None:
     return None
-  first, second = jnp.split(x, 2, axis)
-  return jnp.concatenate([jnp.where(c, first, second) for c in chunks], 0)
+  if axis == 2:
+    b, h, s = x.shape
+    return x.reshape(b, h, 2, s // 2).swapaxes(1, 2).reshape(2 * b, h, s // 2)
+  return x.reshape(2 * x.shape[0], x.shape[1] // 2, *x.shape[2:])
 
 
-def _chunk_masks(chunks):
-  """Per local chunk, per tile: is the tile in that chunk."""
-  return [list(chunks), [jnp.logical_not(c) for c in chunks]]
+def _rows_as_chunks(x, axis=1):
+  """Inverse of ``_chunks_as_rows``."""
+  if axis == 2:
+    b, h, c = x.shape
+    return x.reshape(b // 2, 2, h, c).swapaxes(1, 2).reshape(b // 2, h, 2 * c)
+  return x.reshape(x.shape[0] // 2, 2 * x.shape[1], *x.shape[2:])
 
 
-def _sum_tiles(chunks, d, axis=1):
-  """Inverse of ``_stack_tiles`` for gradients: each chunk sums the tiles in it."""
-  tiles = jnp.split(d, 2, 0)
-  zero = jnp.zeros_like(tiles[0])
-  return jnp.concatenate([sum(jnp.where(m, t, zero) for t, m in zip(tiles, masks))
-                          for masks in _chunk_masks(chunks)], axis)
+def _chunk_twice(x, chunk, axis=1):
+  """Local chunk ``chunk`` (0 or 1) of ``[B, 2c, ...]``, each batch row repeated:
+  ``[2B, c, ...]``."""
+  if x is None:
+    return None
+  return jnp.repeat(jnp.split(x, 2, axis)[chunk], 2, axis=0)
 
 
-def _merge_tiles(chunks, out, lse):
-  """Inverse of ``_stack_tiles`` for partial results: each chunk merges the tiles in it by
-  lse; a chunk in none gets out 0 and lse -inf."""
-  tiles = list(zip(jnp.split(out, 2, 0), jnp.split(lse, 2, 0)))
-  halves = []
-  for masks in _chunk_masks(chunks):
-    half = jnp.zeros_like(tiles[0][0]), jnp.full_like(tiles[0][1], -jnp.inf)
-    for (tile_out, tile_lse), m in zip(tiles, masks):
-      half = _merge(*half, tile_out, jnp.where(m, tile_lse, -jnp.inf))
-    halves.append(half)
-  return (jnp.concatenate([h[0] for h in halves], 1),
-          jnp.concatenate([h[1] for h in halves], 2))
+def _sum_row_pairs(x):
+  """``[2B, c, ...]`` -> ``[B, c, ...]``: the two rows of each b added (gradients of a chunk
+  that ``_chunk_twice`` repeated)."""
+  return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).sum(1)
+
+
+def _in_chunk(x, chunk, fill=0.0, axis=1):
+  """``[B, c, ...]`` placed as local chunk ``chunk`` of ``[B, 2c, ...]``, ``fill`` elsewhere."""
+  parts = [x, jnp.full_like(x, fill)]
+  return jnp.concatenate(parts if chunk == 0 else parts[::-1], axis)
 
 
 def _flash_step(ring, q, k, v, q_seg, kv_seg, step):
   flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True)
 
+  # Each case returns its output in q's dtype, as the kernel writes it: the float32 conversion
+  # then fuses into the merge with the accumulator instead of being a float32 copy.
   def whole_block(causal):
-    out, lse = flash(q, k, v, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
-    return out.astype(jnp.float32), lse
+    return flash(q, k, v, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
 
   if not ring.causal:
     return whole_block(False)
 
-  def tiles():
-    chunks_q, chunks_kv = _tile_chunks(ring, step)
-    stack_q, stack_kv = (functools.partial(_stack_tiles, c) for c in (chunks_q, chunks_kv))
-    out, lse = flash(stack_q(q), stack_kv(k), stack_kv(v), causal=False,
-                     segment_ids=stack_q(q_seg), kv_segment_ids=stack_kv(kv_seg))
-    return _merge_tiles(chunks_q, out.astype(jnp.float32), lse)
+  def from_earlier():  # rows (q0, kv0) and (q1, kv0): the output of the whole block
+    out, lse = flash(_chunks_as_rows(q), _chunk_twice(k, 0), _chunk_twice(v, 0), causal=False,
+                     segment_ids=_chunks_as_rows(q_seg), kv_segment_ids=_chunk_twice(kv_seg, 0))
+    return _rows_as_chunks(out), _rows_as_chunks(lse, axis=2)
 
-  return lax.cond(step == 0, lambda: whole_block(True), tiles)
+  def from_later():  # rows (q1, kv0) and (q1, kv1), merged: the second chunk's output only
+    out, lse = flash(_chunk_twice(q, 1), _chunks_as_rows(k), _chunks_as_rows(v), causal=False,
+                     segment_ids=_chunk_twice(q_seg, 1), kv_segment_ids=_chunks_as_rows(kv_seg))
+    out = out.reshape(out.shape[0] // 2, 2, *out.shape[1:])
+    lse = lse.reshape(lse.shape[0] // 2, 2, *lse.shape[1:])
+    out, lse = _merge(out[:, 0], lse[:, 0], out[:, 1], lse[:, 1])
+    return _in_chunk(out.astype(q.dtype), 1), _in_chunk(lse, 1, -jnp.inf, axis=2)
+
+  return lax.switch(_step_case(ring, step), [lambda: whole_block(True), from_earlier,
+                                             from_later])
 
 
 def _merge(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS):
@@ -339,7 +362,7 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
 
 
 def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
-  grads = functools.partial(flash_attention_backward, scale=ring.scale)
+  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype)
 
   def whole_block(causal):
     return grads(q, k, v, out, lse, d_out, causal=causal, segment_ids=q_seg,
@@ -348,15 +371,23 @@ def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
   if not ring.causal:
     return whole_block(False)
 
-  def tiles():
-    chunks_q, chunks_kv = _tile_chunks(ring, step)
-    stack_q, stack_kv = (functools.partial(_stack_tiles, c) for c in (chunks_q, chunks_kv))
-    dq, dk, dv = grads(stack_q(q), stack_kv(k), stack_kv(v), stack_q(out),
-                       stack_q(lse, axis=2), stack_q(d_out), causal=False,
-                       segment_ids=stack_q(q_seg), kv_segment_ids=stack_kv(kv_seg))
-    return _sum_tiles(chunks_q, dq), _sum_tiles(chunks_kv, dk), _sum_tiles(chunks_kv, dv)
+  def from_earlier():  # _flash_step's rows; the keys' second chunk gets no gradient
+    dq, dk, dv = grads(_chunks_as_rows(q), _chunk_twice(k, 0), _chunk_twice(v, 0),
+                       _chunks_as_rows(out), _chunks_as_rows(lse, axis=2),
+                       _chunks_as_rows(d_out), causal=False, segment_ids=_chunks_as_rows(q_seg),
+                       kv_segment_ids=_chunk_twice(kv_seg, 0))
+    return (_rows_as_chunks(dq), _in_chunk(_sum_row_pairs(dk), 0),
+            _in_chunk(_sum_row_pairs(dv), 0))
 
-  return lax.cond(step == 0, lambda: whole_block(True), tiles)
+  def from_later():  # the queries' first chunk gets no gradient
+    dq, dk, dv = grads(_chunk_twice(q, 1), _chunks_as_rows(k), _chunks_as_rows(v),
+                       _chunk_twice(out, 1), _chunk_twice(lse, 1, axis=2),
+                       _chunk_twice(d_out, 1), causal=False, segment_ids=_chunk_twice(q_seg, 1),
+                       kv_segment_ids=_chunks_as_rows(kv_seg))
+    return _in_chunk(_sum_row_pairs(dq), 1), _rows_as_chunks(dk), _rows_as_chunks(dv)
+
+  return lax.switch(_step_case(ring, step), [lambda: whole_block(True), from_earlier,
+                                             from_later])
 
 
 def _backward_rule(ring, residuals, d_out):

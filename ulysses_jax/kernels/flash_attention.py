@@ -117,7 +117,8 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
 
 def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
                              causal=True, segment_ids=None, kv_segment_ids=None, scale=None,
-                             block_q=None, block_kv=None, interpret=None):
+                             block_q=None, block_kv=None, interpret=None,
+                             grad_dtype=jnp.float32):
   """``(dq, dk, dv)`` of one attention given an output and lse computed elsewhere.
 
   Arguments as ``flash_attention``; ``out_BSHD`` ``[B, S, Hq, D]``, ``lse_BHS`` ``[B, Hq, S]``
@@ -133,7 +134,7 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
   pad = functools.partial(_pad, plan)
   lse = jnp.pad(lse_BHS, [(0, 0), (0, 0), (0, plan.padded_len - plan.seq_len)])
   grads = _backward(plan, pad(q_BSHD), pad(k_BSKD), pad(v_BSKD), q_seg, kv_seg, pad(out_BSHD),
-                    lse, pad(d_out_BSHD), jnp.zeros_like(lse), jnp.float32)
+                    lse, pad(d_out_BSHD), jnp.zeros_like(lse), grad_dtype)
   return tuple(g[:, :plan.seq_len] for g in grads)
 
 

@@ -161,6 +161,26 @@ def test_train_config_values_are_checked():
     distributed.configure_platform("gpux")
 
 
+def test_xla_gets_the_gpu_budget_unless_the_user_chose_a_fraction(monkeypatch):
+  """The trainer (configure_platform, for any platform but CPU and TPU) leaves the runtime
+  reserve aot assumes: XLA_CLIENT_MEM_FRACTION = 1 - RUNTIME_RESERVE_FRACTION; a fraction the
+  user set, under either name, stays; the log line says where the pool's size came from."""
+  for var in distributed.MEM_FRACTION_VARS:
+    monkeypatch.delenv(var, raising=False)
+  distributed.configure_platform("cpu")
+  assert not any(os.environ.get(v) for v in distributed.MEM_FRACTION_VARS)
+  distributed.reserve_gpu_memory()
+  assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.90"
+  assert "XLA_CLIENT_MEM_FRACTION=0.90; the rest is left to the CUDA context" in (
+      distributed.gpu_memory_line())
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", ".98")
+  distributed.reserve_gpu_memory()
+  assert "XLA_CLIENT_MEM_FRACTION" not in os.environ  # setting both is an error in JAX
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.98; above the 90% aot's budget assumes" in (
+      distributed.gpu_memory_line())
+
+
 @pytest.mark.parametrize("param, message", [
     ("TrainConfig.mesh_seq = 3", "mesh data=2 x seq=3 needs 6 devices but 8 are available"),
     ("DataConfig.seq_len = 130", "seq_len=130 does not divide over the mesh's 'seq' axis of 4 "

@@ -261,8 +261,10 @@ def test_roofline_adds_compute_links_and_pcie():
   assert two_nodes.collective_s == 1.0
 
 
-@pytest.mark.parametrize("flag,message", [("--gpu=v100", "unknown GPU 'v100'"),
-                                          ("--topology=8", "malformed topology '8'")])
+@pytest.mark.parametrize("flag,message", [
+    ("--gpu=v100", "unknown GPU 'v100'"), ("--topology=8", "malformed topology '8'"),
+    ("--reserve_gib=80", "the runtime reserve must be at least 0 and below the GPU's 79.11 GiB, "
+                         "got 80 GiB")])
 def test_cli_bad_input_exits_2(flag, message, capsys):
   from ulysses_jax.aot.__main__ import main
   assert main([flag, "--gin_file=configs/llama1b_128k.gin"]) == 2

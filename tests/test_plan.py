@@ -295,6 +295,12 @@ def test_units_a_user_cannot_misread(capsys):
   # GPU memory: the budget aot's fit check uses (Gpu.budget_bytes), in GiB as aot prints it.
   assert f"usable GPU memory {GPUS['h100'].budget_bytes / 2**30:.2f} GiB per device" in header
   assert "256 GB of free host memory per GPU" in header
+  assert "less the runtime reserve (7.91 GiB)" in header
+  # The reserve is aot's --reserve_gib, in GiB; the budget is what is left.
+  plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=8", "--reserve-gib=4"])
+  header = capsys.readouterr().out.splitlines()[1]
+  assert (f"usable GPU memory {GPUS['h100'].memory_bytes / 2**30 - 4:.2f} GiB per device" in
+          header and "less the runtime reserve (4.00 GiB)" in header)
   # Host memory per node is divided over the node's devices in use, and the header says so.
   plan_cli.main(["--model=llama3.2-1b", "--seq-len=65536", "--devices=4", "--host-mem=1000"])
   assert "250 GB of free host memory per GPU (1000 GB per node, over 4 GPUs)" in (

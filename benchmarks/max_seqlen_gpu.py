@@ -10,13 +10,16 @@
 (``python -m benchmarks.max_seqlen --gpu=...`` hands over to this module.) A case is
 ``TOPOLOGY:GIN_FILE[:GIN_PARAM[:GIN_PARAM...]]``: the config's layout on that cluster, with
 only ``DataConfig.seq_len`` varied. A length fits when the step ``python -m ulysses_jax.aot``
-compiles for it (``ulysses_jax.aot.step.build_train_step``, the trainer's own step) fits in
-the GPU's memory and needs at most ``--host-gb`` of host memory per GPU (a DGX H100 has 2 TB
-for 8 GPUs). The search (``benchmarks.max_seqlen.search``) doubles from the config's length
-and bisects to ``--granularity`` tokens per GPU. Compiled, not run: no autotuning, no runtime
-allocations outside XLA's buffers (CUDA context, NCCL); the step time is the roofline
-prediction of ``ulysses_jax.aot.roofline``. Arctic Long Sequence Training's published
-Llama-3.1-8B lengths on H100s (arXiv 2506.13996) stand beside each row of the same GPU count.
+compiles for it (``ulysses_jax.aot.step.build_train_step``, the trainer's own step) fits the
+GPU's budget, its memory less the runtime reserve left to the CUDA context, the libraries and
+NCCL (``ulysses_jax.gpus``; ``--reserve-gib`` to change it), and needs at most ``--host-gb``
+of host memory per GPU (a DGX H100 has 2 TB for 8 GPUs). The search
+(``benchmarks.max_seqlen.search``) doubles from the config's length and bisects to
+``--granularity`` tokens per GPU. Compiled, not run: no autotuning; the step time is the
+roofline prediction of ``ulysses_jax.aot.roofline``. Arctic Long Sequence Training's
+published Llama-3.1-8B lengths and iteration times on H100s (arXiv 2506.13996) stand beside
+each row of the same GPU count, with our predicted step at ALST's length (rounded up to the
+granularity).
 """
 
 import argparse
@@ -31,8 +34,10 @@ from ulysses_jax.aot import gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_config  # noqa: E402
 
 GIB = 2**30
-# Arctic Long Sequence Training, Llama-3.1-8B, longest sequence by H100 count (arXiv 2506.13996).
+# Arctic Long Sequence Training, Llama-3.1-8B on H100s (arXiv 2506.13996): the longest sequence
+# by GPU count and its measured iteration time in seconds (16:50, 1:47:35, 7:25:09).
 ALST_H100 = {1: 500_000, 8: 3_700_000, 32: 15_000_000}
+ALST_H100_STEP_S = {1: 16 * 60 + 50, 8: 3600 + 47 * 60 + 35, 32: 7 * 3600 + 25 * 60 + 9}
 
 
 def parse_case(spec: str) -> tuple[str, str, list[str]]:
@@ -46,15 +51,20 @@ def parse_case(spec: str) -> tuple[str, str, list[str]]:
 
 
 def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
-            granularity: int, host_gb: float, max_len: int) -> dict:
-  """The row of one case: the longest fitting length and the compiled figures there."""
+            granularity: int, host_gb: float, max_len: int,
+            reserve_gib: float | None = None) -> dict:
+  """The row of one case: the longest fitting length and the compiled figures there; on
+  H100s also the predicted step at ALST's length for the GPU count."""
   slices, hosts, per_host = parse_topology(topology)
   num_gpus = slices * hosts * per_host
   reports = {}
 
+  def compile_at(seq_len: int) -> dict:
+    return compile_config([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"], gpu,
+                          topology, reserve_gib=reserve_gib)
+
   def fits(seq_len: int) -> bool:
-    r = compile_config([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"], gpu,
-                       topology)
+    r = compile_at(seq_len)
     reports[seq_len] = r
     ok = r["fits"] and r["host_bytes"] <= host_gb * 1e9
     print(f"  {gpu} {topology} S={seq_len:,}: device {r['device_bytes'] / GIB:.2f} GiB, host "
@@ -66,15 +76,22 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
   best, first_failure = search(fits, granularity * num_gpus, max_len, start)
   r = reports.get(best)
   alst = ALST_H100.get(num_gpus) if gpu == "h100" else None
-  return {
+  row = {
       "gpu": gpu, "gpus": num_gpus, "topology": topology,
       "config": " ".join([gin_file] + gin_params), "max_tokens": best,
       "tokens_per_gpu": best // num_gpus, "first_failure": first_failure,
       "device_gib": r and r["device_bytes"] / GIB, "host_gib_per_gpu": r and r["host_bytes"] / GIB,
       "capacity_gib": r and r["device_capacity_bytes"] / GIB,
+      "budget_gib": r and r["budget_bytes"] / GIB,
       "predicted_step_s": r and r["prediction"]["step_s"],
       "alst_h100_tokens": alst, "vs_alst": alst and best / alst,
   }
+  if alst:
+    step = granularity * num_gpus
+    at = -(-alst // step) * step
+    row.update(alst_h100_step_s=ALST_H100_STEP_S[num_gpus], predicted_tokens_at_alst=at,
+               predicted_step_s_at_alst=compile_at(at)["prediction"]["step_s"])
+  return row
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -108,6 +125,8 @@ def main(argv=None) -> list[dict]:
                       help="TOPOLOGY:GIN_FILE[:GIN_PARAM...] (repeatable)")
   parser.add_argument("--granularity", type=int, default=131072, help="tokens per GPU")
   parser.add_argument("--host-gb", type=float, default=256.0, help="host memory per GPU, GB")
+  parser.add_argument("--reserve-gib", type=float, help="GPU memory left to the runtime, GiB "
+                      "per GPU (default: the GPU table's, a tenth of the memory)")
   parser.add_argument("--max-len", type=int, default=2**31)
   parser.add_argument("--json", default="")
   parser.add_argument("--plot", default="", help="PNG path")
@@ -117,17 +136,20 @@ def main(argv=None) -> list[dict]:
     cases = [parse_case(c) for c in args.case]
     gpus = args.gpu.split(",")
     for gpu in gpus:
-      gpu_spec(gpu)  # an unknown GPU is an error before any compile
+      gpu_spec(gpu).with_reserve(args.reserve_gib)  # errors before any compile
   except ValueError as e:
     parser.error(str(e))
   rows = [longest(gpu, *case, granularity=args.granularity, host_gb=args.host_gb,
-                  max_len=args.max_len) for gpu in gpus for case in cases]
-  criterion = (f"compiled for the GPUs (not run): device bytes <= the GPU's memory, host "
-               f"bytes <= {args.host_gb:g} GB per GPU")
-  print(f"fits = {criterion}; granularity {args.granularity:,} tokens per GPU")
+                  max_len=args.max_len, reserve_gib=args.reserve_gib)
+          for gpu in gpus for case in cases]
+  criterion = (f"compiled for the GPUs (not run): device bytes <= the budget (the GPU's "
+               f"memory less the runtime reserve), host bytes <= {args.host_gb:g} GB per GPU")
+  print(f"fits = {criterion}; granularity {args.granularity:,} tokens per GPU; step times "
+        "are roofline predictions, ALST's are measured")
   common.print_table(rows, ["gpu", "gpus", "max_tokens", "tokens_per_gpu", "device_gib",
-                            "host_gib_per_gpu", "predicted_step_s", "alst_h100_tokens",
-                            "vs_alst"])
+                            "budget_gib", "host_gib_per_gpu", "predicted_step_s",
+                            "alst_h100_tokens", "vs_alst", "alst_h100_step_s",
+                            "predicted_step_s_at_alst"])
   if args.json:
     common.write_json(args.json, rows, criterion=criterion)
   if args.plot:

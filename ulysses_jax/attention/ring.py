@@ -15,7 +15,7 @@ part and rounds once per hop). Float32 there would hold several more float32 blo
 (4 GiB each for Llama-3.1-8B at 8M tokens per ring device) and double the dK/dV traffic. With
 bfloat16 inputs, R = 4 and packed segments, the relative error against a float32 dense
 reference is 2.1e-3 (out), 2.8-2.9e-3 (dq), 3.4e-3 (dk), 3.2e-3 (dv), the XLA backend's own
-(float32 partials) within 2 % (``python -m benchmarks.ring_numerics``; float32 partials gave
+(float32 partials) within 2 % (``python -m benchmarks.ring_cost``; float32 partials gave
 2.6e-3, 3.1e-3, 3.0e-3 for dq, dk, dv).
 
 **Zigzag layout.** With a causal mask and the sequence in natural order, device R−1's queries

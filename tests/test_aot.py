@@ -67,9 +67,10 @@ def test_auto_prefers_mosaic_then_triton_then_cudnn_then_xla_and_says_why(monkey
     assert "got float32 and 128" in float32.reason
     assert _choose(head_dim=256).backend == "pallas"  # the Mosaic backward stops at 128
     assert _choose(head_dim=80, segment_ids_given=False).backend == "cudnn"
-    ring = _choose(ring_attention=True)
-    assert (ring.backend, ring.fallbacks) == ("pallas", ("xla",))
-    assert "ring attention cannot use it" in ring.reason
+    ring = _choose(ring_attention=True)  # the ring takes partial results: no cuDNN
+    assert (ring.backend, ring.fallbacks) == ("pallas_mosaic", ("pallas", "xla"))
+    ring = _choose(ring_attention=True, segment_ids_given=False)
+    assert ring.fallbacks == ("pallas", "xla") and "ring attention cannot use it" in ring.reason
   for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA B200"):  # Ampere; wgmma is Hopper's alone
     with _gpu_context(kind):
       assert _choose().backend == "pallas" and "compute capability" in _choose().reason

@@ -29,7 +29,8 @@ from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
-from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
+from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
+                                                flash_attention_backward)
 
 
 # Interpret-mode kernels become large XLA programs whose CPU compile dominates the test time;
@@ -276,6 +277,39 @@ def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
   assert np.all(np.asarray(out[:, 50:150], np.float32) == 0.0)
   assert np.all(np.isneginf(np.asarray(lse[:, :, 50:150])))
   assert np.all(np.asarray(dq[:, 50:150], np.float32) == 0.0)
+
+
+# flash_attention_backward as a ring step uses it: the gradients of one block of keys, given the
+# output and lse of the attention over all of them (two blocks here, packed segments crossing
+# from one to the other), written in the inputs' dtype; the two blocks' dq add up to the whole.
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_backward_of_key_blocks_adds_up_to_the_whole_gradient(kernel):
+  q, k, v, d_out, segment_ids = random_inputs(12, 1, 512, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=4)
+  q, d_out, q_ids = q[:, 256:], d_out[:, 256:], segment_ids[:, 256:]  # the later queries
+  f32 = lambda x: x.astype(jnp.float32)
+  whole = lambda q, k, v: dense_attention(q, k, v, causal=False, q_segment_ids=q_ids,
+                                          kv_segment_ids=segment_ids, return_lse=True)
+  (out, lse), vjp = jax.vjp(whole, f32(q), f32(k), f32(v))
+  dq, dk, dv = vjp((f32(d_out), jnp.zeros_like(lse)))
+  blocks = [jax.jit(lambda q, k, v, out, lse, d_out, ids: flash_attention_backward(
+      q, k, v, out, lse, d_out, causal=False, segment_ids=q_ids, kv_segment_ids=ids,
+      grad_dtype=jnp.bfloat16, kernel=kernel))(
+          q, k[:, i:i + 256], v[:, i:i + 256], out.astype(q.dtype), lse, d_out,
+          segment_ids[:, i:i + 256]) for i in (0, 256)]
+  assert all(g.dtype == jnp.bfloat16 for block in blocks for g in block)
+  assert relative_error(f32(blocks[0][0]) + f32(blocks[1][0]), dq) < BF16_TOL
+  for i, name, wanted in ((1, "dk", dk), (2, "dv", dv)):
+    got = jnp.concatenate([blocks[0][i], blocks[1][i]], axis=1)
+    assert relative_error(got, wanted) < BF16_TOL, name
+
+
+def test_mosaic_backward_writes_the_inputs_dtype_only():
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  with pytest.raises(ValueError, match=r"kernel='mosaic' writes the inputs' dtype \(bfloat16\), "
+                     r"got grad_dtype=float32; pass grad_dtype=bfloat16 or kernel='triton'"):
+    flash_attention_backward(q, q, q, q, lse, q, kernel="mosaic")
 
 
 def test_pallas_mosaic_backend_runs_the_mosaic_kernels_in_ulysses_attention():

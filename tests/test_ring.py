@@ -78,6 +78,28 @@ def test_pallas_backend_matches_dense_reference(attention, mesh_shape, shape, ca
                            tol=F32_TOL)
 
 
+def test_the_mosaic_backend_runs_its_kernels_in_every_ring_step():
+  """The wiring only, as for plain Ulysses (tests/test_flash_attention.py: GPU interpret mode
+  deadlocks when eight devices each simulate three warpgroups): each step case of the forward
+  and of the backward calls the Mosaic kernels, and no Triton kernel is left. The ring's math
+  around any flash kernel is checked against the dense reference with backend="pallas"; the
+  Mosaic kernels' own gradients of a key block in test_flash_attention.py."""
+  mesh = _mesh(1, 2, 4)
+  q, k, v, _, segment_ids = random_inputs(7, 1, 128, 4, 2, 64, dtype=jnp.bfloat16,
+                                          num_segments=3)
+
+  def loss(q, k, v):
+    out = ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                            backend="pallas_mosaic")
+    return out.astype(jnp.float32).sum()
+  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  # Forward: a switch of the 3 step cases in the loop and one for the last step; backward: the
+  # same two switches, each case a dq and a dk/dv kernel. Every call a Mosaic kernel (a grid of
+  # three warpgroups).
+  assert trace.count("num_threads=3, thread_name='wg'") == 2 * 3 + 2 * 3 * 2
+  assert "num_warps" not in trace  # no Triton kernel (backend="pallas" traces 18 of those)
+
+
 @pytest.mark.parametrize("attention,mesh_shape", [
     (ring_attention, (1, 4, 1)),
     pytest.param(ulysses_attention, (1, 2, 2), marks=pytest.mark.slow),
@@ -194,10 +216,11 @@ def test_mesh_axes():
 
 @pytest.mark.parametrize("call,message", [
     (lambda q, m: ring_attention(q, q, q, mesh=m, backend="cudnn"),
-     r"ring attention supports backend 'auto', 'xla' or 'pallas', got 'cudnn'"),
+     r"ring attention supports backend 'auto', 'xla', 'pallas' or 'pallas_mosaic', got "
+     r"'cudnn': it merges partial results by log-sum-exp"),
     (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="pallas_mosaic"),
-     r"ring attention supports backend 'auto', 'xla' or 'pallas', got 'pallas_mosaic': its "
-     r"backward sums float32 gradients"),
+     r"backend='pallas_mosaic' needs float16 or bfloat16 inputs and head dim in \(64, 128\), "
+     r"got float32 and"),
     (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="flash"),
      r"backend must be one of \('auto', 'xla', 'pallas', 'cudnn', 'pallas_mosaic'\), got "
      r"'flash'"),

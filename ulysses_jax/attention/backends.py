@@ -37,9 +37,7 @@ KERNEL_NAMES = {"pallas_mosaic": "our Mosaic GPU (Hopper) kernels", "pallas": "o
                 "kernels", "cudnn": "cuDNN's attention", "xla": "the XLA chunked attention"}
 # Why ring attention (the "ring" axis of the hybrid) cannot use a backend.
 NOT_IN_RING = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
-                        "not return",
-               "pallas_mosaic": "its backward sums float32 gradients over ring steps, which the "
-                                "Mosaic kernels do not write"}
+                        "not return"}
 _HALF_DTYPES = ("bfloat16", "float16")
 
 

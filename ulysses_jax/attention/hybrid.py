@@ -39,7 +39,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       ones included); tokens attend only within their segment.
       Segments may cross shard boundaries.
     backend: local attention, one of ``backends.BACKENDS``; the hybrid takes all but
-      ``"cudnn"`` and ``"pallas_mosaic"`` (``ring.resolve_backend``).
+      ``"cudnn"`` (``ring.resolve_backend``).
     scale: score scale, default ``1/sqrt(D)``.
     layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``ring.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a

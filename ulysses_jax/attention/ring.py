@@ -37,13 +37,14 @@ layout-agnostic. The permutation lives here only:
 Without a causal mask the ring is balanced as is and the layout does not matter.
 
 **Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
-whole block, masking by global positions. ``"pallas"`` runs the flash kernel, which knows no
-positions, so a causal step is cut into what the zigzag layout makes of it: at step 0 the
-device's own block, a plain causal attention (both chunks ascend); at step t > 0, from source
-device s, two fully visible chunk tiles, one non-causal call with the tiles as batch rows:
-(q0, kv0) and (q1, kv0) when s < r (the query chunks are rows of q as it lies, kv0 is
-repeated), (q1, kv0) and (q1, kv1) when s > r (the key chunks are rows, q1 repeated; the query
-chunk q0 sees nothing). A ``lax.switch`` picks the case, so each builds only its own rows.
+whole block, masking by global positions. ``"pallas"`` (``"pallas_mosaic"``) runs the Triton
+(Mosaic GPU) flash kernels, which know no positions, so a causal step is cut into what the
+zigzag layout makes of it: at step 0 the device's own block, a plain causal attention (both
+chunks ascend); at step t > 0, from source device s, two fully visible chunk tiles, one
+non-causal call with the tiles as batch rows: (q0, kv0) and (q1, kv0) when s < r (the query
+chunks are rows of q as it lies, kv0 is repeated), (q1, kv0) and (q1, kv1) when s > r (the key
+chunks are rows, q1 repeated; the query chunk q0 sees nothing). A ``lax.switch`` picks the
+case, so each builds only its own rows.
 """
 
 import dataclasses
@@ -126,11 +127,12 @@ def check_layout(layout: Layout, seq_len: int, ring_size: int, inner: int = 1) -
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                     causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
-  """The ring's local attention: ``"xla"`` or ``"pallas"`` (``"auto"``: ``choose_backend``'s
-  pick for ring attention: pallas on GPU)."""
+  """The ring's local attention: ``"xla"``, ``"pallas"`` or ``"pallas_mosaic"`` (``"auto"``:
+  ``choose_backend``'s pick for ring attention: our Mosaic kernels on Hopper GPUs, the Triton
+  ones on other GPUs)."""
   if backend in backends.NOT_IN_RING:
-    raise ValueError(f"ring attention supports backend 'auto', 'xla' or 'pallas', got "
-                     f"{backend!r}: {backends.NOT_IN_RING[backend]}.")
+    raise ValueError(f"ring attention supports backend 'auto', 'xla', 'pallas' or "
+                     f"'pallas_mosaic', got {backend!r}: {backends.NOT_IN_RING[backend]}.")
   if backend == "auto":
     return backends.choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
                                    num_kv_heads=num_kv_heads, causal=causal,
@@ -178,7 +180,12 @@ class _Ring:
   causal: bool
   scale: float | None
   block: int
-  backend: str  # "xla" or "pallas"
+  backend: str  # "xla", "pallas" or "pallas_mosaic"
+
+  @property
+  def kernel(self) -> str:
+    """The flash kernels of a ``"pallas*"`` backend: ``"triton"`` or ``"mosaic"``."""
+    return "mosaic" if self.backend == "pallas_mosaic" else "triton"
 
   def rotate(self, tree):
     """Every array of ``tree`` moves from device i to device i+1 of the ring."""
@@ -222,7 +229,7 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
 def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
   """Local attention of this device's queries to the K/V block held at ``step``: the partial
   output ``[B, S/R, H, D]`` and its lse ``[B, H, S/R]``."""
-  if ring.backend == "pallas":
+  if ring.backend != "xla":
     return _flash_step(ring, q, k, v, q_seg, kv_seg, step)
   local_len = q.shape[1]
   return chunked.chunked_attention(
@@ -283,7 +290,8 @@ def _in_chunk(x, chunk, fill=0.0, axis=1):
 
 
 def _flash_step(ring, q, k, v, q_seg, kv_seg, step):
-  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True)
+  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True,
+                            forward_kernel=ring.kernel, backward_kernel=ring.kernel)
 
   # Each case returns its output in q's dtype, as the kernel writes it: the float32 conversion
   # then fuses into the merge with the accumulator instead of being a float32 copy.
@@ -347,7 +355,7 @@ def _forward_rule(ring, q, k, v, segment_ids):
 
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
   """(dq, dk, dv) of one step's tile given the GLOBAL out and lse (summed over steps: exact)."""
-  if ring.backend == "pallas":
+  if ring.backend != "xla":
     return _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   b, s = q.shape[:2]
   if q_seg is None:
@@ -362,7 +370,8 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
 
 
 def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
-  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype)
+  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype,
+                            kernel=ring.kernel)
 
   def whole_block(causal):
     return grads(q, k, v, out, lse, d_out, causal=causal, segment_ids=q_seg,
@@ -432,7 +441,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     causal: causal mask over global positions; balanced with the zigzag layout.
     segment_ids: int ``[B, S]`` or None (any ids above ``common.MIN_SEGMENT_ID``, negative
       ones included); packed segments may cross shards.
-    backend: ``"auto"``, ``"xla"`` or ``"pallas"`` (see ``resolve_backend`` and the module
+    backend: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"pallas_mosaic"`` (see
+      ``resolve_backend`` and the module
       docstring).
     scale: score scale, default ``1/sqrt(D)``.
     layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the

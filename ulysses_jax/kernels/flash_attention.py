@@ -118,18 +118,24 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
 def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
                              causal=True, segment_ids=None, kv_segment_ids=None, scale=None,
                              block_q=None, block_kv=None, interpret=None,
-                             grad_dtype=jnp.float32):
+                             grad_dtype=jnp.float32, kernel="triton"):
   """``(dq, dk, dv)`` of one attention given an output and lse computed elsewhere.
 
   Arguments as ``flash_attention``; ``out_BSHD`` ``[B, S, Hq, D]``, ``lse_BHS`` ``[B, Hq, S]``
   float32 and the output cotangent ``d_out_BSHD``. With the output and lse of a larger
   attention over more keys (ring attention passes the global ones), ``exp(scores - lse)`` are
   the true probabilities of these keys, so summing the results over key blocks gives the
-  exact gradient. Returns float32 ``dq`` ``[B, S, Hq, D]`` and ``dk``, ``dv`` ``[B, S, Hkv, D]``
-  (from the Triton kernels: the Mosaic ones write only the inputs' dtype).
+  exact gradient. Returns ``dq`` ``[B, S, Hq, D]`` and ``dk``, ``dv`` ``[B, S, Hkv, D]`` in
+  ``grad_dtype`` (the kernels sum in float32 and round once when writing), from the Triton
+  kernels or, with ``kernel="mosaic"``, the Hopper ones (which write the inputs' dtype only).
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
-  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton", "triton")
+  _validate_kernels("triton", kernel, q_BSHD, block_q, block_kv)
+  if kernel == "mosaic" and jnp.dtype(grad_dtype) != q_BSHD.dtype:
+    raise ValueError(f"flash_attention_backward: kernel='mosaic' writes the inputs' dtype "
+                     f"({q_BSHD.dtype}), got grad_dtype={jnp.dtype(grad_dtype)}; pass "
+                     f"grad_dtype={q_BSHD.dtype} or kernel='triton'.")
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton", kernel)
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   pad = functools.partial(_pad, plan)
   lse = jnp.pad(lse_BHS, [(0, 0), (0, 0), (0, plan.padded_len - plan.seq_len)])

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from ulysses_jax import rope, sharding
 from ulysses_jax.attention import backends
+from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.layers import Dense, RMSNorm
 
@@ -75,10 +76,7 @@ class UlyssesAttention(nnx.Module):
                param_dtype=jnp.float32, init_std: float = 0.02,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if head_chunks < 1 or num_kv_heads % head_chunks:
-      raise ValueError(f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) "
-                       "so that each chunk holds whole query groups; pick a divisor, or 1 for "
-                       "the unchunked layer.")
+    check_head_chunks(head_chunks, num_kv_heads)
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                        f"({num_kv_heads}): each key/value head serves num_heads/num_kv_heads "

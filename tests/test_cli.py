@@ -32,7 +32,7 @@ def test_every_command_is_a_console_script_that_resolves():
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_the_python_m_form_calls_the_same_main(command):
+def test_the_python_m_form_calls_the_same_main(command, monkeypatch):
   """``ulysses_jax/<command>/__main__.py`` runs ``ulysses_jax.cli.<command>.main`` and exits
   with what it returns; ``--help`` shows the console script's name and its docstring."""
   tree = ast.parse((ROOT / "ulysses_jax" / command / "__main__.py").read_text())
@@ -40,8 +40,8 @@ def test_the_python_m_form_calls_the_same_main(command):
              if isinstance(n, ast.ImportFrom)]
   assert (f"ulysses_jax.cli.{command}", ["main"]) in imports
   out = io.StringIO()
+  monkeypatch.setattr(sys, "argv", [f"ulysses-{command}", "--help"])
   with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-    sys.argv = [f"ulysses-{command}", "--help"]
     runpy.run_module(f"ulysses_jax.{command}", run_name="__main__")
   assert exit_info.value.code == 0
   assert out.getvalue().startswith(f"usage: ulysses-{command} "), out.getvalue()[:200]

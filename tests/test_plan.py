@@ -249,7 +249,7 @@ def test_command_line(capsys):
   with pytest.raises(SystemExit) as exit_info:
     plan_cli.run(["--model=llama3.1-8b", "--seq-len=1024", "--devices=1", "--head-chunks=3"])
   assert exit_info.value.code == 2
-  assert "--head-chunks must divide 8 (the model's), got 3" in capsys.readouterr().err
+  assert "--head_chunks must divide 8 (the model's), got 3" in capsys.readouterr().err
 
 
 README_QUESTION = ["--model=llama3.1-8b", "--seq-len=4194304", "--devices=8", "--gpu-mem=80"]

@@ -24,13 +24,13 @@ Output (printed, and with ``--json`` written): ``loss`` (mean over predicted tok
 ``tokens``, ``perplexity``, and ``buckets``: ``{"start", "end", "loss", "tokens"}`` over the
 position within the row in log-spaced ranges [0, 1), [1, 2), [2, 4), ... [S/2, S), so the
 curve shows whether late tokens profit from the long context; ``--plot`` draws it (PNG).
-``--passkey`` adds ``passkey``: retrieval accuracy by depth x length (``ulysses_jax.passkey``)
-and, with ``--plot``, a heatmap next to it. ``--ruler`` adds ``ruler``: accuracy of each task
-(``ulysses_jax.ruler.tasks``) by length, the mean over tasks by length, the effective length
-(the longest length up to which the mean stays at or above ``--threshold``) and every example
-with its predicted ids; ``--examples`` adds ``examples``: ``accuracy`` and one ``{"correct",
-"predicted_ids"}`` per line of the file. Both are scored as greedy decoding would score them
-(``ulysses_jax.ruler``).
+``--passkey`` adds ``passkey``: retrieval accuracy by depth x length
+(``ulysses_jax.evaluate.passkey``) and, with ``--plot``, a heatmap next to it. ``--ruler``
+adds ``ruler``: accuracy of each task (``ulysses_jax.ruler.tasks``) by length, the mean over
+tasks by length, the effective length (the longest length up to which the mean stays at or
+above ``--threshold``) and every example with its predicted ids; ``--examples`` adds
+``examples``: ``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file. Both
+are scored as greedy decoding would score them (``ulysses_jax.ruler``).
 
 Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
 failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.

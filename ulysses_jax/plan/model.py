@@ -1,6 +1,6 @@
 """The layout planner's model: per-device memory (``predict_memory``) and step time
 (``predict_step``) of a ``Layout`` for a ``Model`` on ``Hardware`` (``ulysses_jax.plan.search``
-searches the layouts; ``ulysses_jax.plan.cli`` is the command line).
+searches the layouts; ``ulysses_jax.cli.plan`` is the command line).
 
 With ``accum_steps`` micro-batches the activations are those of one micro-batch, the
 gradients are summed in float32 (4·params/N more), and FSDP gathers and reduce-scatters once

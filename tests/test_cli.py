@@ -76,3 +76,13 @@ def test_errors_are_one_line_and_their_exit_code(capsys):
   assert capsys.readouterr().err == "error: does not fit\nerror: bad\n"
   with pytest.raises(ValueError):
     cli.run(failing(ValueError("bad")), debug=True)
+
+
+def test_debug_shows_the_error_itself():
+  from ulysses_jax.cli import plan  # pylint: disable=import-outside-toplevel
+  args = ["--model=llama9", "--seq_len=1024", "--devices=8"]
+  with pytest.raises(SystemExit) as exit_info:
+    plan.run(args)
+  assert exit_info.value.code == cli.EXIT_USAGE
+  with pytest.raises(ValueError, match="unknown model 'llama9'"):
+    plan.run([*args, "--debug"])

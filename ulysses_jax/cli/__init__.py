@@ -111,8 +111,12 @@ def error_line(error: BaseException | str) -> str:
   return "error: " + "\n".join(lines)
 
 
-def fail(message: str, code: int = EXIT_USAGE):
-  """Prints ``error: message`` (after what was printed before it) and exits with ``code``."""
+def fail(message: str, code: int = EXIT_USAGE, *, debug: bool = False):
+  """Prints ``error: message`` (after what was printed before it) and exits with ``code``;
+  called while an exception is handled, with ``debug`` that exception propagates instead."""
+  handled = sys.exc_info()[1]
+  if debug and handled is not None:
+    raise handled
   sys.stdout.flush()
   print(error_line(message), file=sys.stderr, flush=True)
   raise SystemExit(code)

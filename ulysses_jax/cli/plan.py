@@ -176,7 +176,7 @@ def _parse(argv):
   try:
     base, run = model_spec.load(args.model, args.init_from)
   except ValueError as e:
-    cli.fail(str(e))
+    cli.fail(str(e), debug=args.debug)
   config = base.model
   for name, default in (("seq_len", None), ("batch", 1), ("accum_steps", 1),
                         ("master_weights", None), ("init_from", None)):
@@ -199,7 +199,7 @@ def _knobs(args, model: Model) -> search.Knobs:
   try:
     precisions = search.precisions(args.param_dtype, args.master_weights)
   except ValueError as e:
-    cli.fail(str(e))
+    cli.fail(str(e), debug=args.debug)
   for flag, value, total in (("--head_chunks", args.head_chunks, model.num_kv_heads),
                              ("--remat_group", args.remat_group, model.num_layers)):
     if value is not None and (value < 1 or total % value):
@@ -221,7 +221,7 @@ def _gpu(args):
   try:
     return gpu.with_reserve(args.reserve_gib)
   except ValueError as e:
-    cli.fail(f"--reserve_gib: {e}")
+    cli.fail(f"--reserve_gib: {e}", debug=args.debug)
 
 
 def _hardware(args) -> Hardware:
@@ -264,7 +264,7 @@ def run(argv: list[str] | None = None) -> dict:
     rows = search.plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
                        **sizes)
   except ValueError as e:
-    cli.fail(str(e))
+    cli.fail(str(e), debug=args.debug)
   print(_header(args, model, hardware))
   if not rows:
     _no_fit(args, model, hardware, sizes)
@@ -347,7 +347,7 @@ def _verify(row: dict, args):
     report = compile_config(config, args.gpu, topology, under_pressure=True,
                             reserve_gib=args.reserve_gib)
   except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
-    cli.fail(f"--verify: {e}")
+    cli.fail(f"--verify: {e}", debug=args.debug)
   memory = row["memory"]
   device = report["least_device_bytes"]
   print(f"verified: compiled for {topology} {report['gpu']} in {report['compile_s']:.0f} s, "

@@ -120,7 +120,8 @@ def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk:
     sums, per_token = one_chunk(head_EV, *xs)
     return jax.tree.map(jnp.add, total, sums), per_token
 
-  sums_shape = jax.eval_shape(one_chunk, head_EV, hidden_NBPcE[0], labels_NBPc[0])[0]
+  one = lambda x_N: jax.ShapeDtypeStruct(x_N.shape[1:], x_N.dtype)
+  sums_shape = jax.eval_shape(one_chunk, head_EV, one(hidden_NBPcE), one(labels_NBPc))[0]
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
   total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
   s = labels_BS.shape[1]

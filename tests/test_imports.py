@@ -5,6 +5,9 @@ the top or inside a function) is an edge to the module it names. ``from a import
 at ``a.x`` when that is a module, at ``a`` otherwise. The parent packages that Python runs
 first (``ulysses_jax/__init__.py`` for every submodule) are not edges: a package's
 ``__init__`` always finishes importing before its submodules do.
+
+The edges stay where they are: gin is imported only under ``ulysses_jax.cli`` (the command
+lines), and ``gpus.GPUS`` is the one table of GPUs.
 """
 
 import ast

@@ -58,9 +58,10 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
-from ulysses_jax import evaluate, make_mesh, metrics, sharding, train_step  # noqa: E402
+from ulysses_jax import evaluate, make_mesh, metrics, sharding, step_builder  # noqa: E402
+from ulysses_jax.data import DataConfig  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
-from ulysses_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
+from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402
 
 GIB = 2**30
 EVAL_NOTE = ("eval = the evaluation forward pass (evaluate.PositionEval: no gradients, no "
@@ -88,12 +89,6 @@ class MemoryConfig:
                     ["master"] * self.master_weights +
                     [f"mlp{self.mlp_chunk}"] * bool(self.mlp_chunk))
 
-  @property
-  def state_memory(self) -> train_step.MemoryOptions:
-    """The train state's ``MemoryOptions`` this config sets."""
-    return train_step.MemoryOptions(offload_optimizer=self.offload_optimizer,
-                                    offload_params=self.offload_params,
-                                    master_weights=self.master_weights)
 
 
 def parse_config(spec: str) -> MemoryConfig:
@@ -146,6 +141,15 @@ class Setup:
                         mlp_chunk=memory.mlp_chunk,
                         loss_chunk=self.loss_chunk)
 
+  def run_config(self, memory: MemoryConfig, seq_len: int) -> RunConfig:
+    """The training run of one try (``step_builder`` builds its step)."""
+    return RunConfig(
+        train=TrainConfig(mesh_data=self.data, mesh_seq=self.seq,
+                          offload_optimizer=memory.offload_optimizer,
+                          offload_params=memory.offload_params,
+                          master_weights=memory.master_weights),
+        model=self.model_config(memory), data=DataConfig(seq_len=seq_len, batch_size=self.batch))
+
 
 def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, int]:
   """Largest multiple S of ``granularity`` (<= ``max_len``) with ``fits(S)``, assuming fits
@@ -169,20 +173,6 @@ def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, i
     else:
       high = middle
   return low, high
-
-
-def abstract_state(config: llama.LlamaConfig, mesh, optimizer, memory):
-  """``(graphdef, TrainState of ShapeDtypeStruct)``: shapes only, nothing allocated."""
-  graphdefs = []
-
-  def build():
-    graphdef, state = train_step.init_train_state(llama.init_llama(config, mesh), optimizer,
-                                                  memory=memory)
-    graphdefs.append(graphdef)
-    return state
-
-  state = jax.eval_shape(build)
-  return graphdefs[0], state
 
 
 def device_bytes(compiled, host_state=()) -> int:
@@ -222,21 +212,15 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
   the state and batch are ShapeDtypeStructs."""
   mesh = make_mesh(data=setup.data, seq=setup.seq,
                    devices=jax.devices()[:setup.data * setup.seq])
-  optimizer = make_optimizer(OptimizerConfig())
   config = setup.model_config(memory)
   if memory.evaluate:
     graphdef, state = (abstract_params(config, mesh) if abstract else
                        nnx.split(llama.init_llama(config, mesh)))
     step = evaluate.PositionEval(graphdef).step
-    shardings = sharding.tree_shardings(state, mesh)
   else:
-    placement = memory.state_memory
-    graphdef, state = (abstract_state(config, mesh, optimizer, placement)
-                       if abstract else train_step.init_train_state(
-                           llama.init_llama(config, mesh), optimizer, memory=placement))
-    step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh,
-                                      seq_len=seq_len, memory=placement)
-    shardings = train_step.state_shardings(state, mesh, memory=placement)
+    built = step_builder.build_train_step(setup.run_config(memory, seq_len), mesh)
+    step = built.step
+    state = built.state if abstract else step_builder.initial_state(built)
   # Eval rows are whole windows, as evaluate's: positions 0..S-1, one segment per row.
   batch_sharding = NamedSharding(mesh, sharding.batch_spec(mesh, seq_len))
   if abstract:
@@ -247,9 +231,8 @@ def compile_step(setup: Setup, memory: MemoryConfig, seq_len: int, *, abstract: 
     batch = jax.device_put(synthetic_batch(setup.batch, seq_len, config.vocab_size,
                                            seq_len if memory.evaluate else 0), batch_sharding)
   compiled = step.lower(state, batch).compile()
-  host_state = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))
-                if s.memory_kind == "pinned_host"]
+  host_state = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
   return compiled, state, batch, device_bytes(compiled, host_state)
 
 

@@ -10,7 +10,7 @@
 (``python -m benchmarks.max_seqlen --gpu=...`` hands over to this module.) A case is
 ``TOPOLOGY:GIN_FILE[:GIN_PARAM[:GIN_PARAM...]]``: the config's layout on that cluster, with
 only ``DataConfig.seq_len`` varied. A length fits when the step ``python -m ulysses_jax.aot``
-compiles for it (``ulysses_jax.aot.step.build_train_step``, the trainer's own step) fits the
+compiles for it (``ulysses_jax.step_builder.build_train_step``, the trainer's own step) fits the
 GPU's budget, its memory less the runtime reserve left to the CUDA context, the libraries and
 NCCL (``ulysses_jax.gpus``; ``--reserve-gib`` to change it), and needs at most ``--host-gb``
 of host memory per GPU (a DGX H100 has 2 TB for 8 GPUs). The search
@@ -23,15 +23,16 @@ granularity).
 """
 
 import argparse
+import dataclasses
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from benchmarks import common  # noqa: E402
 from benchmarks.max_seqlen import search  # noqa: E402
-from ulysses_jax import gin_config  # noqa: E402
 from ulysses_jax.aot import gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_config  # noqa: E402
+from ulysses_jax.cli import gin_config  # noqa: E402
 
 GIB = 2**30
 # Arctic Long Sequence Training, Llama-3.1-8B on H100s (arXiv 2506.13996): the longest sequence
@@ -58,10 +59,12 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
   slices, hosts, per_host = parse_topology(topology)
   num_gpus = slices * hosts * per_host
   reports = {}
+  config = gin_config.read([gin_file], gin_params)
 
   def compile_at(seq_len: int) -> dict:
-    return compile_config([gin_file], gin_params + [f"DataConfig.seq_len={seq_len}"], gpu,
-                          topology, reserve_gib=reserve_gib)
+    data = dataclasses.replace(config.data, seq_len=seq_len)
+    return compile_config(dataclasses.replace(config, data=data), gpu, topology,
+                          reserve_gib=reserve_gib)
 
   def fits(seq_len: int) -> bool:
     r = compile_at(seq_len)
@@ -72,8 +75,7 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
           flush=True)
     return ok
 
-  start = gin_config.read([gin_file], gin_params).data.seq_len
-  best, first_failure = search(fits, granularity * num_gpus, max_len, start)
+  best, first_failure = search(fits, granularity * num_gpus, max_len, config.data.seq_len)
   r = reports.get(best)
   alst = ALST_H100.get(num_gpus) if gpu == "h100" else None
   row = {

@@ -25,10 +25,10 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from benchmarks import common  # noqa: E402
-from ulysses_jax import gin_config, plan  # noqa: E402
+from ulysses_jax import plan, step_builder  # noqa: E402
 from ulysses_jax.aot import gpu_devices, gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_and_report  # noqa: E402
-from ulysses_jax.aot.step import build_train_step  # noqa: E402
+from ulysses_jax.cli import gin_config  # noqa: E402
 
 GIB = 2**30
 # (gin file, topology, --gin_param overrides)
@@ -70,9 +70,10 @@ GRID = tuple(
 def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> dict:
   """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
   slices, hosts, _ = parse_topology(topology)
-  built = build_train_step([gin_file], list(params), gpu_devices(gpu, topology))
   config = gin_config.read([gin_file], list(params))
-  cfg, model_cfg, data_cfg = config.train, config.model, config.data
+  built = step_builder.build_train_step(
+      config, step_builder.run_mesh(config.train, gpu_devices(gpu, topology)))
+  cfg, model_cfg, data_cfg = config.train, built.config.model, config.data
   layout = plan.Layout(data=built.mesh.shape["data"], seq=built.mesh.shape["seq"],
                        ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
                        offload_optimizer=cfg.offload_optimizer,

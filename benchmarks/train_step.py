@@ -2,8 +2,8 @@
 
     python -m benchmarks.train_step --preset llama3.2-1b --seq-len 32768 [--data 1 --seq 8]
 
-Runs the real train step (``ulysses_jax.train_step``: chunked loss, remat, AdamW, donation)
-on synthetic tokens, on whatever devices JAX sees (add
+Runs the real train step (``ulysses_jax.step_builder``, the trainer's own: chunked loss, remat,
+AdamW, donation) on synthetic tokens, on whatever devices JAX sees (add
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for virtual CPU devices).
 
 MFU = model FLOP/s / measured peak matmul FLOP/s of all devices together
@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from ulysses_jax import make_mesh, metrics, train_step
+from ulysses_jax import make_mesh, metrics, step_builder
+from ulysses_jax.data import DataConfig
 from ulysses_jax.models import llama
-from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
+from ulysses_jax.run_config import RunConfig, TrainConfig
 
 FORMULA = ("MFU = flops_per_token * tokens/s / peak(all devices); flops_per_token = 6*N + "
            "6*L*S*h (causal attention: 12*L*S*h halved)")
@@ -74,18 +75,16 @@ def main(argv=None):
                         remat_policy=args.remat, remat_group=args.remat_group,
                         mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
                         attention_backend=args.backend)
-  memory = train_step.MemoryOptions(offload_optimizer=args.offload_optimizer,
+  run = RunConfig(train=TrainConfig(mesh_data=mesh.shape["data"], mesh_seq=seq_axis,
+                                    offload_optimizer=args.offload_optimizer,
                                     offload_params=args.offload_params,
-                                    master_weights=args.master_weights)
+                                    master_weights=args.master_weights),
+                  model=config, data=DataConfig(seq_len=args.seq_len, batch_size=batch_size))
   start = time.perf_counter()
-  model = llama.init_llama(config, mesh)
-  optimizer = make_optimizer(OptimizerConfig())
-  graphdef, state = train_step.init_train_state(model, optimizer, memory=memory)
-  del model
-  step = train_step.make_train_step(graphdef, state, optimizer, mesh=mesh, seq_len=args.seq_len,
-                                    memory=memory)
+  built = step_builder.build_train_step(run, mesh)
+  state = step_builder.initial_state(built)
   batch = synthetic_batch(batch_size, args.seq_len, config.vocab_size, args.doc_len)
-  compiled = step.lower(state, batch).compile()
+  compiled = built.step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
 

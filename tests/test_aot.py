@@ -267,7 +267,7 @@ def test_roofline_adds_compute_links_and_pcie():
     ("--reserve_gib=80", "the runtime reserve must be at least 0 and below the GPU's 79.11 GiB, "
                          "got 80 GiB")])
 def test_cli_bad_input_exits_2(flag, message, capsys):
-  from ulysses_jax.aot.__main__ import main
+  from ulysses_jax.cli.aot import main
   assert main([flag, "--gin_file=configs/llama1b_128k.gin"]) == 2
   assert message in capsys.readouterr().err
 
@@ -287,14 +287,14 @@ def test_async_collectives_count_their_results_only():
 
 
 def test_cli_refuses_a_topology_the_config_does_not_use(capsys, monkeypatch):
-  from ulysses_jax.aot import __main__ as cli
+  from ulysses_jax.cli import aot as cli
   monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
   assert cli.main(["--topology=1x1x8", "--gin_file=configs/llama8b_1gpu_512k.gin"]) == 2
-  assert "needs 1 GPUs, the topology has 8" in capsys.readouterr().err
+  assert "needs 1 devices but 8 are available" in capsys.readouterr().err
 
 
 def test_cli_says_a_gin_string_needs_quotes(capsys, monkeypatch):
-  from ulysses_jax.aot import __main__ as cli
+  from ulysses_jax.cli import aot as cli
   monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])
   assert cli.main(["--gin_file=configs/llama1b_128k.gin",
                    "--gin_param=LlamaConfig.remat_policy=full"]) == 2

@@ -10,7 +10,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax import corpus, data, ulysses_attention
+from ulysses_jax import corpus, data, evaluate, ulysses_attention
 from ulysses_jax.mesh import make_mesh
 
 IGNORE = data.IGNORE_LABEL
@@ -223,9 +223,9 @@ def test_retrieval_rows():
 def test_retrieval_accuracy():
   labels = jnp.array([[IGNORE, 5, IGNORE], [IGNORE, IGNORE, 7]])
   predictions = jnp.array([[5, 5, 1], [0, 0, 3]])
-  assert float(data.retrieval_accuracy(predictions, labels)) == 0.5
+  assert float(evaluate.retrieval_accuracy(predictions, labels)) == 0.5
   logits = jax.nn.one_hot(jnp.array([[0, 5, 0], [0, 0, 7]]), 8)
-  assert float(data.retrieval_accuracy(logits, labels)) == 1.0
+  assert float(evaluate.retrieval_accuracy(logits, labels)) == 1.0
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -365,7 +365,8 @@ def _tiny_model_accuracy(mesh, train, evals, *, shard_local, steps):
     # CPU runtime can leave one device's launch waiting for its in-flight slot while the
     # other seven wait in the step's all-reduce, until XLA aborts the process.
     jax.block_until_ready(params)
-  accuracy = jax.jit(lambda p, b: data.retrieval_accuracy(logits_fn(p, b["tokens"]), b["labels"]))
+  accuracy = jax.jit(lambda p, b: evaluate.retrieval_accuracy(logits_fn(p, b["tokens"]),
+                                                              b["labels"]))
   return float(np.mean([accuracy(params, evals.batch(i)) for i in range(evals.num_batches)]))
 
 

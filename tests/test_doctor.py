@@ -5,7 +5,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax.doctor import __main__ as doctor_cli
+from ulysses_jax.cli import doctor as doctor_cli
 from ulysses_jax.doctor import kernels as kernels_lib
 
 

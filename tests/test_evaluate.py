@@ -15,10 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model  # noqa: E402
 
-from ulysses_jax import data, evaluate, finetune, passkey, train  # noqa: E402
+from ulysses_jax import data, evaluate, finetune  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
+from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
+from ulysses_jax.cli import train as train_cli  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.corpus import make_tokenizer  # noqa: E402
+from ulysses_jax.evaluate import passkey  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 SEQ_LEN = 16
@@ -39,7 +42,7 @@ def setup(tmp_path_factory):
 
 
 def _run(root, *flags):
-  return evaluate.main([f"--hf={root / 'hf'}", f"--data={root / 'doc*.npy'}",
+  return evaluate_cli.run([f"--hf={root / 'hf'}", f"--data={root / 'doc*.npy'}",
                         f"--seq_len={SEQ_LEN}", *flags])
 
 
@@ -109,7 +112,7 @@ def test_passkey_rows_label_only_the_key():
 def test_passkey_through_the_command_line(tmp_path):
   random_hf_model("LlamaForCausalLM", vocab_size=256).save_pretrained(tmp_path / "hf")
   (tmp_path / "a.txt").write_text("some text to evaluate " * 20)
-  result = evaluate.main([f"--hf={tmp_path / 'hf'}", f"--data={tmp_path / 'a.txt'}",
+  result = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", f"--data={tmp_path / 'a.txt'}",
                           "--seq_len=128", "--mesh_seq=4", "--mesh_data=2", "--passkey",
                           "--passkey_trials=1"])
   table = result["passkey"]
@@ -125,7 +128,7 @@ def test_errors_before_any_compute(setup, tmp_path, monkeypatch):
   (tmp_path / "a.txt").write_text("text")
   with pytest.raises(ConfigError, match="tokenizer 'byte' uses ids up to 255, beyond the "
                      "model's vocab_size=128"):
-    evaluate.main([f"--hf={root / 'hf'}", f"--data={tmp_path / 'a.txt'}", "--seq_len=16"])
+    evaluate_cli.run([f"--hf={root / 'hf'}", f"--data={tmp_path / 'a.txt'}", "--seq_len=16"])
   with pytest.raises(ConfigError, match="pass-key tokenizer has 256 ids but the model's "
                      "vocab_size is 128"):
     _run(root, "--passkey", "--seq_len=256")
@@ -147,7 +150,7 @@ def test_a_model_trained_on_retrieval_beats_chance_at_retrieval(tmp_path):
   """Pass-key-style scoring (a row counts when every label is the top prediction) of a Llama
   trained by the trainer on the retrieval task (keys on the first of 8 sequence shards, the
   question on the last), read back from its workdir."""
-  train.main(["--gin_file=configs/retrieval_cpu.gin", f"--workdir={tmp_path}",
+  train_cli.main(["--gin_file=configs/retrieval_cpu.gin", f"--workdir={tmp_path}",
               "--gin_param=STEPS=300", "--gin_param=TrainConfig.progress_bar=False",
               "--gin_param=TrainConfig.eval_every=0"])
   mesh = make_mesh(data=1, seq=8)
@@ -167,7 +170,7 @@ def test_data_with_nothing_to_predict(setup, tmp_path):
   root, _, _ = setup
   np.save(tmp_path / "one.npy", np.array([5], np.uint16))
   with pytest.raises(ConfigError, match="holds no document of 2 or more tokens"):
-    evaluate.main([f"--hf={root / 'hf'}", f"--data={tmp_path / 'one.npy'}", "--seq_len=16"])
+    evaluate_cli.run([f"--hf={root / 'hf'}", f"--data={tmp_path / 'one.npy'}", "--seq_len=16"])
 
 
 def test_a_failing_attention_kernel_falls_back_before_the_first_batch(setup, monkeypatch,

@@ -19,14 +19,19 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import evaluate, export, finetune, gin_config  # noqa: E402
+from ulysses_jax import export, finetune, step_builder  # noqa: E402
 from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
+from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
+from ulysses_jax.cli import export as export_cli  # noqa: E402
+from ulysses_jax.cli import gin_config  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.data import IGNORE_LABEL, DataConfig, make_global_batch  # noqa: E402
 from ulysses_jax.hf import save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
+from ulysses_jax.models.config import LlamaConfig  # noqa: E402
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402
 from ulysses_jax.rope import RopeScaling  # noqa: E402
+from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402
 from ulysses_jax.train_step import init_train_state, make_train_step  # noqa: E402
 
 SEQ_LEN = 16
@@ -82,6 +87,30 @@ def test_init_from_hf_gives_the_transformers_loss(hf_dir, tmp_path):
   assert written["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "extended").eval()
   assert abs(_hf_loss(exported, tokens) - ours) <= 1e-5 * ours
+
+
+def test_init_from_gives_the_model_its_shapes_from_python_as_from_gin(hf_dir, tmp_path):
+  """``step_builder.resolve``: a ``RunConfig`` with ``init_from`` and the model left at its
+  default (Llama-3.1-8B's shapes) builds the checkpoint's model; what the model sets applies
+  on top, contradictions are errors; a model resolved once stays as it is."""
+  start = RunConfig(train=TrainConfig(init_from=str(hf_dir), mesh_data=2, mesh_seq=4),
+                    data=DataConfig(seq_len=SEQ_LEN, batch_size=2))
+  resolved = step_builder.resolve(start)
+  assert resolved.model == finetune.model_config(str(hf_dir))
+  built = step_builder.build_train_step(start, step_builder.run_mesh(start.train))
+  assert built.config.model == resolved.model
+  assert built.state.params["embedding"].shape == (128, 64)  # the checkpoint's, not 32000 x 4096
+  set_here = step_builder.resolve(dataclasses.replace(start, model=LlamaConfig(**CPU)))
+  assert set_here.model == finetune.model_config(str(hf_dir), CPU)
+  assert step_builder.resolve(set_here) == set_here
+  with pytest.raises(ConfigError, match=r"LlamaConfig.num_layers=4 but the checkpoint has "
+                     r"num_layers=2"):
+    step_builder.resolve(dataclasses.replace(start, model=LlamaConfig(num_layers=4)))
+  # The command line builds the same model from gin files binding the same fields (the
+  # fine-tune's includes configs/runs/cpu.gin: float32, xla, no remat).
+  from_gin = gin_config.read(["configs/finetune_tiny_cpu.gin"], [
+      f"TrainConfig.init_from='{hf_dir}'", "LlamaConfig.loss_chunk=4"])
+  assert from_gin.model == set_here.model
 
 
 def _copy_dir(src, dst, config_changes=None, drop_config=False):
@@ -175,7 +204,7 @@ def test_export_loads_in_transformers_with_our_logits(workdir, tmp_path):
   root, trained = workdir
   tokens, _ = _batch(seed=2)
   expected = np.asarray(nnx.jit(lambda m, t: m(t))(trained, jnp.asarray(tokens, jnp.int32)))
-  out = export.main([f"--workdir={root}", f"--out={tmp_path / 'hf'}"])
+  out = export_cli.run([f"--workdir={root}", f"--out={tmp_path / 'hf'}"])
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   np.testing.assert_array_less(np.abs(torch_logits(exported, tokens) - expected), 1e-4)
   written = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -204,14 +233,14 @@ def test_evaluate_a_workdir_equals_its_export(workdir, tmp_path):
   root, _ = workdir
   np.save(tmp_path / "doc.npy", np.random.default_rng(3).integers(0, 128, 40).astype(np.int32))
   common = [f"--data={tmp_path / 'doc.npy'}", f"--seq_len={SEQ_LEN}", "--mesh_data=1"]
-  ours = evaluate.main([f"--workdir={root}", "--step=2", "--mesh_seq=4", *common])
+  ours = evaluate_cli.run([f"--workdir={root}", "--step=2", "--mesh_seq=4", *common])
   export.export_checkpoint(str(root), str(tmp_path / "hf"), step=2)
-  theirs = evaluate.main([f"--hf={tmp_path / 'hf'}", "--mesh_seq=1", *common])
+  theirs = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", "--mesh_seq=1", *common])
   assert ours["tokens"] == theirs["tokens"] == 39
   for a, b in zip(ours["buckets"], theirs["buckets"], strict=True):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
   with pytest.raises(ConfigError, match=r"no checkpoint of step 9; it has steps \[2, 3\]"):
-    evaluate.main([f"--workdir={root}", "--step=9", *common])
+    evaluate_cli.run([f"--workdir={root}", "--step=9", *common])
 
 
 @pytest.mark.parametrize("module, flags, message", [
@@ -229,6 +258,6 @@ def test_command_line_errors_are_one_line(workdir, tmp_path, module, flags, mess
        *(f.format(root=root, tmp=tmp_path) for f in flags)],
       capture_output=True, text=True, check=False, timeout=300,
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  assert result.returncode == 1
+  assert result.returncode == 2  # bad input (ulysses_jax.cli)
   lines = [line for line in result.stderr.splitlines() if not line.startswith("WARNING:absl")]
   assert len(lines) == 1 and re.match(message, lines[0]), result.stderr

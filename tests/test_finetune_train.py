@@ -1,5 +1,6 @@
 """The trainer started from a Hugging Face checkpoint (``TrainConfig.init_from``), exporting at
-the end (``TrainConfig.export_at_end``) and resuming from its own checkpoints."""
+the end (``TrainConfig.export_at_end``) and resuming from its own checkpoints; from gin and
+from Python."""
 
 import json
 import shutil
@@ -14,8 +15,15 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import evaluate, finetune, gin_config, train  # noqa: E402
+from ulysses_jax import cli, finetune, train  # noqa: E402
+from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
+from ulysses_jax.cli import gin_config  # noqa: E402
+from ulysses_jax.cli import train as train_cli  # noqa: E402
+from ulysses_jax.checkpoint import CheckpointConfig  # noqa: E402
+from ulysses_jax.data import DataConfig  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
+from ulysses_jax.models.config import LlamaConfig  # noqa: E402
+from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -59,18 +67,40 @@ def test_evaluate_fine_tune_export_evaluate_then_resume_without_the_base(tmp_pat
   random_hf_model("LlamaForCausalLM", vocab_size=256).save_pretrained(tmp_path / "hf")
   np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
   evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
-  before = evaluate.main([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
+  before = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
   flags = [f"--workdir={tmp_path / 'run'}", "--gin_file=configs/finetune_tiny_cpu.gin",
            *(f"--gin_param={p}" for p in (
                f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
                f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
                f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
                "CheckpointConfig.save_every=3", "OptimizerConfig.learning_rate=1e-2"))]
-  assert train.main([*flags, "--gin_param=STEPS=6"]) == train.EXIT_OK
-  after = evaluate.main([f"--hf={tmp_path / 'out'}", *evaluate_flags])
+  assert train_cli.main([*flags, "--gin_param=STEPS=6"]) == cli.EXIT_OK
+  after = evaluate_cli.run([f"--hf={tmp_path / 'out'}", *evaluate_flags])
   assert after["tokens"] == before["tokens"] and after["loss"] < before["loss"] - 0.5
   shutil.rmtree(tmp_path / "hf")
   capsys.readouterr()
-  assert train.main([*flags, "--gin_param=STEPS=8"]) == train.EXIT_OK, capsys.readouterr().err
+  assert train_cli.main([*flags, "--gin_param=STEPS=8"]) == cli.EXIT_OK, capsys.readouterr().err
   out = capsys.readouterr().out
   assert "Trained steps 7..8 in" in out and "(resumed from step 6)" in out, out
+
+
+def test_train_from_python_with_init_from_builds_the_checkpoints_model(tmp_path):
+  """``train.train(workdir, RunConfig(...))`` with ``init_from`` and the model left at its
+  default (Llama-3.1-8B's shapes, which would not fit here) trains the checkpoint's model, as
+  the command line does."""
+  random_hf_model("LlamaForCausalLM", vocab_size=256).save_pretrained(tmp_path / "hf")
+  with open(tmp_path / "data.jsonl", "w", encoding="utf-8") as f:
+    for i in range(40):
+      f.write(json.dumps({"text": f"document {i}: " + "words " * (i % 7 + 3)}) + "\n")
+  config = RunConfig(
+      train=TrainConfig(init_from=str(tmp_path / "hf"), steps=2, mesh_data=2, mesh_seq=4,
+                        progress_bar=False, kernel_check=False),
+      data=DataConfig(source="files", paths=(str(tmp_path / "data.jsonl"),), seq_len=64,
+                      batch_size=2),
+      checkpoint=CheckpointConfig(async_save=False))
+  assert config.model == LlamaConfig()
+  summary = train.train(str(tmp_path / "run"), config)
+  assert summary["step"] == 2
+  saved = finetune.SavedParams(str(tmp_path / "run"))
+  assert saved.config == finetune.model_config(str(tmp_path / "hf"))
+  assert saved.shape(("embedding",)) == (256, 64)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ulysses_jax import gin_config
+from ulysses_jax.cli import gin_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +45,7 @@ def test_a_config_run_from_another_directory_logs_no_error(tmp_path):
          f"--workdir={tmp_path / 'run'}", "--gin_param=TrainConfig.stepz = 1"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"},
         capture_output=True, text=True, timeout=120, check=False)
-    assert out.returncode == 1
+    assert out.returncode == 2  # bad input (ulysses_jax.cli)
     assert out.stderr.startswith("error: Configurable 'TrainConfig' doesn't have a parameter "
                                  "named 'stepz'."), out.stderr
     assert "ERROR" not in out.stderr and "not found" not in out.stderr, out.stderr

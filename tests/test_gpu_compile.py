@@ -106,7 +106,7 @@ def test_hybrid_on_two_nodes(grad):
 
 def _cli(tmp_path, *flags):
   """Runs ``python -m ulysses_jax.aot`` in this process; (exit status, JSON report)."""
-  from ulysses_jax.aot.__main__ import main
+  from ulysses_jax.cli.aot import main
   path = tmp_path / "report.json"
   status = main([*flags, f"--json={path}"])
   return status, json.loads(path.read_text())
@@ -208,8 +208,8 @@ def test_cli_says_what_does_not_fit(tmp_path):
 def test_the_planners_answer_to_the_readmes_question_compiles_and_fits(tmp_path, capsys):
   """Llama-3.1-8B, 4,194,304 tokens, 8 x 80 GB, no knob given: what the planner prints for
   the trainer, compiled for one node of H100s, fits the GPU and the host figure given."""
-  from ulysses_jax.plan import cli as plan_cli
-  plan_cli.main(["--model=llama3.1-8b", "--seq-len=4194304", "--devices=8", "--gpu-mem=80",
+  from ulysses_jax.cli import plan as plan_cli
+  plan_cli.run(["--model=llama3.1-8b", "--seq-len=4194304", "--devices=8", "--gpu-mem=80",
                  "--host-mem-per-gpu=250"])
   params = re.findall(r"--gin_param='([^']*)'", capsys.readouterr().out)
   status, r = _cli(tmp_path, "--gpu=h100", "--topology=1x1x8",

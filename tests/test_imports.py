@@ -5,6 +5,9 @@ the top or inside a function) is an edge to the module it names. ``from a import
 at ``a.x`` when that is a module, at ``a`` otherwise. The parent packages that Python runs
 first (``ulysses_jax/__init__.py`` for every submodule) are not edges: a package's
 ``__init__`` always finishes importing before its submodules do.
+
+The edges stay where they are: gin is imported only under ``ulysses_jax.cli`` (the command
+lines), and ``gpus.GPUS`` is the one table of GPUs.
 """
 
 import ast
@@ -125,3 +128,47 @@ def test_plain_ulysses_and_ring_know_nothing_of_each_other(module, other):
 def test_only_public_attention_names_are_imported_from_outside():
   private = private_attention_imports()
   assert not private, "\n".join(private)
+
+
+CLI = f"{PACKAGE}.cli"
+
+
+def gin_importers(root=ROOT):
+  """Modules of the package that import gin (the package or any of its modules)."""
+  found = []
+  for name, path in module_files(root).items():
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+               else [])
+      if any(n == "gin" or n.startswith("gin.") for n in names):
+        found.append(name)
+        break
+  return found
+
+
+def test_gin_is_read_only_by_the_command_lines():
+  """The library takes config objects; only ``ulysses_jax.cli`` turns gin files into them."""
+  outside = [m for m in gin_importers() if not (m == CLI or m.startswith(f"{CLI}."))]
+  assert not outside, f"gin imported outside {CLI}: {outside}"
+  assert f"{CLI}.gin_config" in gin_importers()
+
+
+def test_the_gin_check_finds_an_import_inside_a_function(tmp_path):
+  package = tmp_path / PACKAGE
+  (package / "cli").mkdir(parents=True)
+  (package / "__init__.py").write_text("")
+  (package / "cli" / "__init__.py").write_text("import gin\n")
+  (package / "leaf.py").write_text("def f():\n  from gin import config\n")
+  assert gin_importers(tmp_path) == [f"{PACKAGE}.cli", f"{PACKAGE}.leaf"]
+
+
+def test_one_gpu_table():
+  """``gpus.GPUS`` is the only table of GPUs: no other module defines a dict named like it."""
+  tables = []
+  for name, path in module_files().items():
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        tables += [name for t in targets if isinstance(t, ast.Name) and t.id == "GPUS"]
+  assert tables == [f"{PACKAGE}.gpus"], tables

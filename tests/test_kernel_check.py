@@ -9,7 +9,8 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import gin_config, kernel_check, metrics, train
+from ulysses_jax import kernel_check, metrics, train
+from ulysses_jax.cli import gin_config
 from ulysses_jax.attention import backends
 
 CASE = dict(head_dim=64, num_q_heads=4, num_kv_heads=2, causal=True, segment_ids_given=True)

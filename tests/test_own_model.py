@@ -6,7 +6,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -157,7 +156,7 @@ def test_readme_example_runs_as_written():
   assert "Involuntary full rematerialization" not in result.stderr
 
 
-def test_call_keywords_old_names_warn_and_bad_shapes_name_the_expected_shape():
+def test_call_keywords_and_bad_shapes_name_the_expected_shape():
   mesh = mesh_of(1, 8)
   attn = UlyssesAttention(E, 4, num_kv_heads=2, mesh=mesh, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (2, 16, E))
@@ -165,14 +164,7 @@ def test_call_keywords_old_names_warn_and_bad_shapes_name_the_expected_shape():
                            total_repeat_length=16).repeat(2, 0)
   positions = jnp.concatenate([jnp.arange(5), jnp.arange(11)])[None].repeat(2, 0)
   new = attn(x, positions=positions, segment_ids=segment_ids)
-  with pytest.warns(DeprecationWarning, match=r"positions_BS=...\) is deprecated"):
-    old = attn(x, positions_BS=positions, segment_ids=segment_ids)
-  assert relative_error(old, new) == 0
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    assert relative_error(attn(x, positions, segment_ids), new) == 0  # positional: no warning
-  with pytest.raises(TypeError, match="both segment_ids= and its deprecated name"):
-    attn(x, segment_ids=segment_ids, segment_ids_BS=segment_ids)
+  assert relative_error(attn(x, positions, segment_ids), new) == 0  # positional
   with pytest.raises(ValueError, match=r"positions must be an integer \[batch, seq\] array of "
                                        r"shape \(2, 16\) .*, got int32 \(16,\)"):
     attn(x, positions=jnp.arange(16))

@@ -8,9 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from ulysses_jax import gin_config, ruler, train
+from ulysses_jax import ruler, train
+from ulysses_jax.cli import gin_config
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.ruler import __main__ as ruler_cli
+from ulysses_jax.cli import ruler as ruler_cli
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.ruler import tasks
 

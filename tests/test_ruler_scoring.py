@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from ulysses_jax import evaluate
+from ulysses_jax.cli import evaluate as evaluate_cli
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def test_scoring_equals_greedy_decoding_on_a_sequence_sharded_mesh(greedy, tmp_p
   root, cases = greedy
   args = [f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", "--mesh_data=2", "--mesh_seq=4",
           "--batch_size=2"]
-  result = evaluate.main(args + [f"--examples={_examples_file(tmp_path / 'a.jsonl', cases)}"])
+  result = evaluate_cli.run(args + [f"--examples={_examples_file(tmp_path / 'a.jsonl', cases)}"])
   assert result["examples"]["accuracy"] == 1.0
   assert [r["predicted_ids"] for r in result["examples"]["results"]] == \
       [c["answer_ids"] for c in cases]
@@ -54,7 +54,7 @@ def test_scoring_equals_greedy_decoding_on_a_sequence_sharded_mesh(greedy, tmp_p
   altered[0]["answer_ids"] = [altered[0]["answer_ids"][0]] + [
       (t + 1) % 300 for t in altered[0]["answer_ids"][1:]]  # the first token stays right
   altered[1]["answer_ids"] = [(altered[1]["answer_ids"][0] + 7) % 300]
-  result = evaluate.main(args + [f"--examples={_examples_file(tmp_path / 'b.jsonl', altered)}"])
+  result = evaluate_cli.run(args + [f"--examples={_examples_file(tmp_path / 'b.jsonl', altered)}"])
   assert [r["correct"] for r in result["examples"]["results"]] == [False, False, True, True]
   assert result["examples"]["accuracy"] == 0.5
   first = result["examples"]["results"][0]["predicted_ids"]
@@ -65,7 +65,7 @@ def test_scoring_equals_greedy_decoding_on_a_sequence_sharded_mesh(greedy, tmp_p
 def test_ruler_report_keys_and_a_random_model_scores_nothing(greedy, tmp_path):
   root, _ = greedy
   path = tmp_path / "r.json"
-  evaluate.main([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_seq=8", "--tokenizer=byte",
+  evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_seq=8", "--tokenizer=byte",
                  "--ruler=niah_single_1,variable_tracking", "--lengths=512,1024", "--samples=2",
                  f"--json={path}", f"--plot={tmp_path / 'r.png'}"])
   report = json.loads(path.read_text())["ruler"]
@@ -94,9 +94,9 @@ def test_bad_examples_are_refused_before_the_model_loads(greedy, tmp_path, monke
   root, cases = greedy
   path = tmp_path / "bad.jsonl"
   path.write_text(json.dumps(cases[0]) + "\n" + line + "\n")
-  monkeypatch.setattr(evaluate.finetune, "load_model", lambda *a: pytest.fail("loaded"))
+  monkeypatch.setattr(evaluate_cli.finetune, "load_model", lambda *a: pytest.fail("loaded"))
   with pytest.raises(ValueError, match=message):
-    evaluate.main([f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", f"--examples={path}"])
+    evaluate_cli.run([f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", f"--examples={path}"])
 
 
 def test_cli_errors_before_any_work(greedy, capsys):
@@ -105,5 +105,5 @@ def test_cli_errors_before_any_work(greedy, capsys):
                          ([], "nothing to evaluate"),
                          (["--ruler", "--lengths=1024"], "exceeds --seq_len=64")):
     with pytest.raises(SystemExit):
-      evaluate.main([f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", *flags])
+      evaluate_cli.run([f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", *flags])
     assert message in capsys.readouterr().err

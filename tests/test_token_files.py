@@ -9,7 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from ulysses_jax import evaluate, gin_config, token_files, train
+from ulysses_jax import cli, token_files, train
+from ulysses_jax.cli import evaluate as evaluate_cli
+from ulysses_jax.cli import gin_config
+from ulysses_jax.cli import train as train_cli
 from ulysses_jax.token_files import TOKEN_DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,10 +95,10 @@ DAMAGED = {
 def test_train_names_a_damaged_token_file_in_one_error_line(tmp_path, capsys, kind):
   _write_damaged(tmp_path / "doc.npy", kind)
   workdir = tmp_path / "run"
-  code = train.main([f"--workdir={workdir}", *TINY,
-                     f"--gin_param=DataConfig.paths='{tmp_path / 'doc.npy'}'"])
+  code = train_cli.main([f"--workdir={workdir}", *TINY,
+                         f"--gin_param=DataConfig.paths='{tmp_path / 'doc.npy'}'"])
   err = capsys.readouterr().err.strip().splitlines()
-  assert code == train.EXIT_ERROR
+  assert code == cli.EXIT_USAGE
   assert len(err) == 1 and err[0].startswith(f"error: token file {tmp_path / 'doc.npy'}: "), err
   assert re.search(DAMAGED[kind], err[0]), err
   assert not workdir.exists()
@@ -115,7 +118,7 @@ def test_evaluate_names_a_damaged_token_file(hf_dir, tmp_path, kind):
   _write_damaged(tmp_path / "doc.npy", kind)
   with pytest.raises(ValueError, match=rf"^token file {re.escape(str(tmp_path / 'doc.npy'))}: "
                      rf".*{DAMAGED[kind]}"):
-    evaluate.main([f"--hf={hf_dir}", f"--data={tmp_path / 'doc.npy'}", "--seq_len=16"])
+    evaluate_cli.run([f"--hf={hf_dir}", f"--data={tmp_path / 'doc.npy'}", "--seq_len=16"])
 
 
 def test_evaluate_reads_token_files_of_unusual_dtypes(hf_dir, tmp_path):
@@ -124,11 +127,11 @@ def test_evaluate_reads_token_files_of_unusual_dtypes(hf_dir, tmp_path):
   for name, tokens in docs.items():
     (np.save if name.endswith(".npy") else lambda p, t: t.tofile(p))(tmp_path / name, tokens)
   flags = [f"--hf={hf_dir}", "--seq_len=16"]
-  together = evaluate.main([*flags, f"--data={tmp_path / '*.npy'},{tmp_path / 'c.bin'}",
+  together = evaluate_cli.run([*flags, f"--data={tmp_path / '*.npy'},{tmp_path / 'c.bin'}",
                             "--token_dtype=int32"])
   assert together["tokens"] == 39 + 29 + 19
-  alone = evaluate.main([*flags, f"--data={tmp_path / 'c.bin'}", "--token_dtype=int32"])
-  as_uint16 = evaluate.main([*flags, f"--data={tmp_path / 'c.bin'}"])  # each id split in two
+  alone = evaluate_cli.run([*flags, f"--data={tmp_path / 'c.bin'}", "--token_dtype=int32"])
+  as_uint16 = evaluate_cli.run([*flags, f"--data={tmp_path / 'c.bin'}"])  # each id split in two
   assert alone["tokens"] == 19 and as_uint16["tokens"] == 39
 
 
@@ -157,5 +160,5 @@ def test_the_command_lines_print_one_line_for_a_truncated_file(tmp_path):
     out = subprocess.run([sys.executable, "-m", *command], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300, check=False)
     lines = [x for x in out.stderr.splitlines() if not x.startswith("WARNING:absl")]
-    assert out.returncode == 1 and len(lines) == 1, out.stderr
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0].startswith(f"error: token file {tmp_path / 'doc.npy'}: truncated"), lines

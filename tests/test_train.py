@@ -20,7 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from ulysses_jax import distributed, gin_config, metrics, train
+from ulysses_jax import cli, distributed, metrics, step_builder, train
+from ulysses_jax.cli import gin_config
+from ulysses_jax.cli import train as train_cli
 from ulysses_jax.checkpoint import Checkpointer
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
@@ -97,7 +99,8 @@ def _steps(workdir):
 def _restore_params(checkpoints, params, mesh, step, tmp_path):
   """Parameters of checkpoint ``step`` (copied aside) restored onto ``mesh``."""
   config = gin_config.read([TINY], params)
-  _, abstract = train.abstract_train_state(config.model, mesh, make_optimizer(config.optimizer))
+  _, abstract = step_builder.abstract_train_state(config.model, mesh,
+                                                 make_optimizer(config.optimizer))
   directory = tmp_path / f"restore-{step}-{mesh.shape['data']}x{mesh.shape['seq']}"
   shutil.copytree(os.path.join(checkpoints, str(step)), directory / str(step))
   with Checkpointer(directory) as ckpt:
@@ -136,7 +139,7 @@ def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
     gin_config.parse([str(bad)], [])
   with pytest.raises(ValueError, match="give at least one --gin_file"):
     gin_config.parse([], [])
-  assert train.main([f"--workdir={tmp_path}"]) == train.EXIT_ERROR
+  assert train_cli.main([f"--workdir={tmp_path}"]) == cli.EXIT_USAGE
 
 
 @pytest.mark.parametrize("gin_file", sorted(
@@ -206,7 +209,7 @@ def test_bad_runs_fail_before_training(tmp_path, param, message):
 
 def test_command_line_prints_bad_input_without_a_traceback(tmp_path):
   out = _run(str(tmp_path), ["TrainConfig.stepz = 3"], None, check=False)
-  assert out.returncode == 1
+  assert out.returncode == cli.EXIT_USAGE
   assert out.stderr.startswith("error: Configurable 'TrainConfig' doesn't have a parameter "
                                "named 'stepz'."), out.stderr
   assert "Traceback" not in out.stderr
@@ -305,7 +308,7 @@ def test_sigterm_and_sigkill_restarts_reproduce_the_uninterrupted_losses(referen
   _wait_for(lambda: os.path.exists(os.path.join(workdir, "metrics.jsonl")) and
             len(_records(workdir)) >= 3, proc)
   proc.send_signal(signal.SIGTERM)
-  assert proc.wait(timeout=120) == train.EXIT_STOPPED, open(log).read()
+  assert proc.wait(timeout=120) == cli.EXIT_STOPPED, open(log).read()
   stopped_at = _records(workdir)[-1]["step"]
   assert stopped_at < STEPS and stopped_at in _steps(workdir)
   assert "stopped by signal 15, rerun the same command to resume" in open(log).read()
@@ -392,7 +395,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_pa
                    "OptimizerConfig.learning_rate = 1e12", "OptimizerConfig.warmup_steps = 0",
                    "CheckpointConfig.save_every = 1", "CheckpointConfig.keep = 10"]
   out = _run(workdir, params, cache_dir, check=False)
-  assert out.returncode == 1
+  assert out.returncode == cli.EXIT_FAILED
   checkpoints = os.path.join(workdir, "checkpoints")
   assert (f"error: stopped at step 4: the loss or gradients were non-finite in 3 steps in a "
           f"row (TrainConfig.max_bad_steps=3). Those updates were all skipped, so "

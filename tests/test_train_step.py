@@ -269,19 +269,6 @@ def test_bad_batches_and_settings_raise_before_compiling():
     train_step.init_train_state(model, optimizer, memory=MemoryOptions(master_weights=True))
 
 
-def test_memory_flags_of_earlier_releases_still_work_with_a_warning():
-  mesh = mesh_of(2, 4)
-  model = init_llama(CONFIG.replace(param_dtype="bfloat16"), mesh)
-  optimizer = make_optimizer(OPTIMIZER)
-  with pytest.warns(DeprecationWarning, match=r"pass memory=MemoryOptions\(offload_optimizer="
-                    r"True, master_weights=True\)"):
-    _, state = train_step.init_train_state(model, optimizer, offload_optimizer=True,
-                                           master_weights=True)
-  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
-  with pytest.raises(ValueError, match="pass memory=MemoryOptions.* not both"):
-    train_step.state_shardings(state, mesh, memory=MemoryOptions(), offload_optimizer=True)
-
-
 @pytest.mark.gpu
 def test_streamed_update_keeps_the_optimizer_state_and_parameters_off_the_gpu():
   """Compiled for the GPU, the host-offloaded step keeps the optimizer state (float32 master

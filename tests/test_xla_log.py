@@ -53,21 +53,22 @@ def test_the_trainer_explains_it_when_its_first_step_compiles(tmp_path, capfd, c
                                                               monkeypatch):
   """XLA's CPU compiler does not rematerialise, so the step's first call (the one that
   compiles) writes the line as XLA's GPU compiler would for an offloaded step."""
-  from ulysses_jax import gin_config, train  # pylint: disable=import-outside-toplevel
-  build = train.build_train_step
+  from ulysses_jax import step_builder, train  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.cli import gin_config
+  build = step_builder.build_train_step
 
-  def build_logging_step(config, mesh):
-    *rest, step = build(config, mesh)
+  def build_logging_step(config, mesh, **kwargs):
+    built = build(config, mesh, **kwargs)
     calls = []
     def step_that_logs(*args):
       if not calls:
         os.write(2, REMAT + OTHER)
       calls.append(1)
-      return step(*args)
-    step_that_logs.lower = step.lower  # the trainer reads step 1's compiled memory
-    return *rest, step_that_logs
+      return built.step(*args)
+    step_that_logs.lower = built.step.lower  # the trainer reads step 1's compiled memory
+    return built._replace(step=step_that_logs)
 
-  monkeypatch.setattr(train, "build_train_step", build_logging_step)
+  monkeypatch.setattr(step_builder, "build_train_step", build_logging_step)
   np.save(tmp_path / "doc.npy", np.arange(2000) % 256)
   config = gin_config.read(["configs/tiny_cpu.gin"], [
       "LlamaConfig.preset='tiny'", "DataConfig.seq_len=16", "STEPS=2", "TrainConfig.eval_every=0",

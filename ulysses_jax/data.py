@@ -235,17 +235,6 @@ class _RetrievalRows:
             "segment_ids": np.zeros(s, np.int32), "positions": np.arange(s, dtype=np.int32)}
 
 
-def retrieval_accuracy(logits_or_predictions: jax.Array, labels: jax.Array) -> jax.Array:
-  """Share of labelled positions (the answers, for ``RetrievalTask``) predicted right.
-
-  Takes logits ``[B, S, V]`` (argmax taken) or predicted ids ``[B, S]``; any sharding.
-  """
-  predictions = (logits_or_predictions.argmax(-1) if logits_or_predictions.ndim == 3
-                 else logits_or_predictions)
-  mask = labels != IGNORE_LABEL
-  return (mask & (predictions == labels)).sum() / mask.sum()
-
-
 # ----------------------------------------------------------------------------- batches
 
 def _data_coords(mesh) -> list[int]:

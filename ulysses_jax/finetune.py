@@ -10,25 +10,16 @@
   shards of any mesh.
 
 The model's shapes come from the checkpoint (``config.json``, or the run config saved with
-the step). ``LlamaConfig`` fields bound in gin are applied on top (``model_config``): the
+the step). The ``LlamaConfig`` fields the user set are applied on top (``model_config``): the
 architecture fields (``ARCHITECTURE_FIELDS``) must agree with the checkpoint, or the run stops
 with a ``ConfigError`` naming both values; every other field applies (dtypes, remat, tiling,
 attention backend, and RoPE: ``rope_theta`` and ``rope_scaling`` for context extension,
 written back on export).
 
-Wiring into the trainer (resuming from the run's own checkpoints takes precedence)::
-
-  if cfg.init_from:  # before abstract_train_state: the shapes come from the checkpoint,
-    # or from the run's own workdir when it holds checkpoints (a resume never reads init_from)
-    model_cfg = finetune.model_config(workdir if resuming else cfg.init_from, bound_llama_fields)
-  ...
-  if restored is None:
-    model = (finetune.load_model(cfg.init_from, model_cfg, mesh) if cfg.init_from
-             else init_llama(model_cfg, mesh, seed=cfg.seed))
-
-where ``bound_llama_fields`` maps each ``LlamaConfig`` field bound in gin to its value in the
-constructed ``LlamaConfig()`` (gin's own query returns references such as ``@RopeScaling()``
-unevaluated).
+``step_builder.resolve`` applies this to a ``RunConfig`` (the fields set: those bound in gin
+on the command line, those that differ from ``LlamaConfig()``'s from Python; a resumed run
+reads the shapes from its own checkpoints, never from ``init_from``), and
+``step_builder.initial_state`` loads the weights (``load_model``).
 """
 
 import dataclasses

@@ -4,7 +4,8 @@ Labels arrive already shifted (``labels[t]`` is the token after ``tokens[t]``, d
 data pipeline before sharding, so a shard's last label comes from the next shard) and equal
 ``IGNORE_LABEL`` where there is no target. Losses are returned as *sums* with a token
 count, all float32: the global token-weighted mean is ``sums.mean()``, and a shard, or a
-whole batch, without valid tokens contributes zeros rather than NaN.
+whole batch, without valid tokens contributes zeros rather than NaN. ``token_losses`` gives
+the per-token losses and top predictions (evaluation) from the same scan over chunks.
 """
 
 from typing import NamedTuple
@@ -16,7 +17,8 @@ from jax.sharding import Mesh
 from ulysses_jax import sharding
 from ulysses_jax.data import IGNORE_LABEL
 
-__all__ = ["IGNORE_LABEL", "CrossEntropySums", "cross_entropy_sums", "chunked_cross_entropy"]
+__all__ = ["IGNORE_LABEL", "CrossEntropySums", "TokenLosses", "chunked_cross_entropy",
+           "cross_entropy_sums", "token_losses"]
 
 
 class CrossEntropySums(NamedTuple):
@@ -68,6 +70,37 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
       logits exist (P = seq axis); the backward pass recomputes each chunk's logits.
     z_loss_weight: see ``cross_entropy_sums``.
   """
+  sums = lambda logits, labels: (
+      cross_entropy_sums(logits, labels, z_loss_weight=z_loss_weight), ())
+  return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
+
+
+class TokenLosses(NamedTuple):
+  """Per token, ``[B, S]`` sharded ``(data, seq)``; 0 (False) where the label is
+  ``IGNORE_LABEL``."""
+  loss: jax.Array       # float32: -log p(label)
+  correct: jax.Array    # float32: 1 where the label is the top prediction
+  predicted: jax.Array  # int32: the top prediction (the argmax over the vocabulary)
+
+
+def token_losses(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array, *,
+                 mesh: Mesh, chunk: int) -> TokenLosses:
+  """Each token's loss and top prediction, chunk by chunk as ``chunked_cross_entropy``
+  walks them (same arguments): at most ``[B, P*chunk, V]`` logits exist."""
+  def per_token(logits_BPcV, labels_BPc):
+    flat = logits_BPcV.reshape(-1, logits_BPcV.shape[-1])
+    loss = jax.vmap(cross_entropy_sums)(flat, labels_BPc.reshape(-1)).loss
+    predicted = logits_BPcV.argmax(-1).astype(jnp.int32)
+    correct = (predicted == labels_BPc) & (labels_BPc != IGNORE_LABEL)
+    return (), TokenLosses(loss.reshape(labels_BPc.shape), correct.astype(jnp.float32),
+                           predicted)
+  return _over_chunks(per_token, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[1]
+
+
+def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk: int):
+  """The one scan over sequence chunks: ``chunk_fn(float32 logits [B, P, c, V], labels
+  [B, P, c]) -> (sums, per-token arrays [B, P, c])``, the chunk recomputed in the backward.
+  Returns (the sums added over the chunks, the per-token arrays as ``[B, S]``)."""
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}.")
   if tuple(labels_BS.shape) != tuple(hidden_BSE.shape[:2]):
@@ -78,14 +111,18 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
                                          pad_value=IGNORE_LABEL)
 
   @jax.checkpoint
-  def chunk_sums(head_EV, hidden_BPcE, labels_BPc):
+  def one_chunk(head_EV, hidden_BPcE, labels_BPc):
     logits = jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV,
                         preferred_element_type=jnp.float32)
-    return cross_entropy_sums(logits, labels_BPc, z_loss_weight=z_loss_weight)
+    return chunk_fn(logits, labels_BPc)
 
   def step(total, xs):
-    return total + chunk_sums(head_EV, *xs), None
+    sums, per_token = one_chunk(head_EV, *xs)
+    return jax.tree.map(jnp.add, total, sums), per_token
 
-  zeros = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
-  total, _ = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
-  return total
+  one = lambda x_N: jax.ShapeDtypeStruct(x_N.shape[1:], x_N.dtype)
+  sums_shape = jax.eval_shape(one_chunk, head_EV, one(hidden_NBPcE), one(labels_NBPc))[0]
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
+  total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
+  s = labels_BS.shape[1]
+  return total, jax.tree.map(lambda x: sharding.from_local_chunks(x, s, mesh=mesh), per_token_N)

@@ -1,8 +1,8 @@
 """What one training run is: ``TrainConfig`` and ``RunConfig``, the bundle ``train.train`` takes.
 
 ``RunConfig`` groups the five config dataclasses of a run (train, model, data, optimizer,
-checkpoint). Python users build it directly; the command line builds it from gin files
-(``ulysses_jax.gin_config``). ``RunConfig.to_dict()`` is what every checkpoint carries
+checkpoint). Python users build it directly; the command lines build it from gin files
+(``ulysses_jax.cli.gin_config``). ``RunConfig.to_dict()`` is what every checkpoint carries
 (``checkpoint.read_run_config``), enough to rebuild the model without the gin files.
 """
 
@@ -45,7 +45,7 @@ class TrainConfig:
   init_from: start from trained weights ("" = random init): a Hugging Face checkpoint
     directory or a workdir / checkpoint of ours (``ulysses_jax.finetune``; weights only, a
     fresh optimizer). The model's shapes come from it; a resumed run restores its own
-    checkpoints instead and never reads it (``gin_config.read(..., workdir)``).
+    checkpoints instead and never reads it (``step_builder.resolve(config, workdir)``).
   export_at_end: a directory to write the final weights to as a Hugging Face checkpoint
     (``ulysses_jax.export``) when the run finishes ("" = no export).
   position_eval: at eval steps also log the held-out loss by position in the row, in

@@ -17,7 +17,6 @@ Memory options: ``MemoryOptions`` (one value, checked once, given whole to
 """
 
 import dataclasses
-import warnings
 from typing import NamedTuple
 
 import jax
@@ -86,28 +85,12 @@ class MemoryOptions:
                        f"{accum_steps}) or offload_params=False.")
 
 
-def memory_options(memory: MemoryOptions | None, **flags) -> MemoryOptions:
-  """``memory``, or one built from the keyword flags of earlier releases (deprecated)."""
-  given = {k: v for k, v in flags.items() if v is not None}
-  if not given:
-    return memory or MemoryOptions()
-  if memory is not None:
-    raise ValueError(f"pass memory=MemoryOptions(...) or the flags {sorted(given)}, not both.")
-  warnings.warn(f"the flags {sorted(given)} are deprecated: pass "
-                f"memory=MemoryOptions({', '.join(f'{k}={v}' for k, v in given.items())}).",
-                DeprecationWarning, stacklevel=3)
-  return MemoryOptions(**given)
-
-
 def state_shardings(state, mesh: Mesh, *, memory: MemoryOptions | None = None,
-                    rules: sharding.Rules = sharding.DEFAULT_RULES,
-                    offload_optimizer: bool | None = None,
-                    offload_params: bool | None = None) -> TrainState:
+                    rules: sharding.Rules = sharding.DEFAULT_RULES) -> TrainState:
   """Shardings of a ``TrainState`` (or its ``eval_shape``): FSDP for parameters and optimizer
   state, the latter in ``pinned_host`` memory with ``memory.offload_optimizer``, and the
   stacked layer parameters too with ``memory.offload_params``."""
-  memory = memory_options(memory, offload_optimizer=offload_optimizer,
-                          offload_params=offload_params)
+  memory = memory or MemoryOptions()
   shardings = sharding.tree_shardings(state, mesh, rules)
   if memory.offload_optimizer:
     shardings = shardings._replace(opt_state=sharding.on_host(shardings.opt_state))
@@ -126,19 +109,15 @@ def _check_master_weights(params, master_weights):
 
 def init_train_state(model: nnx.Module, optimizer: Optimizer,
                      rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                     memory: MemoryOptions | None = None,
-                     offload_optimizer: bool | None = None, offload_params: bool | None = None,
-                     master_weights: bool | None = None) -> tuple[nnx.GraphDef, TrainState]:
+                     memory: MemoryOptions | None = None) -> tuple[nnx.GraphDef, TrainState]:
   """Splits a (sharded) model into its graphdef and a ``TrainState``.
 
   The optimizer state (and with ``memory.master_weights`` the float32 copy of the
   parameters) is created directly in the parameters' sharding, in host memory with
   ``memory.offload_optimizer``; with ``memory.offload_params`` the stacked layer parameters
-  move to host memory too. ``model`` must have a ``mesh`` attribute (``Llama`` does). The
-  separate flags are the deprecated spelling of ``memory``.
+  move to host memory too. ``model`` must have a ``mesh`` attribute (``Llama`` does).
   """
-  memory = memory_options(memory, offload_optimizer=offload_optimizer,
-                          offload_params=offload_params, master_weights=master_weights)
+  memory = memory or MemoryOptions()
   graphdef, params = nnx.split(model)
   _check_master_weights(params, memory.master_weights)
   mesh = model.mesh
@@ -172,8 +151,7 @@ def _check_batch(batch, *, mesh, seq_len, accum_steps):
 def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimizer, *,
                     mesh: Mesh, seq_len: int, accum_steps: int = 1, z_loss_weight: float = 0.0,
                     rules: sharding.Rules = sharding.DEFAULT_RULES,
-                    memory: MemoryOptions | None = None,
-                    offload_optimizer: bool | None = None, offload_params: bool | None = None):
+                    memory: MemoryOptions | None = None):
   """The jitted ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -191,8 +169,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       of them, exactly as one big batch would, their gradients summed in float32.
     z_loss_weight: weight of the z-loss term added to the objective.
     memory: the ``MemoryOptions`` ``init_train_state`` was given (where the state lives:
-      the update streams offloaded state a layer at a time). The separate flags are its
-      deprecated spelling.
+      the update streams offloaded state a layer at a time).
 
   A step whose loss or gradient norm is not finite changes neither parameters nor optimizer
   state; it counts in ``TrainState.nonfinite_steps`` (and ``nonfinite_in_a_row``) and does
@@ -204,8 +181,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
-  memory = memory_options(memory, offload_optimizer=offload_optimizer,
-                          offload_params=offload_params)
+  memory = memory or MemoryOptions()
   memory.check_accum_steps(accum_steps)
   batch_spec = sharding.batch_spec(mesh, seq_len)
 

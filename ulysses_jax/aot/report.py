@@ -20,9 +20,10 @@ import jax
 from ulysses_jax import hlo
 from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
-from ulysses_jax.aot.step import TrainStep, build_train_step
 from ulysses_jax.gpus import Gpu
 from ulysses_jax.metrics import device_breakdown, flops_per_token
+from ulysses_jax.run_config import RunConfig
+from ulysses_jax.step_builder import TrainStep, build_train_step, run_mesh
 from ulysses_jax.xla_log import remat_warning_explained
 
 GIB = 2**30
@@ -120,16 +121,15 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
   }
 
 
-def compile_config(gin_files: list[str], gin_params: list[str], gpu: str,
-                   topology: str, under_pressure: bool = False,
+def compile_config(config: RunConfig, gpu: str, topology: str, under_pressure: bool = False,
                    reserve_gib: float | None = None) -> dict:
-  """The report of the train step of a gin config compiled for ``topology`` GPUs of kind
-  ``gpu`` with a runtime reserve of ``reserve_gib`` (default: the GPU table's): what
-  ``python -m ulysses_jax.aot`` prints (``under_pressure`` as in ``compile_and_report``).
-  Raises ``AotError`` / ``ValueError`` for bad input before compiling."""
+  """The report of ``config``'s train step compiled for ``topology`` GPUs of kind ``gpu``
+  with a runtime reserve of ``reserve_gib`` (default: the GPU table's): what ``python -m
+  ulysses_jax.aot`` prints (``under_pressure`` as in ``compile_and_report``). Raises
+  ``AotError`` / ``ValueError`` for bad input before compiling."""
   spec = gpu_spec(gpu).with_reserve(reserve_gib)
   slices, hosts, _ = parse_topology(topology)
-  built = build_train_step(gin_files, gin_params, gpu_devices(gpu, topology))
+  built = build_train_step(config, run_mesh(config.train, gpu_devices(gpu, topology)))
   return compile_and_report(built, spec, nodes=slices * hosts, under_pressure=under_pressure)
 
 

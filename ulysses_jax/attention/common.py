@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import DATA, SEQ
 
 # Segment ids are any int32 values above ``MIN_SEGMENT_ID`` (negative ones included): the
@@ -26,6 +27,17 @@ MIN_SEGMENT_ID = PAD_SEGMENT + 1
 # ring, "natural" is converted to it inside. Without a ring both orders coincide.
 Layout = Literal["natural", "zigzag"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
+
+
+def check_head_chunks(head_chunks: int, num_kv_heads: int, name: str = "head_chunks") -> None:
+  """Raises ``ConfigError`` unless ``head_chunks`` divides ``num_kv_heads``: attention run
+  over chunks of heads (``UlyssesAttention``'s ``head_chunks``, ``LlamaConfig``'s and the
+  planner's ``attn_head_chunks``) keeps each query group whole in one chunk."""
+  if head_chunks < 1 or num_kv_heads % head_chunks:
+    divisors = [k for k in range(1, num_kv_heads + 1) if num_kv_heads % k == 0]
+    raise ConfigError(f"{name} ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) so "
+                      f"that each chunk holds whole query groups; use one of {divisors} (1: "
+                      "the unchunked layer).")
 
 
 def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,

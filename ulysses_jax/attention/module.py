@@ -18,7 +18,6 @@ the moment they are created (``ulysses_jax.layers.param``).
 """
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from jax.sharding import Mesh
 
 from ulysses_jax import rope, sharding
 from ulysses_jax.attention import backends
+from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.layers import Dense, RMSNorm
 
@@ -75,10 +75,7 @@ class UlyssesAttention(nnx.Module):
                param_dtype=jnp.float32, init_std: float = 0.02,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if head_chunks < 1 or num_kv_heads % head_chunks:
-      raise ValueError(f"head_chunks ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) "
-                       "so that each chunk holds whole query groups; pick a divisor, or 1 for "
-                       "the unchunked layer.")
+    check_head_chunks(head_chunks, num_kv_heads)
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                        f"({num_kv_heads}): each key/value head serves num_heads/num_kv_heads "
@@ -113,8 +110,7 @@ class UlyssesAttention(nnx.Module):
     self.rules = rules
 
   def __call__(self, x_BSE: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, *, positions_BS: jax.Array | None = None,
-               segment_ids_BS: jax.Array | None = None, norm=None) -> jax.Array:
+               segment_ids: jax.Array | None = None, *, norm=None) -> jax.Array:
     """``attention(norm(x))``: ``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
 
     ``norm``: a pre-norm (``[B, S, E]`` -> ``[B, S, E]``) or None. With ``head_chunks`` > 1
@@ -122,10 +118,7 @@ class UlyssesAttention(nnx.Module):
 
     ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
     each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
-    ``positions_BS`` / ``segment_ids_BS``: their old names, deprecated.
     """
-    positions = _renamed(positions, positions_BS, "positions")
-    segment_ids = _renamed(segment_ids, segment_ids_BS, "segment_ids")
     b, s, _ = x_BSE.shape
     for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
       _check_ids(name, ids, x_BSE.shape)
@@ -192,18 +185,6 @@ class UlyssesAttention(nnx.Module):
     y_BSE = sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
                                self.rules)
     return jax.lax.scan(lambda y, w: (one_chunk(y, w), None), y_BSE, chunked)[0]
-
-
-def _renamed(value, old_value, name: str):
-  """``value``, or ``old_value`` given under the deprecated keyword ``{name}_BS``."""
-  if old_value is None:
-    return value
-  if value is not None:
-    raise TypeError(f"UlyssesAttention got both {name}= and its deprecated name {name}_BS=; "
-                    f"pass {name}= only.")
-  warnings.warn(f"UlyssesAttention({name}_BS=...) is deprecated and will be removed in the "
-                f"next release; pass {name}=... instead.", DeprecationWarning, stacklevel=3)
-  return old_value
 
 
 def _check_ids(name: str, ids, x_shape):

@@ -5,7 +5,7 @@ rests on)?
 
 The model is Llama-3.2-1B's shapes cut to 4 layers on GPUs (head dim 64) and the 0.5M-parameter
 "cpu-demo" model on CPUs, with all devices on the ``seq`` axis (Ulysses), 8,192 tokens per GPU
-(256 per CPU device), the trainer's own step (``train.build_train_step``).
+(256 per CPU device), the trainer's own step (``step_builder.build_train_step``).
 """
 
 import time
@@ -17,15 +17,12 @@ from jax.sharding import NamedSharding
 
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import sharding as sharding_lib
+from ulysses_jax import step_builder
 from ulysses_jax.aot import report as report_lib
-from ulysses_jax.aot.step import TrainStep
-from ulysses_jax.gpus import GPUS
 from ulysses_jax.data import DataConfig
-from ulysses_jax.mesh import make_mesh
+from ulysses_jax.gpus import GPUS
 from ulysses_jax.models.config import preset
-from ulysses_jax.models.llama import init_llama
 from ulysses_jax.run_config import RunConfig, TrainConfig
-from ulysses_jax.train_step import init_train_state
 
 TIMED_STEPS = 3
 # The measured peak may exceed the compiled figure by allocator rounding and the runtime's own
@@ -57,17 +54,14 @@ def gpu_of(device) -> object | None:
 
 def run_step(devices: list, on_gpu: bool) -> dict:
   """Builds, compiles and runs the small step; returns the measurements (JSON-ready)."""
-  from ulysses_jax import train  # pylint: disable=import-outside-toplevel  (heavy)
   config = small_config(devices, on_gpu)
-  mesh = make_mesh(1, len(devices), devices=devices)
-  optimizer, _, abstract, step = train.build_train_step(config, mesh)
-  seq_len = config.data.seq_len
+  built = step_builder.build_train_step(config, step_builder.run_mesh(config.train, devices))
+  mesh, seq_len = built.mesh, config.data.seq_len
   batch = _random_batch(mesh, seq_len, config.model.vocab_size)
   start = time.perf_counter()
-  compiled = step.lower(abstract, batch).compile()
+  compiled = built.step.lower(built.state, batch).compile()
   compile_s = time.perf_counter() - start
-  state = init_train_state(init_llama(config.model, mesh, seed=0), optimizer,
-                           memory=config.train.memory)[1]
+  state = step_builder.initial_state(built)
   state, metrics = compiled(state, batch)  # the first step: allocations, autotuning
   jax.block_until_ready(state)
   times = []
@@ -83,7 +77,6 @@ def run_step(devices: list, on_gpu: bool) -> dict:
             "peak_memory_gib": metrics_lib.peak_memory_gib()}
   gpu = gpu_of(devices[0]) if on_gpu else None
   if gpu is not None:
-    built = TrainStep(step, abstract, batch, mesh, config.model, seq_len, seq_len)
     prediction = report_lib.describe(compiled, built, gpu, nodes=1)["prediction"]
     result["predicted_step_s"] = prediction["step_s"]
   return result

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from ulysses_jax.attention.backends import BACKENDS
+from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
 from ulysses_jax.rope import RopeScaling
@@ -99,9 +100,7 @@ class LlamaConfig:
     if self.num_layers % self.remat_group:
       raise ConfigError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
                         f"({self.remat_group}), the layers per rematerialised group.")
-    if self.num_kv_heads % self.attn_head_chunks:
-      raise ConfigError(f"attn_head_chunks ({self.attn_head_chunks}) must divide num_kv_heads "
-                        f"({self.num_kv_heads}): each chunk holds whole query groups.")
+    check_head_chunks(self.attn_head_chunks, self.num_kv_heads, "attn_head_chunks")
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                         f"({self.num_kv_heads}).")

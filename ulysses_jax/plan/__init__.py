@@ -1,12 +1,12 @@
 """Layout planner: which mesh, remat, offload, precision and MLP tile to train a model at a
 sequence length on some GPUs.
 
-    python -m ulysses_jax.plan --model=llama3.1-8b --seq-len=4194304 --devices=8 --gpu-mem=80 \\
-        --host-mem-per-gpu=256
+    ulysses-plan --model=llama3.1-8b --seq_len=4194304 --devices=8 --gpu_mem=80 \\
+        --host_mem_per_gpu=256
 
 ``plan.model``: the memory and time model; ``plan.search``: the search over layouts and knobs;
-``plan.cli``: the command line (``--verify`` compiles the recommendation with
-``ulysses_jax.aot``).
+``ulysses_jax.cli.plan``: the command line (``python -m ulysses_jax.plan``; ``--verify``
+compiles the recommendation with ``ulysses_jax.aot``).
 """
 
 from ulysses_jax.plan.model import (Hardware, Layout, Model, predict_memory,  # noqa: F401

@@ -1,5 +1,7 @@
-"""``python -m ulysses_jax.plan``: the layout planner's command line (``plan.cli``)."""
+"""``python -m ulysses_jax.plan``: the layout planner's command line (``ulysses_jax.cli.plan``)."""
 
-from ulysses_jax.plan import cli
+import sys
 
-cli.main()
+from ulysses_jax.cli.plan import main
+
+sys.exit(main())

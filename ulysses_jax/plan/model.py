@@ -1,6 +1,6 @@
 """The layout planner's model: per-device memory (``predict_memory``) and step time
 (``predict_step``) of a ``Layout`` for a ``Model`` on ``Hardware`` (``ulysses_jax.plan.search``
-searches the layouts; ``ulysses_jax.plan.cli`` is the command line).
+searches the layouts; ``ulysses_jax.cli.plan`` is the command line).
 
 With ``accum_steps`` micro-batches the activations are those of one micro-batch, the
 gradients are summed in float32 (4·params/N more), and FSDP gathers and reduce-scatters once
@@ -86,6 +86,7 @@ read, the parameters written back) do not.
 
 import dataclasses
 
+from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.ulysses import plan_heads
 from ulysses_jax.gpus import Gpu, gpu_named
 from ulysses_jax.train_step import MemoryOptions
@@ -262,9 +263,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
 def _chunk_heads(model, layout):
   """``plan_heads`` for one chunk of heads: Hq/n query and Hkv/n KV heads over ``seq``."""
   n = layout.attn_head_chunks
-  if model.num_kv_heads % n:
-    raise ValueError(f"attn_head_chunks must divide num_kv_heads ({model.num_kv_heads}), got "
-                     f"{n}; use one of {_divisors(model.num_kv_heads)}.")
+  check_head_chunks(n, model.num_kv_heads, "attn_head_chunks")
   if n > 1 and layout.remat not in ("full", "full_offload"):
     raise ValueError(f"the planner models attn_head_chunks > 1 (got {n}) with remat 'full' or "
                      f"'full_offload' only (each chunk is recomputed whole), got "
@@ -277,10 +276,6 @@ def _attention_per_token(heads, head_dim):
   all-to-all exchanges them (``heads``: its ``HeadPlan``; padded, KV heads replicated where
   ``seq`` exceeds them)."""
   return (2 * heads.exchanged_q_heads + 2 * heads.exchanged_kv_heads) * head_dim
-
-
-def _divisors(k):
-  return [i for i in range(1, k + 1) if k % i == 0]
 
 
 def _device_layer_params(model, layout):

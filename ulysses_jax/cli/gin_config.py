@@ -1,12 +1,15 @@
-"""The gin edge of the command line: gin files and ``--gin_param``s -> a ``RunConfig``.
+"""The gin edge of the command lines: gin files and ``--gin_param``s -> a ``RunConfig``.
 
 Gin binds only config dataclasses (the t5x rule), under the names users write in the
 ``configs/*.gin`` files: ``TrainConfig``, ``LlamaConfig``, ``RopeScaling``, ``DataConfig``,
-``RetrievalTask``, ``OptimizerConfig``, ``CheckpointConfig`` (module ``ulysses_jax``). Nothing
-else in the library reads gin: ``train.train`` and ``aot`` take the ``RunConfig`` this
-module builds.
+``RetrievalTask``, ``OptimizerConfig``, ``CheckpointConfig`` (module ``ulysses_jax``). This is
+the only module that imports gin (``tests/test_imports.py`` checks it): ``train.train``,
+``aot`` and the rest of the library take the ``RunConfig`` it builds.
 
     run = gin_config.read(["configs/tiny_cpu.gin"], ["TrainConfig.steps=50"])
+
+``read(..., workdir)`` resolves the model as ``step_builder.resolve`` does, with the
+``LlamaConfig`` fields bound in gin as the ones given.
 
 A relative path in ``--gin_file`` or an ``include`` is looked for next to the including file,
 then in the working directory, then in the repository (so ``include 'configs/...'`` works from
@@ -19,8 +22,8 @@ import os
 
 import gin
 
-from ulysses_jax import finetune
-from ulysses_jax.checkpoint import CheckpointConfig, read_run_config
+from ulysses_jax import step_builder
+from ulysses_jax.checkpoint import CheckpointConfig
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data import DataConfig, RetrievalTask
 from ulysses_jax.models.config import LlamaConfig
@@ -28,7 +31,7 @@ from ulysses_jax.optimizer import OptimizerConfig
 from ulysses_jax.rope import RopeScaling
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_CLASSES = (TrainConfig, LlamaConfig, RopeScaling, DataConfig, RetrievalTask,
                   OptimizerConfig, CheckpointConfig)
 # Gin's wrapper of each class: calling it applies the parsed bindings. The wrappers are
@@ -93,37 +96,20 @@ def build(cls):
 
 
 def run_config(workdir: str | None = None) -> RunConfig:
-  """The ``RunConfig`` of the parsed bindings, with the operative config text.
-
-  With ``TrainConfig.init_from`` the model's shapes come from that checkpoint, and the
-  ``LlamaConfig`` fields bound in gin apply on top (``finetune.model_config``); but when
-  ``workdir`` already holds checkpoints of the run, from the newest of them: a resumed run
-  never reads ``init_from``, which may since have been moved or deleted.
-  """
+  """The ``RunConfig`` of the parsed bindings, with the operative config text, its model
+  resolved as ``step_builder.resolve`` does (``init_from``'s shapes, or the newest checkpoint's
+  in ``workdir``), the ``LlamaConfig`` fields bound in gin applied on top."""
   configs = {name: build(cls) for name, cls in (
       ("train", TrainConfig), ("model", LlamaConfig), ("data", DataConfig),
       ("optimizer", OptimizerConfig), ("checkpoint", CheckpointConfig))}
-  if configs["train"].init_from:
-    source = workdir if workdir and _has_run_config(workdir) else configs["train"].init_from
-    configs["model"] = finetune.model_config(source, bound_fields(LlamaConfig))
-  return RunConfig(**configs, gin=gin.operative_config_str())
+  config = RunConfig(**configs, gin=gin.operative_config_str())
+  return step_builder.resolve(config, workdir, given=bound_fields(LlamaConfig))
 
 
 def read(files: list[str], params: list[str], workdir: str | None = None) -> RunConfig:
   """``parse`` then ``run_config``."""
   parse(files, params)
   return run_config(workdir)
-
-
-def _has_run_config(workdir: str) -> bool:
-  checkpoints = os.path.join(workdir, "checkpoints")
-  if not os.path.isdir(checkpoints):
-    return False
-  try:
-    read_run_config(checkpoints)
-  except Exception:  # pylint: disable=broad-except  # no step yet, or one saved without it
-    return False
-  return True
 
 
 def bound_fields(cls) -> dict:

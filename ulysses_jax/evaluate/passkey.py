@@ -12,7 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from ulysses_jax.data import pack_row
+from ulysses_jax import ruler
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.data import Dataset, pack_row
 
 DIGITS = 5
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -83,3 +85,23 @@ def accuracy_table(trials: list[Trial], retrieved) -> dict:
           "trials": len(trials) // (len(lengths) * len(depths)),
           "overall": float(np.mean([bool(x) for x in retrieved])),
           "chance": 10.0 ** -DIGITS}
+
+
+def dataset(tokenizer, mesh, *, seq_len: int, batch_size: int, vocab_size: int,
+            trials: int = 2) -> tuple[list[Trial], Dataset]:
+  """The pass-key rows (``make_rows``) as a ``Dataset``; errors before any compute."""
+  if tokenizer.vocab_size > vocab_size:
+    raise ConfigError(f"the pass-key tokenizer has {tokenizer.vocab_size} ids but the model's "
+                      f"vocab_size is {vocab_size}: give the model's own tokenizer.json "
+                      "(--tokenizer)")
+  trials_, rows = make_rows(tokenizer, seq_len, trials=trials)
+  return trials_, Dataset(ruler.Rows(rows, seq_len), mesh=mesh, batch_size=batch_size,
+                          vocab_size=vocab_size, fingerprint="passkey")
+
+
+def score(evaluator, params, trials: list[Trial], rows: Dataset) -> dict:
+  """Pass-key accuracy by depth x length (``accuracy_table``); ``evaluator``: a
+  ``PositionEval``, ``rows``: from ``dataset``."""
+  sums, n = evaluator.sums(params, rows), len(trials)
+  retrieved = (sums["row_correct"][:n] == sums["row_count"][:n]) & (sums["row_count"][:n] > 0)
+  return accuracy_table(trials, retrieved)

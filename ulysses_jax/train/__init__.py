@@ -1,8 +1,9 @@
-"""The trainer: ``python -m ulysses_jax.train --gin_file=configs/X.gin --workdir=DIR``.
+"""The training loop: ``train(workdir, RunConfig(...))``.
 
-Configured with gin (``--gin_file`` repeated, then ``--gin_param`` overrides, e.g.
-``--gin_param=TrainConfig.steps=50``; see ``ulysses_jax.gin_config``). From Python, call
-``train(workdir, RunConfig(...))``: gin is only the command line's edge. Writes into ``DIR``:
+The command line (``ulysses-train`` or ``python -m ulysses_jax.train --gin_file=configs/X.gin
+--workdir=DIR``, ``ulysses_jax.cli.train``) reads the ``RunConfig`` from gin files; the step
+comes from ``ulysses_jax.step_builder`` (``TrainConfig.init_from``'s model shapes included),
+the evaluations from ``ulysses_jax.evaluate``. Writes into ``DIR``:
 
   config.gin      the operative config of the latest start (every value used, defaults
                   included), written once the run is known to proceed
@@ -20,14 +21,10 @@ on any mesh. SIGTERM/SIGINT save a checkpoint at the current step and exit. A st
 a non-finite loss or gradients is skipped (parameters and optimizer state unchanged) and
 counted; ``TrainConfig.max_bad_steps`` of them in a row save the state and stop with an error.
 Every check (configs, devices, data, memory, the checkpoint to resume) runs before the
-workdir is created or changed.
-
-Exit codes: 0 finished (or nothing left to train), 1 error (one ``error: ...`` line; the
-traceback with ``--debug``), 75 stopped by a signal after saving a checkpoint: rerun the same
-command to resume.
+workdir is created or changed: they raise ``ConfigError``; too many non-finite steps raise
+``NonFiniteError``; a signal returns a summary whose ``stopped`` names it.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -35,29 +32,22 @@ import math
 import os
 import sys
 import time
-import warnings
 from typing import NamedTuple
 
 import jax
-from flax import nnx
 from tqdm import tqdm
 
-from ulysses_jax import distributed, export, finetune, kernel_check, ruler
-from ulysses_jax import evaluate as evaluate_lib
+from ulysses_jax import distributed, evaluate, export, kernel_check, ruler, step_builder
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
 from ulysses_jax import xla_log
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import make_datasets, retrieval_accuracy
-from ulysses_jax.mesh import make_mesh
-from ulysses_jax.models.llama import count_params, init_llama
-from ulysses_jax.optimizer import make_optimizer
+from ulysses_jax.data import make_datasets
+from ulysses_jax.models.llama import count_params
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: F401  (public here too)
-from ulysses_jax.train_step import init_train_state, make_train_step, state_shardings
 
-EXIT_OK, EXIT_ERROR, EXIT_STOPPED = 0, 1, 75  # 75: EX_TEMPFAIL, "try again"
 _log = logging.getLogger("ulysses_jax.train")
 
 
@@ -80,35 +70,10 @@ def _config_errors():
 
 # ----------------------------------------------------------------------------- setup
 
-def build_train_step(config: RunConfig, mesh: jax.sharding.Mesh):
-  """(optimizer, graphdef, abstract train state, jitted step) of ``config`` on ``mesh``:
-  exactly what ``train`` runs (``ulysses_jax.aot`` compiles the same for other devices)."""
-  cfg = config.train
-  optimizer = make_optimizer(config.optimizer)
-  graphdef, abstract = abstract_train_state(config.model, mesh, optimizer, cfg.seed, cfg.memory)
-  step = make_train_step(graphdef, abstract, optimizer, mesh=mesh, seq_len=config.data.seq_len,
-                         accum_steps=cfg.accum_steps, z_loss_weight=cfg.z_loss_weight,
-                         memory=cfg.memory)
-  return optimizer, graphdef, abstract, step
-
-
-def abstract_train_state(model_config, mesh, optimizer, seed=0, memory=None):
-  """(graphdef, train state as ShapeDtypeStructs carrying their target shardings)."""
-  graphdef, shapes = jax.eval_shape(lambda: init_train_state(
-      init_llama(model_config, mesh, seed=seed), optimizer, memory=memory))
-  shardings = state_shardings(shapes, mesh, memory=memory)
-  return graphdef, jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
-
-
 class Run(NamedTuple):
   """A run ready to train: built and checked before the workdir is created or changed."""
-  config: RunConfig
-  mesh: jax.sharding.Mesh
-  optimizer: object  # optimizer.Optimizer
-  graphdef: nnx.GraphDef
-  abstract_state: object  # the train state's ShapeDtypeStructs with their shardings
-  step_fn: object  # the jitted train step (``build_train_step``)
+  config: RunConfig  # resolved (init_from's model), the attention backend as configured
+  built: step_builder.TrainStep  # the step, its abstract state, the mesh, the resolved config
   restored: object  # checkpoint.Restored, or None (from scratch)
   train_ds: object
   eval_ds: object
@@ -127,14 +92,15 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
   cfg = config.train
   with _config_errors():
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
-    mesh = make_mesh(cfg.mesh_data, cfg.mesh_seq, cfg.mesh_ring)
+    config = step_builder.resolve(config, workdir)  # init_from's shapes
+    mesh = step_builder.run_mesh(cfg)
     # The data first: a bad file is one error line, before the kernel runs or logs anything.
     train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
                                                   vocab_size=config.model.vocab_size)
     attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
-    optimizer, graphdef, abstract, step_fn = build_train_step(dataclasses.replace(
-        config, model=attention.model_config(config.model)), mesh)
-    _check_fits(abstract)
+    built = step_builder.build_train_step(dataclasses.replace(
+        config, model=attention.model_config(config.model)), mesh, workdir=workdir)
+    _check_fits(built.state)
     restored = None
     if os.path.isdir(os.path.join(workdir, "checkpoints")):
       # Checked before restoring: a restore into other shapes fails deep in orbax, and its
@@ -143,11 +109,10 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
       if mismatch:
         raise ConfigError(mismatch)
       with Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint) as ckpt:
-        restored = ckpt.restore(abstract)
+        restored = ckpt.restore(built.state)
     if restored is not None:
       train_ds.set_state(restored.data_state)
-  return Run(config, mesh, optimizer, graphdef, abstract, step_fn, restored, train_ds, eval_ds,
-             attention)
+  return Run(config, built, restored, train_ds, eval_ds, attention)
 
 
 def _check_fits(abstract_state):
@@ -170,55 +135,22 @@ def _check_fits(abstract_state):
                       "devices or TrainConfig.offload_optimizer=True")
 
 
-def _make_eval_step(graphdef, retrieval: bool):
-  """Jitted (params, batch) -> loss sum, label count and, for the retrieval task, the
-  number of labels predicted right (which needs full logits: small vocabulary only)."""
-  @jax.jit
-  def eval_step(params, batch):
-    model = nnx.merge(graphdef, params)
-    inputs = (batch["tokens"], batch["positions"], batch["segment_ids"])
-    sums = model.loss(inputs[0], batch["labels"], *inputs[1:])
-    out = {"loss": sums.loss, "count": sums.count}
-    if retrieval:
-      out["correct"] = retrieval_accuracy(model(*inputs), batch["labels"]) * sums.count
-    return out
-  return eval_step
-
-
-def evaluate(eval_step, params, eval_ds, num_batches) -> dict:
-  """Held-out loss (and retrieval accuracy) over the first ``num_batches`` eval batches."""
-  totals = {}
-  for i in range(min(num_batches, eval_ds.num_batches)):
-    for k, v in jax.device_get(eval_step(params, eval_ds.batch(i))).items():
-      totals[k] = totals.get(k, 0.0) + float(v)
-  count = max(totals["count"], 1.0)
-  result = {"eval_loss": totals["loss"] / count}
-  if "correct" in totals:
-    result["eval_accuracy"] = totals["correct"] / count
-  return result
-
-
 # ----------------------------------------------------------------------------- training
 
-def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> dict:
+def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
   """Trains ``config`` into ``workdir`` (resuming from its checkpoints); returns the run's
   summary (``summary["stopped"]`` names the signal that stopped it, else None).
 
   For a fresh process call ``distributed.configure_platform`` first (the command line does).
   ``datasets``: (train, eval) to use instead of ``make_datasets(config.data)``.
-  ``config=None`` (deprecated) reads the bindings that ``parse_gin`` parsed.
   """
-  if config is None:
-    warnings.warn("train(workdir) without a config is deprecated: pass "
-                  "gin_config.read(files, params), or a RunConfig", DeprecationWarning, 2)
-    from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
-    config = gin_config.run_config()
   cfg = config.train
   run = prepare(workdir, config, datasets)
+  config, mesh = run.config, run.built.mesh
   with _config_errors():  # a task that does not fit S stops here, before the workdir changes
     ruler_probe = ruler.Probe(
         cfg.ruler_tasks.split(","), cfg.ruler_samples, make_tokenizer(config.data.tokenizer),
-        run.mesh, seq_len=config.data.seq_len,
+        mesh, seq_len=config.data.seq_len,
         vocab_size=config.model.vocab_size) if cfg.ruler_tasks else None
   start, lead = run.start, jax.process_index() == 0
   summary = {"workdir": workdir, "steps": cfg.steps, "start_step": start, "step": start,
@@ -234,14 +166,10 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
       _log.warning("changed since the checkpoint of step %d: %s (the learning-rate schedule "
                    "follows the new values from here on)", start, change)
     workdir_lib.write_configs(workdir, config, start)
-  if run.restored is None:  # a resumed run never reads init_from again
-    model = (finetune.load_model(cfg.init_from, config.model, run.mesh) if cfg.init_from
-             else init_llama(config.model, run.mesh, seed=cfg.seed))
-    state = init_train_state(model, run.optimizer, memory=cfg.memory)[1]
-  else:
-    state = run.restored.state
-  eval_step = _make_eval_step(run.graphdef, config.data.source == "retrieval")
-  position_eval = (evaluate_lib.PositionEval(run.graphdef)
+  # A resumed run never reads init_from again.
+  state = run.restored.state if run.restored else step_builder.initial_state(run.built)
+  eval_step = evaluate.make_eval_step(run.built.graphdef, config.data.source == "retrieval")
+  position_eval = (evaluate.PositionEval(run.built.graphdef)
                    if cfg.position_eval or ruler_probe else None)
   record_args = dict(
       tokens=config.data.batch_size * config.data.seq_len,
@@ -250,7 +178,7 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
                   else metrics_lib.measure_peak_flops(config.model.dtype)))
   if lead:
     _log.info("%s devices as %s; %s parameters; %d tokens/step; %s", jax.device_count(),
-              dict(run.mesh.shape), f"{count_params(config.model):,}", record_args["tokens"],
+              dict(mesh.shape), f"{count_params(config.model):,}", record_args["tokens"],
               f"resuming at step {start}" if start else "starting from scratch")
     _log.info("attention: %s", run.attention.choice.reason)
     if jax.default_backend() == "gpu":
@@ -272,7 +200,7 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
         t0 = time.perf_counter()
         with (xla_log.remat_warning_explained() if step == start + 1  # compiles
               else contextlib.nullcontext()):
-          state, step_metrics = run.step_fn(state, batch)
+          state, step_metrics = run.built.step(state, batch)
         data_state = run.train_ds.get_state()
         if step < cfg.steps:
           batch = next(run.train_ds)  # host work while the device runs the step
@@ -291,13 +219,14 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
           record = metrics_lib.make_record(step, m, skipped, seconds=interval_time,
                                            steps=interval_steps, **record_args)
           if step == start + 1:  # the step is in the compilation cache: no compile again
-            compiled = run.step_fn.lower(run.abstract_state, batch).compile()
+            compiled = run.built.step.lower(run.built.state, batch).compile()
             record.update(run.attention.record(),
                           compiled_memory_gib=metrics_lib.compiled_memory_gib(compiled))
             if lead:
               _log.info(metrics_lib.memory_line(record))
           if do_eval and run.eval_ds is not None:
-            record.update(evaluate(eval_step, state.params, run.eval_ds, cfg.eval_batches))
+            record.update(evaluate.held_out(eval_step, state.params, run.eval_ds,
+                                           cfg.eval_batches))
             if cfg.position_eval:
               by_position = position_eval(state.params, run.eval_ds, cfg.eval_batches)
               record.update({f"eval_loss_pos_{b['start']}_{b['end']}": b["loss"]
@@ -346,59 +275,3 @@ def train(workdir: str, config: RunConfig | None = None, *, datasets=None) -> di
   if lead:
     print(metrics_lib.format_summary(summary), flush=True)
   return summary
-
-
-# ----------------------------------------------------------------------------- entry point
-
-def parse_gin(files: list[str], params: list[str]):
-  """Deprecated: ``gin_config.parse`` (then ``train(workdir, gin_config.run_config())``)."""
-  warnings.warn("train.parse_gin is deprecated: use gin_config.read(files, params)",
-                DeprecationWarning, 2)
-  from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
-  gin_config.parse(files, params)
-
-
-def main(argv: list[str] | None = None) -> int:
-  """The command line; returns the exit code (``EXIT_OK``, ``EXIT_ERROR``, ``EXIT_STOPPED``)."""
-  parser = argparse.ArgumentParser(prog="python -m ulysses_jax.train", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--gin_file", action="append", default=[], help="repeatable")
-  parser.add_argument("--gin_param", action="append", default=[], help="repeatable")
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--coordinator_address", help="host:port of process 0 (multi-process)")
-  parser.add_argument("--num_processes", type=int)
-  parser.add_argument("--process_id", type=int)
-  parser.add_argument("--debug", action="store_true", help="full tracebacks on errors")
-  args = parser.parse_args(argv)
-  _configure_logging()
-  try:
-    with _config_errors():
-      from ulysses_jax import gin_config  # pylint: disable=import-outside-toplevel
-      config = gin_config.read(args.gin_file, args.gin_param, args.workdir)
-      cfg = config.train
-      distributed.configure_platform(cfg.platform, cfg.cpu_devices, cfg.compilation_cache)
-      distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-    summary = train(args.workdir, config)
-  except (ConfigError, NonFiniteError) as e:
-    if args.debug:
-      raise
-    # Gin appends "In call to configurable ..." lines; our messages name the config already.
-    message = "\n".join(line for line in str(e).splitlines()
-                        if not line.startswith("  In call to "))
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return EXIT_ERROR
-  return EXIT_STOPPED if summary["stopped"] else EXIT_OK
-
-
-def _configure_logging():
-  """Our log lines with a timestamp; the libraries' own chatter (orbax, absl) at warnings."""
-  handler = logging.StreamHandler()
-  handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-  root = logging.getLogger()
-  root.handlers[:] = [handler]
-  root.setLevel(logging.WARNING)
-  logging.getLogger("ulysses_jax").setLevel(logging.INFO)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

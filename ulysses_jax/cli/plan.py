@@ -1,40 +1,43 @@
-"""The planner's command line: ``python -m ulysses_jax.plan`` (see ``ulysses_jax.plan``).
+"""The planner's command line: ``ulysses-plan`` or ``python -m ulysses_jax.plan`` (the planner
+itself: ``ulysses_jax.plan``).
+
+    ulysses-plan --model=llama3.1-8b --seq_len=4194304 --devices=8 --gpu_mem=80 \\
+        --host_mem_per_gpu=256
 
 ``--model`` is a preset, a checkpoint directory (a Hugging Face one or a ulysses_jax workdir:
 the fine-tune's ``TrainConfig.init_from``), a ``config.json`` or a gin file (whose
 ``DataConfig.seq_len``, ``batch_size``, ``TrainConfig.accum_steps``, ``master_weights``,
 ``init_from`` and ``LlamaConfig.dtype``, ``param_dtype``, ``mlp_chunk`` are the defaults of
 the flags of the same names; a fine-tuning gin file takes its checkpoint from
-``--init-from``). The knobs a user would otherwise guess are searched unless given
+``--init_from``). The knobs a user would otherwise guess are searched unless given
 (``ulysses_jax.plan.search``): precision, MLP tile, remat policy and groups, head chunks,
 offload, mesh. It prints the feasible layouts, the recommendation first, and the
 recommendation as the trainer's ``--gin_param`` settings and as the library's calls. When
 nothing fits it prints the longest sequence that fits on these devices (and how) and the
 fewest devices of this kind that fit the asked length, and exits 1; bad input exits 2; each
-with one ``error:`` line.
+with one ``error:`` line (``ulysses_jax.cli``'s exit codes).
 
 Units: GPU memory in GB (10^9 bytes) per device, by default the ``--gpu``'s capacity, and the
 usable part is the budget ``aot``'s fit check uses (``Gpu.budget_bytes``); host memory in GB
-per GPU (``--host-mem-per-gpu``), or per node (``--host-mem``, shared by the node's devices
+per GPU (``--host_mem_per_gpu``), or per node (``--host_mem``, shared by the node's devices
 in use); the header repeats both per device.
 
 ``--verify`` then compiles the recommended layout for the cluster (``--gpu``; ``--devices``
-GPUs, ``--intra-node`` per node) with ``ulysses_jax.aot``, as ``python -m ulysses_jax.aot``
-would, and prints the compiled memory per device beside the prediction. It needs JAX's CUDA
-plugin (``make gpu-compile-venv``; no GPU) and a preset, checkpoint directory or gin
-``--model``.
+GPUs, ``--intra_node`` per node) with ``ulysses_jax.aot``, as ``ulysses-aot`` would: the
+model's ``RunConfig`` with the layout put in by ``dataclasses.replace``. It prints the compiled
+memory per device beside the prediction. It needs JAX's CUDA plugin (``make gpu-compile-venv``;
+no GPU) and a preset, checkpoint directory or gin ``--model``.
 """
 
 import argparse
 import dataclasses
-import os
-import sys
-import tempfile
 
-from ulysses_jax import model_spec
+from ulysses_jax import cli
+from ulysses_jax.cli import model_spec
 from ulysses_jax.gpus import GPUS
 from ulysses_jax.models.llama import PRESETS
 from ulysses_jax.plan import search
+from ulysses_jax.run_config import RunConfig
 from ulysses_jax.plan.model import _DTYPE_BYTES, _GB, Hardware, Model
 
 _GIB = 2**30
@@ -123,57 +126,58 @@ def _mesh(text: str) -> tuple[int, int, int]:
   return mesh
 
 
-def _parser():
-  parser = argparse.ArgumentParser(
-      prog="python -m ulysses_jax.plan", allow_abbrev=False,
-      description="Layout planner: which mesh, remat, offload, precision and MLP tile to train "
-                  "a model at a sequence length. Knobs not given are searched.")
-  add = parser.add_argument
+def parser() -> cli.Parser:
+  p = cli.Parser("ulysses-plan", __doc__)
+  add = p.add_argument
   add("--model", required=True, help="a preset, a checkpoint directory, a Hugging Face "
       "config.json or a gin file")
-  add("--init-from", help="with a fine-tuning gin --model: the checkpoint it starts from")
-  add("--seq-len", type=int, help="tokens per sequence (DataConfig.seq_len)")
+  add("--init_from", help="with a fine-tuning gin --model: the checkpoint it starts from")
+  add("--seq_len", type=int, help="tokens per sequence (DataConfig.seq_len)")
   add("--devices", type=int, required=True)
   add("--gpu", default="h100", choices=sorted(GPUS),
       help="the GPU: its memory, speeds, and what --verify compiles for")
-  add("--gpu-mem", type=float, help="GB (10^9 bytes) per device (default: the --gpu's)")
-  add("--reserve-gib", "--reserve_gib", type=float, help="GiB per device left to the CUDA "
-      "context, the libraries and NCCL, as in aot (default: a tenth of the GPU's memory)")
-  add("--intra-node", type=int, default=8, help="devices per node")
-  host = parser.add_mutually_exclusive_group()
-  host.add_argument("--host-mem-per-gpu", type=float,
+  add("--gpu_mem", type=float, help="GB (10^9 bytes) per device (default: the --gpu's)")
+  add("--reserve_gib", type=float, help="GiB per device left to the CUDA context, the "
+      "libraries and NCCL, as in aot (default: a tenth of the GPU's memory)")
+  add("--intra_node", type=int, default=8, help="devices per node")
+  host = p.add_mutually_exclusive_group()
+  host.add_argument("--host_mem_per_gpu", type=float,
                     help=f"free host GB per GPU (default {_HOST_GB_PER_GPU:g})")
-  host.add_argument("--host-mem", type=float, help="free host GB per node, shared by its "
+  host.add_argument("--host_mem", type=float, help="free host GB per node, shared by its "
                     "devices in use")
   add("--batch", type=int, help="sequences per step (default 1)")
-  add("--accum-steps", type=int, help="micro-batches per step (default 1)")
+  add("--accum_steps", type=int, help="micro-batches per step (default 1)")
   add("--dtype", choices=sorted(_DTYPE_BYTES),
       help="LlamaConfig.dtype (default: bfloat16, or the gin file's)")
-  add("--param-dtype", choices=sorted(_DTYPE_BYTES), help="LlamaConfig.param_dtype "
+  add("--param_dtype", choices=sorted(_DTYPE_BYTES), help="LlamaConfig.param_dtype "
       "(parameters, gradients, Adam moments; default: searched, or the gin file's)")
-  add("--master-weights", action=argparse.BooleanOptionalAction,
-      help="the optimizer updates a float32 copy of the parameters (default: searched)")
-  add("--mlp-chunk", type=int, help="tokens per MLP tile, 0 untiled (default: searched)")
+  master = p.add_mutually_exclusive_group()
+  master.add_argument("--master_weights", action="store_true", default=None,
+                      help="the optimizer updates a float32 copy of the parameters "
+                           "(default: searched)")
+  master.add_argument("--no_master_weights", dest="master_weights", action="store_false")
+  add("--mlp_chunk", type=int, help="tokens per MLP tile, 0 untiled (default: searched)")
   add("--remat", choices=search.REMATS, help="LlamaConfig.remat_policy (default: searched)")
-  add("--remat-group", type=int, help="LlamaConfig.remat_group (default: searched)")
-  add("--head-chunks", type=int, help="LlamaConfig.attn_head_chunks (default: searched)")
+  add("--remat_group", type=int, help="LlamaConfig.remat_group (default: searched)")
+  add("--head_chunks", type=int, help="LlamaConfig.attn_head_chunks (default: searched)")
   add("--offload", choices=sorted(search.OFFLOADS), help="state on the host: none, the "
       "optimizer's, or it and the layer parameters (default: searched)")
   add("--mesh", type=_mesh, help="DATAxSEQxRING (default: searched)")
   add("--top", type=int, default=12, help="rows to print")
   add("--verify", action="store_true", help="compile the recommendation for the GPUs with "
       "ulysses_jax.aot (needs JAX's CUDA plugin) and print its memory beside the prediction")
-  return parser
+  return p
 
 
 def _parse(argv):
   """The command line, with the model resolved and gin defaults applied; bad input exits 2
   with one ``error:`` line."""
-  args = _parser().parse_args(argv)
+  args = parser().parse_args(argv)
   try:
-    config, run = model_spec.load(args.model, args.init_from)
+    base, run = model_spec.load(args.model, args.init_from)
   except ValueError as e:
-    _fail(str(e))
+    cli.fail(str(e), debug=args.debug)
+  config = base.model
   for name, default in (("seq_len", None), ("batch", 1), ("accum_steps", 1),
                         ("master_weights", None), ("init_from", None)):
     if getattr(args, name) is None:
@@ -183,8 +187,9 @@ def _parse(argv):
     if getattr(args, name) is None:
       setattr(args, name, getattr(config, name) if from_gin else default)
   if args.seq_len is None:
-    _fail("give --seq-len (tokens per sequence), or a gin --model that sets DataConfig.seq_len.")
-  args.model_config = config
+    cli.fail("give --seq_len (tokens per sequence), or a gin --model that sets "
+             "DataConfig.seq_len.")
+  args.model_config, args.base = config, base
   return args
 
 
@@ -194,12 +199,12 @@ def _knobs(args, model: Model) -> search.Knobs:
   try:
     precisions = search.precisions(args.param_dtype, args.master_weights)
   except ValueError as e:
-    _fail(str(e))
-  for flag, value, total in (("--head-chunks", args.head_chunks, model.num_kv_heads),
-                             ("--remat-group", args.remat_group, model.num_layers)):
+    cli.fail(str(e), debug=args.debug)
+  for flag, value, total in (("--head_chunks", args.head_chunks, model.num_kv_heads),
+                             ("--remat_group", args.remat_group, model.num_layers)):
     if value is not None and (value < 1 or total % value):
-      _fail(f"{flag} must divide {total} (the model's), got {value}; use one of "
-            f"{[k for k in range(1, total + 1) if total % k == 0]}.")
+      cli.fail(f"{flag} must divide {total} (the model's), got {value}; use one of "
+               f"{[k for k in range(1, total + 1) if total % k == 0]}.")
   return search.Knobs(
       precisions=precisions, mlp_chunks=pinned(args.mlp_chunk, search.MLP_CHUNKS),
       remats=pinned(args.remat, search.REMATS),
@@ -209,14 +214,14 @@ def _knobs(args, model: Model) -> search.Knobs:
 
 
 def _gpu(args):
-  """The ``--gpu`` with ``--gpu-mem`` and ``--reserve-gib`` applied."""
+  """The ``--gpu`` with ``--gpu_mem`` and ``--reserve_gib`` applied."""
   gpu = GPUS[args.gpu]
   if args.gpu_mem is not None:
     gpu = dataclasses.replace(gpu, memory_bytes=int(args.gpu_mem * _GB))
   try:
     return gpu.with_reserve(args.reserve_gib)
   except ValueError as e:
-    _fail(f"--reserve-gib: {e}")
+    cli.fail(f"--reserve_gib: {e}", debug=args.debug)
 
 
 def _hardware(args) -> Hardware:
@@ -240,13 +245,14 @@ def _header(args, model, hardware) -> str:
           f"uses; {host}")
 
 
-def _fail(message: str, code: int = 2):
-  sys.stdout.flush()  # what was printed before stays before the error line
-  print(f"error: {message}", file=sys.stderr)
-  raise SystemExit(code)
+def main(argv: list[str] | None = None) -> int:
+  """The command line: 0 after printing the plan; 1 when no layout fits and 2 on bad input
+  (``SystemExit`` with one ``error:`` line)."""
+  run(argv)
+  return cli.EXIT_OK
 
 
-def main(argv=None) -> dict:
+def run(argv: list[str] | None = None) -> dict:
   """Prints the plan and returns its recommended row; exits 1 when no layout fits, 2 on bad
   input."""
   args = _parse(argv)
@@ -258,7 +264,7 @@ def main(argv=None) -> dict:
     rows = search.plan(model, seq_len=args.seq_len, devices=args.devices, hardware=hardware,
                        **sizes)
   except ValueError as e:
-    _fail(str(e))
+    cli.fail(str(e), debug=args.debug)
   print(_header(args, model, hardware))
   if not rows:
     _no_fit(args, model, hardware, sizes)
@@ -281,24 +287,24 @@ def _no_fit(args, model, hardware, sizes):
           f"(mesh {lay.data}x{lay.seq}x{lay.ring}, remat {lay.remat}, group "
           f"{lay.remat_group}, head chunks {lay.attn_head_chunks}, on host "
           f"{_on_host_label(lay)}, {_precision_label(row['precision'])}, MLP tile "
-          f"{row['mlp_chunk'] or 'none'}; plan it with --seq-len={longest})")
+          f"{row['mlp_chunk'] or 'none'}; plan it with --seq_len={longest})")
     fits_here = f"the longest that fits is {longest:,} tokens"
   else:
     fits_here = f"not even {args.devices * search.LENGTH_STEP:,} tokens fit"
   if not search.splits(args.devices, batch=args.batch, seq_len=args.seq_len,
                        accum_steps=args.accum_steps):
-    _fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data x "
-          f"accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq x "
-          f"ring must divide the sequence length ({args.seq_len}); change --batch, "
-          f"--accum-steps or --seq-len (e.g. a multiple of {args.devices}; {fits_here}).",
-          code=1)
+    cli.fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data "
+             f"x accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq "
+             f"x ring must divide the sequence length ({args.seq_len}); change --batch, "
+             f"--accum_steps or --seq_len (e.g. a multiple of {args.devices}; {fits_here}).",
+             code=cli.EXIT_FAILED)
   fewest = search.fewest_devices(model, seq_len=args.seq_len, hardware=hardware, **sizes)
   needed = (f"the fewest devices of this kind for {args.seq_len:,} tokens: {fewest:,}"
             if fewest else f"no count up to {search.MAX_DEVICES:,} devices of this kind fits "
             f"{args.seq_len:,} tokens")
   print(needed)
-  _fail(f"no layout fits {args.seq_len:,} tokens on {args.devices} devices: {fits_here} "
-        f"there; {needed}.", code=1)
+  cli.fail(f"no layout fits {args.seq_len:,} tokens on {args.devices} devices: {fits_here} "
+           f"there; {needed}.", code=cli.EXIT_FAILED)
 
 
 def _topology(devices: int, intra_node: int) -> str:
@@ -306,25 +312,28 @@ def _topology(devices: int, intra_node: int) -> str:
   if devices <= intra_node:
     return f"1x1x{devices}"
   if devices % intra_node:
-    _fail(f"--verify compiles for whole nodes: --devices ({devices}) must be a multiple of "
-          f"--intra-node ({intra_node}), or at most one node.")
+    cli.fail(f"--verify compiles for whole nodes: --devices ({devices}) must be a multiple "
+             f"of --intra_node ({intra_node}), or at most one node.")
   return f"{devices // intra_node}x1x{intra_node}"
 
 
-def _model_gin_file(args, directory: str) -> str:
-  """A gin file of the model, for ``ulysses_jax.aot``: the gin ``--model`` itself, or one
-  (written in ``directory``) binding ``LlamaConfig.preset`` for a preset, or nothing for a
-  checkpoint directory (the settings' ``TrainConfig.init_from`` gives the model)."""
-  if args.model.endswith(".gin"):
-    return args.model
-  if args.model not in PRESETS and not args.init_from:
-    _fail(f"--verify compiles a preset, a checkpoint directory or a gin --model, got "
-          f"{args.model!r}: give the directory holding it, or write the model as a gin file "
-          f"(LlamaConfig.* bindings) and give --model=that.gin.")
-  path = os.path.join(directory, "model.gin")
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(f'LlamaConfig.preset = "{args.model}"\n' if args.model in PRESETS else "")
-  return path
+_CONFIG_FIELDS = {"TrainConfig": "train", "LlamaConfig": "model", "DataConfig": "data"}
+
+
+def _layout_config(row: dict, args) -> RunConfig:
+  """The ``--model``'s ``RunConfig`` with ``row``'s layout put in (``_settings``, the same
+  values the recommendation prints for the trainer)."""
+  if not args.model.endswith(".gin") and args.model not in PRESETS and not args.init_from:
+    cli.fail(f"--verify compiles a preset, a checkpoint directory or a gin --model, got "
+             f"{args.model!r}: give the directory holding it, or write the model as a gin file "
+             f"(LlamaConfig.* bindings) and give --model=that.gin.")
+  changes = {}
+  for key, value in _settings(row, args).items():
+    cls, field = key.split(".")
+    changes.setdefault(_CONFIG_FIELDS[cls], {})[field] = value
+  return dataclasses.replace(args.base, **{
+      name: dataclasses.replace(getattr(args.base, name), **fields)
+      for name, fields in changes.items()})
 
 
 def _verify(row: dict, args):
@@ -332,14 +341,13 @@ def _verify(row: dict, args):
   (``aot.report.UNDER_PRESSURE``), and prints compiled vs predicted GiB: the prediction is
   the footprint XLA reaches when memory is tight, the smaller of the two."""
   topology = _topology(args.devices, args.intra_node)
-  params = _gin_params(_settings(row, args))
-  with tempfile.TemporaryDirectory() as directory:
-    try:
-      from ulysses_jax.aot.report import compile_config
-      report = compile_config([_model_gin_file(args, directory)], params, args.gpu, topology,
-                              under_pressure=True, reserve_gib=args.reserve_gib)
-    except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
-      _fail(f"--verify: {e}")
+  config = _layout_config(row, args)
+  try:
+    from ulysses_jax.aot.report import compile_config  # pylint: disable=import-outside-toplevel
+    report = compile_config(config, args.gpu, topology, under_pressure=True,
+                            reserve_gib=args.reserve_gib)
+  except (ValueError, TypeError, OSError) as e:  # AotError is a ValueError
+    cli.fail(f"--verify: {e}", debug=args.debug)
   memory = row["memory"]
   device = report["least_device_bytes"]
   print(f"verified: compiled for {topology} {report['gpu']} in {report['compile_s']:.0f} s, "

@@ -1,8 +1,9 @@
 """Export a checkpoint of ours as a Hugging Face model directory.
 
-  python -m ulysses_jax.export --workdir=DIR [--step=N] --out=HF_DIR [--dtype=bfloat16]
+  ulysses-export --workdir=DIR [--step=N] --out=HF_DIR [--param_dtype=bfloat16]
 
-writes what ``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` loads:
+(or ``python -m ulysses_jax.export``; ``ulysses_jax.cli.export``) writes what
+``transformers.AutoModelForCausalLM.from_pretrained(HF_DIR)`` loads:
 safetensors shards of at most ~5 GB with ``model.safetensors.index.json``, ``config.json``
 with the run's RoPE settings (``rope_theta``, ``rope_scaling``: what the run trained with,
 context extension included), and the tokenizer files when the run's ``DataConfig.tokenizer``
@@ -24,15 +25,10 @@ head [4096, 128256] = 2.1 GB read + 2.1 GB (float32 out) or 1.05 + 1.05 GB (bflo
 converted and transposed, + a 0.26 GB chunk: about 4.5 GB, whatever the model's size beyond.
 """
 
-import argparse
 import os
 import shutil
-import sys
-
-import jax
 
 from ulysses_jax import hf
-from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.finetune import SavedParams
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -61,26 +57,3 @@ def export_checkpoint(workdir: str, out: str, *, step: int | None = None,
       if os.path.isfile(os.path.join(source, name)):
         shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
   return out
-
-
-def main(argv: list[str] | None = None) -> str:
-  parser = argparse.ArgumentParser(prog="python -m ulysses_jax.export", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--workdir", required=True, help="a training workdir (or checkpoints/)")
-  parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-  parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
-  parser.add_argument("--dtype", choices=sorted(hf.SAFETENSORS_DTYPES),
-                      help="weights dtype (default: the run's LlamaConfig.param_dtype)")
-  args = parser.parse_args(argv)
-  jax.config.update("jax_platforms", "cpu")  # shapes only: leave accelerators to training
-  out = export_checkpoint(args.workdir, args.out, step=args.step, dtype=args.dtype)
-  print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained"
-        f"({out!r})")
-  return out
-
-
-if __name__ == "__main__":
-  try:
-    main()
-  except (ConfigError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")

@@ -1,0 +1,86 @@
+"""ulysses-doctor [--json PATH] [--seq_lens 4096,16384,65536] [--no_step]
+
+(or ``python -m ulysses_jax.doctor``.) Checks this machine's devices for training: environment,
+every attention kernel against the dense reference and its TFLOP/s, and one small training
+step against aot's prediction and compiled memory (see ``ulysses_jax.doctor``). Exit codes
+(``ulysses_jax.cli``): 0 every check passed, 1 a check failed, 2 bad arguments.
+"""
+
+import argparse
+
+from ulysses_jax import cli
+from ulysses_jax.benchmarking import format_table
+from ulysses_jax.config_checks import ConfigError
+
+KERNEL_COLUMNS = ["kernel", "S", "causal", "B", "H", "err_out", "err_grad", "fwd_tflops",
+                  "bwd_tflops", "fa3_fwd_tflops", "status"]
+
+
+def parser() -> cli.Parser:
+  p = cli.Parser("ulysses-doctor", __doc__)
+  cli.add_json_flag(p)
+  p.add_argument("--seq_lens", type=_lengths, default=None,
+                 help="comma-separated sequence lengths of the kernel rows (default: "
+                      "4096,16384,65536 on GPUs, 512,1024 on CPUs)")
+  p.add_argument("--no_step", action="store_true", help="skip the training step")
+  cli.add_platform_flags(p)
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+
+  def body() -> int:
+    cli.start_jax(args)  # the pool the trainer gives XLA, before JAX starts
+    import ulysses_jax.doctor as doctor  # pylint: disable=import-outside-toplevel  (heavy)
+    report = doctor.run(args.seq_lens, with_step=not args.no_step)
+    print(format_report(report))
+    if args.json:
+      cli.write_json(args.json, report, default=str)
+      print(f"wrote {args.json}")
+    return cli.EXIT_OK if report["passed"] else cli.EXIT_FAILED
+  return cli.run(body, args.debug, bad_input=(ConfigError,))
+
+
+def format_report(report: dict) -> str:
+  """The text the command prints: environment, kernel table, step, checks, verdict."""
+  lines = [f"{key}: {value}" for key, value in report["environment"].items()]
+  auto = report["auto_backend"]
+  lines.append(f"attention_backend='auto' picks {auto['backend']}: {auto['reason']}"
+               + (f" (falls back to {', '.join(auto['fallbacks'])})" if auto["fallbacks"] else ""))
+  lines += ["", f"attention kernels: bf16, head dim {report['head_dim']}; check: relative L2 "
+            f"error < {report['tolerance']} against the float32 dense reference",
+            report["flops_formula"], f"fa3_fwd_tflops: {report['fa3_source']}",
+            format_table([{**r, "status": r["status"][:60]} for r in report["kernels"]],
+                         KERNEL_COLUMNS)]
+  if "step" in report:
+    s = report["step"]
+    lines += ["", f"training step: {s['model']} ({s['layers']} layers), {s['seq_len']:,} "
+              f"tokens, mesh {s['mesh']}: {s['step_s']:.4f} s measured"
+              + (f", {s['predicted_step_s']:.4f} s predicted (roofline)"
+                 if "predicted_step_s" in s else "")
+              + f"; memory {s['compiled_memory_gib']:.3f} GiB compiled"
+              + (f", {s['peak_memory_gib']:.3f} GiB peak measured"
+                 if s["peak_memory_gib"] is not None else "")]
+  verdict = {True: "ok", False: "FAILED", None: "cannot run here"}
+  kernel_checks = [c for c in report["checks"] if c["name"].startswith("kernel ")]
+  counts = {word: sum(c["passed"] is value for c in kernel_checks)
+            for value, word in verdict.items()}
+  lines += ["", "checks:", "  kernels: " + ", ".join(f"{n} {word}" for word, n in counts.items())]
+  lines += [f"  {verdict[c['passed']]:7s} {c['name']}: {c['detail']}" for c in report["checks"]
+            if c not in kernel_checks or c["passed"] is False]
+  failed = [c["name"] for c in report["checks"] if c["passed"] is False]
+  lines += ["", f"FAILED: {', '.join(failed)}" if failed else "every check that can run here "
+            "passed"]
+  return "\n".join(lines)
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+  try:
+    lengths = tuple(int(part) for part in text.split(","))
+  except ValueError:
+    lengths = ()
+  if not lengths or min(lengths) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, e.g. "
+                                     f"4096,16384, got {text!r}")
+  return lengths

@@ -1,0 +1,249 @@
+"""Loss by position within the context, pass-key retrieval, RULER-style tasks and exact-match
+probes: a forward pass only (``ulysses_jax.evaluate``).
+
+  ulysses-evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
+      [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
+      [--seed=N] [--threshold=A]] [--examples=FILE.jsonl] [--mesh_data=N] [--mesh_seq=P]
+      [--platform=P] [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--tokenizer=T]
+      [--token_dtype=int32] [--no_kernel_check]
+
+(or ``python -m ulysses_jax.evaluate``.) The mesh flags mean what ``TrainConfig``'s do:
+``--mesh_seq`` devices on the sequence axis (default 1), ``--mesh_data`` on the data axis
+(default -1: the devices that ``--mesh_seq`` leaves); the model is the checkpoint's, as
+``step_builder.resolve`` reads it for ``TrainConfig.init_from``, in ``--dtype`` without remat.
+
+Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
+file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
+of a document has inputs ``tokens[i*S:(i+1)*S]`` and labels ``tokens[i*S+1:(i+1)*S+1]``,
+the last window padded and masked; no packing across documents). The forward pass is
+sequence-parallel over the mesh (no gradients, no optimizer state), so it reaches longer S
+than training on the same devices. The loss never builds ``[B, S, V]`` logits: the
+per-token losses come chunk by chunk, as in training (``LlamaConfig.loss_chunk``).
+
+Output (printed, and with ``--json`` written): ``loss`` (mean over predicted tokens),
+``tokens``, ``perplexity``, and ``buckets``: ``{"start", "end", "loss", "tokens"}`` over the
+position within the row in log-spaced ranges [0, 1), [1, 2), [2, 4), ... [S/2, S), so the
+curve shows whether late tokens profit from the long context; ``--plot`` draws it (PNG).
+``--passkey`` adds ``passkey``: retrieval accuracy by depth x length
+(``ulysses_jax.evaluate.passkey``) and, with ``--plot``, a heatmap next to it. ``--ruler``
+adds ``ruler``: accuracy of each task (``ulysses_jax.ruler.tasks``) by length, the mean over
+tasks by length, the effective length (the longest length up to which the mean stays at or
+above ``--threshold``) and every example with its predicted ids; ``--examples`` adds
+``examples``: ``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file. Both
+are scored as greedy decoding would score them (``ulysses_jax.ruler``).
+
+Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
+failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
+Exit codes (``ulysses_jax.cli``): 0 evaluated, 2 bad input (found before the model is loaded).
+"""
+
+import argparse
+import os
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from ulysses_jax import cli, finetune, kernel_check, ruler, step_builder
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.corpus import make_tokenizer
+from ulysses_jax.data import IGNORE_LABEL, DataConfig, document_windows
+from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
+from ulysses_jax.models.config import LlamaConfig
+from ulysses_jax.ruler import tasks as tasks_lib
+from ulysses_jax.run_config import RunConfig, TrainConfig
+
+
+def parser() -> cli.Parser:
+  p = cli.Parser("ulysses-evaluate", __doc__)
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument("--hf", help="a Hugging Face checkpoint directory")
+  source.add_argument("--workdir", help="a training workdir of ours (or its checkpoints/)")
+  add = p.add_argument
+  add("--step", type=int, help="with --workdir: the step (default: newest)")
+  add("--data", action="append", default=[],
+      help="files or globs, comma-separated or repeated: loss by position, and the "
+           "natural-text haystack of the RULER tasks that use one")
+  add("--seq_len", type=int, required=True)
+  add("--batch_size", type=int, help="rows per batch (default: the mesh's data axis)")
+  add("--tokenizer", help="'byte' or a tokenizer.json (default: the checkpoint's "
+      "tokenizer.json / the run's DataConfig.tokenizer)")
+  add("--token_dtype", help="dtype of .bin token files, e.g. int32 (default: the run's "
+      "DataConfig.token_dtype, else uint16; .npy files carry theirs)")
+  add("--mesh_data", type=int, default=-1, help="devices on the data axis (-1: the rest)")
+  add("--mesh_seq", type=int, default=1, help="devices on the sequence axis")
+  add("--dtype", default="float32", help="LlamaConfig.dtype: the compute dtype")
+  cli.add_json_flag(p, "the result")
+  add("--plot", help="PNG of loss by position (and the pass-key heatmap)")
+  add("--passkey", action="store_true", help="run the pass-key test")
+  add("--passkey_trials", type=int, default=2, help="keys per cell")
+  add("--ruler", nargs="?", const="all", type=_task_names,
+      help="RULER-style tasks, comma-separated (default: all; those with a natural-text "
+           f"haystack need --data): {', '.join(tasks_lib.TASKS)}")
+  add("--lengths", type=_ints, help="RULER lengths in tokens, comma-separated (default: S/8, "
+      "S/4, S/2, S)")
+  add("--samples", type=int, default=8, help="RULER examples per task and length (the needle "
+      "depth sweeps 0-100 %% over them)")
+  add("--seed", type=int, default=0, help="RULER examples' seed")
+  add("--threshold", type=float, default=ruler.THRESHOLD,
+      help="accuracy that defines the effective length (RULER: 0.856)")
+  add("--examples", help="JSONL of exact-match probes: "
+      '{"prompt": str, "answer": str} or {"prompt_ids": [int], "answer_ids": [int]} per line')
+  add("--no_kernel_check", action="store_true", help="skip the attention kernel's "
+      "self-check before the first batch (ulysses_jax.kernel_check)")
+  cli.add_platform_flags(p)
+  cli.add_multiprocess_flags(p)
+  return p
+
+
+def _parse(argv):
+  p = parser()
+  args = p.parse_args(argv)
+  if args.step is not None and not args.workdir:
+    p.error("--step goes with --workdir")
+  if not (args.data or args.ruler or args.examples):
+    p.error("nothing to evaluate: give --data (loss by position), --ruler or --examples")
+  if args.passkey and not args.data:
+    p.error("--passkey goes with --data (it reports beside the loss by position)")
+  if args.lengths and max(args.lengths) > args.seq_len:
+    p.error(f"--lengths {max(args.lengths)} exceeds --seq_len={args.seq_len}")
+  return args
+
+
+def _ints(text: str) -> list[int]:
+  try:
+    values = [int(v) for v in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got "
+                                     f"{text!r}")
+  return values
+
+
+def _task_names(text: str) -> str:
+  unknown = [n for n in text.split(",") if n not in tasks_lib.TASKS] if text != "all" else []
+  if unknown:
+    raise argparse.ArgumentTypeError(f"unknown RULER task(s) {unknown}; choose from "
+                                     f"{', '.join(tasks_lib.TASKS)} or all")
+  return text
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parse(argv)
+
+  def body() -> int:
+    evaluate(args)
+    return cli.EXIT_OK
+  # Bad input is found before the model is loaded; what fails after it is a traceback.
+  return cli.run(body, args.debug, bad_input=(ConfigError, ValueError, OSError))
+
+
+def run(argv: list[str] | None = None) -> dict:
+  """Evaluates as the flags say; returns the result (what ``--json`` writes)."""
+  return evaluate(_parse(argv))
+
+
+def evaluate(args) -> dict:
+  """The evaluation of the parsed flags: inputs checked, the model loaded, the result
+  printed (and written, drawn) and returned."""
+  if args.plot:
+    try:
+      import matplotlib  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+      raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+  cli.start_jax(args)
+  source, data_defaults = args.hf, {}
+  if args.workdir:
+    saved = finetune.SavedParams(args.workdir, args.step)
+    source = os.path.dirname(saved.state_dir)
+    data_defaults = {k: saved.run.get("data", {})[k] for k in (
+        "tokenizer", "text_field", "token_dtype", "eos_id") if k in saved.run.get("data", {})}
+  elif os.path.isfile(os.path.join(args.hf, "tokenizer.json")):
+    data_defaults["tokenizer"] = os.path.join(args.hf, "tokenizer.json")
+  if args.tokenizer:
+    data_defaults["tokenizer"] = args.tokenizer
+  if args.token_dtype:
+    data_defaults["token_dtype"] = args.token_dtype
+  given = {"dtype": args.dtype, "remat_policy": "none"}
+  run_config = step_builder.resolve(RunConfig(
+      train=TrainConfig(mesh_data=args.mesh_data, mesh_seq=args.mesh_seq, init_from=source),
+      model=LlamaConfig(**given)), given=given)
+  config = run_config.model
+  devices = jax.devices()
+  mesh = step_builder.run_mesh(run_config.train, devices if args.mesh_data == -1 else
+                               devices[:args.mesh_data * args.mesh_seq])
+  data_config = DataConfig(
+      **{**data_defaults, "source": "files", "seq_len": args.seq_len, "eval_fraction": 0.0,
+         "paths": tuple(p for d in args.data for p in d.split(",") if p),
+         "batch_size": args.batch_size or mesh.shape["data"]})
+  needs_tokenizer = args.passkey or args.ruler or args.examples
+  tokenizer = make_tokenizer(data_config.tokenizer) if needs_tokenizer else None
+  windows = None
+  if data_config.paths:
+    windows = document_windows(data_config, mesh, vocab_size=config.vocab_size)
+    if not windows.num_batches:
+      raise ConfigError(f"--data {data_config.paths} holds no document of 2 or more tokens: "
+                        "nothing to predict")
+  if args.passkey:
+    trials, keys = passkey.dataset(tokenizer, mesh, seq_len=args.seq_len,
+                                   batch_size=data_config.batch_size,
+                                   vocab_size=config.vocab_size, trials=args.passkey_trials)
+  probes = {}  # "ruler" / "examples" -> (examples, their dataset), all built before the model
+  make_dataset = lambda examples: ruler.dataset(
+      examples, mesh, seq_len=args.seq_len, batch_size=data_config.batch_size,
+      vocab_size=config.vocab_size)
+  if args.ruler:
+    names = _ruler_tasks(args.ruler, has_text=windows is not None)
+    lengths = args.lengths or sorted({args.seq_len >> k for k in range(4)})
+    text_ids = _text_ids(windows, max(lengths)) if tasks_lib.needs_text(names) else None
+    examples = ruler.generate(names, lengths, args.samples, tokenizer, seed=args.seed,
+                              text_ids=text_ids)
+    probes["ruler"] = examples, make_dataset(examples)
+  if args.examples:
+    examples = ruler.read_examples(args.examples, tokenizer)
+    probes["examples"] = examples, make_dataset(examples)
+  # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
+  attention = kernel_check.settle(config, mesh, check=not args.no_kernel_check)
+  graphdef, params = nnx.split(finetune.load_model(source, attention.model_config(config), mesh))
+  print(f"attention: {attention.choice.reason}", file=sys.stderr)
+  evaluator = PositionEval(graphdef)
+  result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}
+  if windows is not None:
+    result.update(evaluator(params, windows))
+  if args.passkey:
+    result["passkey"] = passkey.score(evaluator, params, trials, keys)
+  for name, (examples, dataset) in probes.items():
+    scored = ruler.score(evaluator, params, examples, dataset)
+    result[name] = (ruler.summarize(examples, scored, args.threshold) if name == "ruler" else
+                    {"accuracy": float(np.mean([r["correct"] for r in scored])),
+                     "results": scored})
+  print(format_result(result))
+  if args.json:
+    cli.write_json(args.json, result)
+  if args.plot:
+    plot(result, args.plot)
+  return result
+
+
+def _ruler_tasks(asked: str, has_text: bool) -> list[str]:
+  """The task names of ``--ruler``: "all" leaves out the natural-text ones without --data."""
+  if asked != "all":
+    return asked.split(",")
+  return [n for n in tasks_lib.TASKS if has_text or n not in tasks_lib.needs_text([n])]
+
+
+def _text_ids(windows, n: int) -> np.ndarray:
+  """The first ``n`` tokens of the --data documents (the haystack of the natural-text tasks)."""
+  if windows is None:
+    return None
+  parts, total = [], 0
+  for i in range(windows.num_batches):
+    batch = windows.local_batch(i * windows.batch_size)
+    for tokens, labels in zip(batch["tokens"], batch["labels"]):
+      parts.append(tokens[labels != IGNORE_LABEL])
+      total += len(parts[-1])
+    if total >= n:
+      break
+  return np.concatenate(parts)[:n]

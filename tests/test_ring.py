@@ -7,7 +7,7 @@ import pytest
 
 from attention_cases import BF16_TOL, F32_TOL, assert_matches_reference, random_inputs
 from ulysses_jax import hlo, make_mesh, ulysses_attention
-from ulysses_jax.attention import ring, ulysses
+from ulysses_jax.attention import ulysses, zigzag
 from ulysses_jax.attention.baselines import ring_attention
 from ulysses_jax.mesh import DATA, RING, SEQ, ring_size, sequence_axes
 
@@ -109,12 +109,12 @@ def test_zigzag_layout_on_the_data_side(attention, mesh_shape):
   mesh = _mesh(*mesh_shape)
   ring_shards = ring_size(mesh) if attention is ulysses_attention else mesh.shape[SEQ]
   q, k, v, d_out, segment_ids = random_inputs(2, 2, 32, 4, 2, 8, num_segments=3)
-  zig = lambda x: ring.to_zigzag(x, ring_shards)
+  zig = lambda x: zigzag.to_zigzag(x, ring_shards)
 
   def fn(q, k, v):
     out = attention(zig(q), zig(k), zig(v), mesh=mesh, segment_ids=zig(segment_ids),
                     layout="zigzag")
-    return ring.from_zigzag(out, ring_shards)
+    return zigzag.from_zigzag(out, ring_shards)
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
                            tol=F32_TOL)
 
@@ -133,13 +133,13 @@ def test_bfloat16(backend):
 
 def test_zigzag_is_an_invertible_permutation():
   x = jnp.arange(2 * 24).reshape(2, 24)
-  zig = ring.to_zigzag(x, 3)
-  assert ring.zigzag_order(3).tolist() == [0, 5, 1, 4, 2, 3]
+  zig = zigzag.to_zigzag(x, 3)
+  assert zigzag.zigzag_order(3).tolist() == [0, 5, 1, 4, 2, 3]
   np.testing.assert_array_equal(zig[0], np.concatenate(
       [np.arange(c * 4, c * 4 + 4) for c in (0, 5, 1, 4, 2, 3)]))
-  np.testing.assert_array_equal(ring.from_zigzag(zig, 3), x)
+  np.testing.assert_array_equal(zigzag.from_zigzag(zig, 3), x)
   with pytest.raises(ValueError, match=r"divisible by 2\*ring_size = 6, got 20"):
-    ring.to_zigzag(x[:, :20], 3)
+    zigzag.to_zigzag(x[:, :20], 3)
 
 
 @pytest.mark.parametrize("ring_shards", [2, 4, 8])
@@ -147,17 +147,17 @@ def test_zigzag_balances_the_causal_ring(ring_shards):
   """At every step after the first, every device computes exactly half of its block's tiles."""
   chunk = 4
   for device in range(ring_shards):
-    q_pos = np.asarray(ring._chunk_positions(device, ring_shards, chunk, zigzag=True))
+    q_pos = np.asarray(zigzag.chunk_positions(device, ring_shards, chunk, zigzag=True))
     for step in range(1, ring_shards):
       source = (device - step) % ring_shards
-      kv_pos = np.asarray(ring._chunk_positions(source, ring_shards, chunk, zigzag=True))
+      kv_pos = np.asarray(zigzag.chunk_positions(source, ring_shards, chunk, zigzag=True))
       tile = lambda pos, i: pos[i * chunk:(i + 1) * chunk]
       visible = [[tile(q_pos, i)[:, None] >= tile(kv_pos, j)[None] for j in range(2)]
                  for i in range(2)]
       full = sum(tile.all() for row in visible for tile in row)
       empty = sum(not tile.any() for row in visible for tile in row)
       assert (full, empty) == (2, 2), (device, step)
-  covered = np.sort(np.concatenate([np.asarray(ring._chunk_positions(d, ring_shards, chunk, True))
+  covered = np.sort(np.concatenate([np.asarray(zigzag.chunk_positions(d, ring_shards, chunk, True))
                                     for d in range(ring_shards)]))
   np.testing.assert_array_equal(covered, np.arange(2 * ring_shards * chunk))
 
@@ -167,10 +167,10 @@ def test_in_program_exchange_matches_to_zigzag():
   x = jnp.arange(3 * 64, dtype=jnp.float32).reshape(3, 64)
   spec = jax.sharding.PartitionSpec(None, SEQ)
   exchange = lambda inverse: jax.jit(jax.shard_map(
-      lambda x: ring._exchange(x, SEQ, 8, inverse=inverse), mesh=mesh, in_specs=spec,
+      lambda x: zigzag.exchange(x, SEQ, 8, inverse=inverse), mesh=mesh, in_specs=spec,
       out_specs=spec))
   zig = exchange(False)(x)
-  np.testing.assert_array_equal(zig, ring.to_zigzag(x, 8))
+  np.testing.assert_array_equal(zig, zigzag.to_zigzag(x, 8))
   np.testing.assert_array_equal(exchange(True)(zig), x)
 
 
@@ -238,7 +238,7 @@ def test_bad_input_errors(call, message):
 
 
 def test_padded_length():
-  assert ring.padded_length(37, 4, 2) == 40          # 8 chunks of 5, halves of 10 split by 2
-  assert ring.padded_length(37, 2, 4) == 40          # 4 chunks of 10, halves of 20 split by 4
-  assert ring.padded_length(4000, 2) == 4096         # chunks above 512 tokens are whole blocks
-  assert ring.padded_length(64, 8) == 64
+  assert zigzag.padded_length(37, 4, 2) == 40          # 8 chunks of 5, halves of 10 split by 2
+  assert zigzag.padded_length(37, 2, 4) == 40          # 4 chunks of 10, halves of 20 split by 4
+  assert zigzag.padded_length(4000, 2) == 4096         # chunks above 512 tokens are whole blocks
+  assert zigzag.padded_length(64, 8) == 64

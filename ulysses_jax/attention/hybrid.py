@@ -17,7 +17,7 @@ import functools
 import jax
 from jax.sharding import Mesh
 
-from ulysses_jax.attention import ring, ulysses
+from ulysses_jax.attention import ring, ulysses, zigzag
 from ulysses_jax.attention.common import Layout, validate_inputs
 from ulysses_jax.mesh import RING, SEQ, ring_size
 
@@ -41,7 +41,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     backend: local attention, one of ``backends.BACKENDS``; the hybrid takes all but
       ``"cudnn"`` (``ring.resolve_backend``).
     scale: score scale, default ``1/sqrt(D)``.
-    layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``ring.to_zigzag``
+    layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``zigzag.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
       ``ring`` axis both orders coincide.
 
@@ -53,7 +53,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   if not (isinstance(mesh, Mesh) and ring_size(mesh) > 1):  # plain meshes, and bad ones
     return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend, **args)
   validate_inputs(q, k, v, **args)
-  ring.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
+  zigzag.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
   backend = ring.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,
                                  segment_ids_given=segment_ids is not None, mesh=mesh)
@@ -65,8 +65,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
 def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout):
   ring_shards, seq_shards = ring_size(mesh), mesh.shape[SEQ]
   # The natural layout pads to the ring's length (its own next multiple); zigzag inputs
-  # already have it (ring.check_layout).
-  seq_multiple = (ring.padded_length(q.shape[1], ring_shards, seq_shards)
+  # already have it (zigzag.check_layout).
+  seq_multiple = (zigzag.padded_length(q.shape[1], ring_shards, seq_shards)
                   if layout == "natural" else 1)
   attend = functools.partial(ring.attend_shard, axis_name=RING, ring_size=ring_shards,
                              causal=causal, scale=scale, layout=layout, backend=backend)

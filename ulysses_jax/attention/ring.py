@@ -21,16 +21,16 @@ reference is 2.1e-3 (out), 2.8-2.9e-3 (dq), 3.4e-3 (dk), 3.2e-3 (dv), the XLA ba
 **Zigzag layout.** With a causal mask and the sequence in natural order, device R−1's queries
 see every key while device 0's see only its own: the ring would take as long as a non-causal
 one. Instead the sequence is cut into 2R equal chunks and device r holds chunks r and
-2R−1−r (``zigzag_order``): at every step but the first each device computes exactly half a
-block (the other half is masked and skipped), so no device idles. The causal mask is defined
-by each token's global position, computed from the layout, so the attention itself is
-layout-agnostic. The permutation lives here only:
+2R−1−r (``ulysses_jax.attention.zigzag``, where the permutation lives): at every step but the
+first each device computes exactly half a block (the other half is masked and skipped), so no
+device idles. The causal mask is defined by each token's global position, computed from the
+layout, so the attention itself is layout-agnostic:
 
 * ``layout="natural"`` (default): inputs and outputs in natural order; inside the sharded
   program two ``ppermute``s of half a shard each move q, k, v and the segment ids into the
   zigzag layout, and the output back: each of the four tensors crosses the ring once more.
 * ``layout="zigzag"``: the caller already holds the sequence in zigzag order, produced once on
-  the data side with ``to_zigzag`` (tokens, labels, positions and segment ids alike: every
+  the data side with ``zigzag.to_zigzag`` (tokens, labels, positions and segment ids alike: every
   operation outside attention is token-local, and RoPE takes the permuted global positions);
   ``from_zigzag`` inverts it. No exchange traffic.
 
@@ -53,77 +53,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ulysses_jax.attention import backends, chunked
+from ulysses_jax.attention import backends, chunked, zigzag
 from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
 from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.mesh import DATA, sequence_axes
 
-_MAX_BLOCK = 512
-
-
-# --- Layout -------------------------------------------------------------------------------
-
-def zigzag_order(ring_size: int) -> np.ndarray:
-  """Chunk ids in zigzag memory order: ``[0, 2R-1, 1, 2R-2, ...]``; device r holds entries
-  2r and 2r+1."""
-  return np.stack([np.arange(ring_size), 2 * ring_size - 1 - np.arange(ring_size)], 1).ravel()
-
-
-def to_zigzag(x: jax.Array, ring_size: int, axis: int = 1) -> jax.Array:
-  """Natural -> zigzag order along ``axis``, whose length must be a multiple of 2·ring_size.
-
-  ``ring_size`` is the number of ring positions: ``mesh.shape["ring"]`` for the hybrid
-  ``ulysses_attention``, the product of the sequence axes for ``ring_attention``.
-  """
-  return _permute_chunks(x, zigzag_order(ring_size), axis)
-
-
-def from_zigzag(x: jax.Array, ring_size: int, axis: int = 1) -> jax.Array:
-  """Inverse of ``to_zigzag``."""
-  return _permute_chunks(x, np.argsort(zigzag_order(ring_size)), axis)
-
-
-def _permute_chunks(x, order, axis):
-  n = x.shape[axis]
-  if n % len(order):
-    raise ValueError(f"zigzag layout needs a length divisible by 2*ring_size = {len(order)}, "
-                     f"got {n} along axis {axis}; pad the sequence first.")
-  chunks = jnp.split(x, len(order), axis=axis)
-  return jnp.concatenate([chunks[i] for i in order], axis=axis)
-
-
-def padded_length(seq_len: int, ring_size: int, inner: int = 1) -> int:
-  """Smallest length >= ``seq_len`` the ring can split: 2·ring_size equal chunks of c tokens.
-
-  Each device's two chunks must split over ``inner`` Ulysses shards (2c % inner == 0), and
-  chunks above ``_MAX_BLOCK`` tokens are whole blocks, so the local attention tiles them
-  exactly (no tile straddles two chunks).
-  """
-  step = inner // math.gcd(2, inner)
-  c = -(-seq_len // (2 * ring_size))
-  c = -(-c // step) * step
-  if c > _MAX_BLOCK:
-    c = -(-c // math.lcm(step, _MAX_BLOCK)) * math.lcm(step, _MAX_BLOCK)
-  return 2 * ring_size * c
-
-
-def check_layout(layout: Layout, seq_len: int, ring_size: int, inner: int = 1) -> None:
-  """Raises unless the ``"zigzag"`` layout's ``seq_len`` needs no padding.
-
-  ``layout`` is one of ``LAYOUTS`` already (``common.validate_inputs``). With ``ring_size`` 1
-  the zigzag order is the natural one, so any length is accepted.
-  """
-  if layout == "zigzag" and ring_size > 1 and (seq_len % (2 * ring_size)
-                                               or (seq_len // ring_size) % inner):
-    raise ValueError(
-        f"layout='zigzag' needs S divisible by 2*ring ({2 * ring_size}) with each ring "
-        f"position's S/ring tokens divisible by seq ({inner}), got S={seq_len}; pad the "
-        f"sequence to {padded_length(seq_len, ring_size, inner)} tokens before to_zigzag.")
-
+# --- The backend ------------------------------------------------------------------------
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                     causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
@@ -141,33 +79,6 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
                                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                   causal=causal, segment_ids_given=segment_ids_given, mesh=mesh)
-
-
-def _chunk_positions(index, ring_size, chunk, zigzag):
-  """Global positions ``[2·chunk]`` of the tokens device ``index`` (traced) holds."""
-  if zigzag:
-    ids = jnp.asarray(zigzag_order(ring_size), jnp.int32)[2 * index + jnp.arange(2)]
-  else:
-    ids = 2 * index + jnp.arange(2, dtype=jnp.int32)
-  return (ids[:, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).ravel()
-
-
-def _exchange(x_BS, axis_name, ring_size, *, inverse):
-  """Natural local halves (chunks 2r, 2r+1) <-> zigzag (chunks r, 2R-1-r), inside shard_map.
-
-  Chunk c sits in natural half c % 2 and moves to zigzag device ``order.index(c) // 2``; one
-  ``ppermute`` per half. Even zigzag devices keep chunk parity = half index, odd ones swap.
-  """
-  device_of = np.argsort(zigzag_order(ring_size)) // 2
-  perms = [[(d, int(device_of[2 * d + h])) for d in range(ring_size)] for h in (0, 1)]
-  odd = lax.axis_index(axis_name) % 2 == 1
-  swap = lambda a, b: (jnp.where(odd, b, a), jnp.where(odd, a, b))
-  halves = jnp.split(x_BS, 2, axis=1)
-  if inverse:
-    halves = swap(*halves)
-    perms = [[(j, i) for i, j in perm] for perm in perms]
-  moved = [lax.ppermute(half, axis_name, perm) for half, perm in zip(halves, perms)]
-  return jnp.concatenate(moved if inverse else swap(*moved), axis=1)
 
 
 # --- The ring -------------------------------------------------------------------------------
@@ -194,7 +105,7 @@ class _Ring:
 
   def positions(self, index, local_len):
     # Causal rings always run in zigzag layout; without a mask positions are unused.
-    return _chunk_positions(index, self.size, local_len // 2, zigzag=self.causal)
+    return zigzag.chunk_positions(index, self.size, local_len // 2, zigzag=self.causal)
 
   def source(self, step):
     """The device whose K/V block this device holds at ``step``."""
@@ -215,15 +126,15 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
   is resolved (``resolve_backend``).
   """
   chunk = q_BsHD.shape[1] // 2
-  block = max(b for b in range(1, min(chunk, _MAX_BLOCK) + 1) if chunk % b == 0)
+  block = max(b for b in range(1, min(chunk, zigzag.MAX_BLOCK) + 1) if chunk % b == 0)
   ring = _Ring(axis_name, ring_size, causal, scale, block, backend)
   exchange = causal and layout == "natural" and ring_size > 1
   if exchange:
     q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
-        None if x is None else _exchange(x, axis_name, ring_size, inverse=False)
+        None if x is None else zigzag.exchange(x, axis_name, ring_size, inverse=False)
         for x in (q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs))
   out = _ring_attention_shard(ring, q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs)
-  return _exchange(out, axis_name, ring_size, inverse=True) if exchange else out
+  return zigzag.exchange(out, axis_name, ring_size, inverse=True) if exchange else out
 
 
 def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
@@ -446,18 +357,18 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       docstring).
     scale: score scale, default ``1/sqrt(D)``.
     layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the
-      inputs and output are in ``to_zigzag(., R)`` order and S must be a multiple of 2R.
+      inputs and output are in ``zigzag.to_zigzag(., R)`` order and S must be a multiple of 2R.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
-    ``padded_length(S, R)`` (natural layout) and the padding masked.
+    ``zigzag.padded_length(S, R)`` (natural layout) and the padding masked.
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3], num_q_heads=q.shape[2],
                             num_kv_heads=k.shape[2], causal=causal,
                             segment_ids_given=segment_ids is not None, mesh=mesh)
   axes = sequence_axes(mesh)
-  check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
+  zigzag.check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
                          scale=None if scale is None else float(scale), layout=layout,
                          backend=backend)
@@ -470,7 +381,7 @@ def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backen
   ring_size = math.prod(mesh.shape[a] for a in axes)
   if layout == "natural":
     # padded_length(s, .) >= s is the next multiple of itself: pads to exactly that length.
-    q, k, v, segment_ids = pad_sequence(padded_length(s, ring_size), q, k, v, segment_ids,
+    q, k, v, segment_ids = pad_sequence(zigzag.padded_length(s, ring_size), q, k, v, segment_ids,
                                         causal=causal)
   attend = functools.partial(attend_shard, axis_name=axes, ring_size=ring_size, causal=causal,
                              scale=scale, layout=layout, backend=backend)

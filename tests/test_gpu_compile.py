@@ -323,10 +323,10 @@ def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
 
 def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
   """Llama-3.1-8B on 4x1x8 at 256K tokens per GPU, far below an H100's capacity: XLA keeps
-  buffers it could do without (jax 0.10.2: 24.63 GiB per GPU compiled as is, 2026-11-24) and
-  drops them when told memory is short (20.57, ``aot.report.UNDER_PRESSURE``); the planner
-  predicts the latter (21.20). jax 0.12.0.1's compiler keeps fewer to begin with (21.68 as
-  is, 20.53 under pressure)."""
+  buffers it could do without (jax 0.10.2: 22.64 GiB per GPU compiled as is, 2026-11-24) and
+  drops them when told memory is short (18.08, ``aot.report.UNDER_PRESSURE``); the planner
+  predicts the latter (19.20). jax 0.12.0.1's compiler keeps fewer to begin with (21.68 as
+  is, 20.53 under pressure, before the ring's squeeze)."""
   from benchmarks import plan_vs_compiler
   row = plan_vs_compiler.compare("configs/llama8b_32gpu_32m.gin", "4x1x8",
                                  ("DataConfig.seq_len=8388608",), "h100")

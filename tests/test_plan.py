@@ -69,7 +69,8 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
   assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
 
-# Compiled for H100s on 2026-11-24 (jax 0.10.2) by `benchmarks.plan_vs_compiler` (CONFIGS): device
+# Compiled for H100s on 2026-11-24 (jax 0.10.2, the compile given the budget's memory limit, the
+# ring squeezed) by `benchmarks.plan_vs_compiler` (CONFIGS): device
 # arguments + outputs + temporaries, the smaller of the step compiled as is and under memory
 # pressure (the footprint the planner predicts; see its module docstring), and host state +
 # host temporaries, GiB per device:
@@ -77,10 +78,10 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
 COMPILED_H100 = [
     ("configs/llama8b_1gpu_1m.gin", (1, 1, 1), ["LlamaConfig.remat_group=4"], 63.21, 151.92),
     ("configs/llama8b_1gpu_1m.gin", (1, 1, 1), [], 61.58, 199.92),
-    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=1"], 70.86, 102.99),
+    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=1"], 71.99, 102.99),
     ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), [], 68.14, 102.99),
-    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=4"], 63.14, 102.99),
-    ("configs/llama8b_32gpu_32m.gin", (1, 8, 4), [], 76.64, 97.75),
+    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=4"], 62.16, 102.99),
+    ("configs/llama8b_32gpu_32m.gin", (1, 8, 4), [], 68.64, 97.75),
 ]
 
 

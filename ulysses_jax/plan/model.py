@@ -42,25 +42,26 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          A = (2Hq' + 2Hkv')·D, one head chunk's q, k, v and
                                          attention output per token
              + 2·B'·(Hq'/P)·b²·4         two float32 score tiles of the XLA attention (b <= 512)
-             + T·D·(4·Hkv'·c + 2·Hq'·4)  ring > 1: one chunk's K, V, dK, dV blocks in flight
-                                         (dK/dV travel in the compute dtype) and its float32
-                                         output and dQ sums
+             + T·D·(2·Hkv'·c + Hq'·4)    ring > 1: one chunk's incoming K and V blocks and
+                                         one float32 sum, the output's (forward) or dQ's
+                                         (backward); the steps' partials, gradients and the
+                                         dK/dV in flight are in the compute dtype
 
 F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
 tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers.
 
 What is predicted is the footprint XLA's GPU compiler reaches when memory is tight. Far below
 the GPU's capacity XLA keeps buffers it could do without (Llama-3.1-8B on 4x1x8 at 256K tokens
-per GPU: 24.63 GiB compiled for an H100, 20.57 under memory pressure, 21.20 predicted); near it,
-it trades time for memory (at 1M tokens per GPU: 89.16 GiB compiled for an H200, 76.64 for an
-H100). So a layout fits when this footprint does, and the coefficients are fitted against the
-smaller of the step compiled as is and under pressure (``aot.report.UNDER_PRESSURE``), on
-H100 compiles (jax 0.10.2, 2026-11-24) of the 24 layouts of ``benchmarks.plan_vs_compiler``
+per GPU: 22.64 GiB compiled for an H100, 18.08 under memory pressure, 19.20 predicted); near it,
+it trades time for memory. So a layout fits when this footprint does, and the coefficients are
+fitted against the smaller of the step compiled as is (with the memory limit of a run holding
+the budget, ``aot.report.budget_options``) and under pressure (``aot.report.UNDER_PRESSURE``),
+on H100 compiles (jax 0.10.2, 2026-11-24) of the 25 layouts of ``benchmarks.plan_vs_compiler``
 (``CONFIGS`` and ``GRID``: 1B and 8B; 1, 8 and 32 GPUs; 65K to 32M tokens; 1, 2 and 4 head
 chunks; state on the GPUs or the host; rings of 4): 6 and 1.1, with the ring term fitted to
-configs/llama8b_32gpu_32m.gin, leave every one within 8.2 % (-8.0 … +8.2 %). Not captured: n = 8
-on one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with
-n = 1 at 1M tokens per GPU (-23 %, far over any GPU).
+the five ring layouts, leave every one within 8.2 % (-5.7 … +8.2 %). Not captured: n = 8 on
+one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with n = 1 at
+1M tokens per GPU (-23 % before the ring's squeeze, far over any GPU).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
 total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
 MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
@@ -237,8 +238,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   block = min(_XLA_BLOCK, attn_len)
   tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
   ring = 0
-  if layout.ring > 1:  # one chunk's K, V, dK, dV blocks in flight, float32 output and dQ sums
-    ring = t * d * (4 * hkv * c + 2 * hq * 4)
+  if layout.ring > 1:  # one chunk's incoming K and V blocks and a float32 output or dQ sum
+    ring = t * d * (2 * hkv * c + hq * 4)
   offload = layout.offload_optimizer
   optimizer = o * model.params / n
   host_params = _host_param_count(model, layout)

@@ -59,8 +59,10 @@ def budget_options(gpu: Gpu, io_bytes: int) -> dict:
 
 def argument_bytes(tree) -> int:
   """Bytes per device of a tree of sharded ``ShapeDtypeStruct``s (device and host alike)."""
-  return max(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                 for x in jax.tree.leaves(tree)), 0)
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu", "cudnn": "__cudnn$",
            "cublas": "__cublas$"}
 

@@ -5,6 +5,9 @@ short sequences. Masking rules shared by every backend:
 
 * causal: query at position ``q_positions[i]`` sees key ``kv_positions[j]`` iff
   ``q_positions[i] >= kv_positions[j]`` (positions default to ``arange``);
+* sliding window (transformers' definition, causal only): a query also needs
+  ``q_positions[i] - kv_positions[j] < sliding_window``, so it sees itself and the
+  ``sliding_window - 1`` positions before it;
 * packed sequences: a query sees a key only if their segment ids are equal;
 * a query that sees no key returns 0 (and a log-sum-exp of -inf), never NaN.
 """
@@ -12,14 +15,30 @@ short sequences. Masking rules shared by every backend:
 import jax.numpy as jnp
 
 
+def check_sliding_window(sliding_window, causal) -> None:
+  """Raises ValueError unless ``sliding_window`` is None or a positive int with ``causal``."""
+  if sliding_window is None:
+    return
+  if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+    raise ValueError(f"sliding_window must be a positive int (keys a query sees, itself "
+                     f"included) or None, got {sliding_window!r}.")
+  if not causal:
+    raise ValueError(f"sliding_window ({sliding_window}) needs causal=True: the window is "
+                     "transformers' causal one; pass causal=True or sliding_window=None.")
+
+
 def attention_mask(q_len, kv_len, *, causal, q_segment_ids=None, kv_segment_ids=None,
-                   q_positions=None, kv_positions=None):
+                   q_positions=None, kv_positions=None, sliding_window=None):
   """Boolean visibility mask, ``[B or 1, Sq, Sk]``; True where the query sees the key."""
+  check_sliding_window(sliding_window, causal)
   mask = jnp.ones((1, q_len, kv_len), dtype=bool)
   if causal:
     q_pos = jnp.arange(q_len) if q_positions is None else q_positions
     kv_pos = jnp.arange(kv_len) if kv_positions is None else kv_positions
-    mask = mask & (q_pos[:, None] >= kv_pos[None, :])[None]
+    distance = q_pos[:, None] - kv_pos[None, :]
+    mask = mask & (distance >= 0)[None]
+    if sliding_window is not None:
+      mask = mask & (distance < sliding_window)[None]
   if q_segment_ids is not None:
     mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
   return mask
@@ -27,7 +46,7 @@ def attention_mask(q_len, kv_len, *, causal, q_segment_ids=None, kv_segment_ids=
 
 def dense_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
                     kv_segment_ids=None, q_positions=None, kv_positions=None, scale=None,
-                    return_lse=False):
+                    sliding_window=None, return_lse=False):
   """Exact attention in float32; q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, Hq % Hkv == 0.
 
   Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Segment ids are ``[B, S]`` ints
@@ -44,7 +63,8 @@ def dense_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_BSKD.astype(jnp.float32)) * scale
   mask = attention_mask(sq, sk, causal=causal, q_segment_ids=q_segment_ids,
                         kv_segment_ids=kv_segment_ids, q_positions=q_positions,
-                        kv_positions=kv_positions)[:, None, None]
+                        kv_positions=kv_positions,
+                        sliding_window=sliding_window)[:, None, None]
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

@@ -80,3 +80,24 @@ def test_llama_config_round_trips_through_a_dict():
   assert LlamaConfig.from_dict(config.to_dict()) == config
   with pytest.raises(ConfigError, match=r"unknown LlamaConfig fields \['hidden'\]"):
     LlamaConfig.from_dict({"hidden": 3})
+
+
+def test_layer_windows_follow_sliding_window_and_layer_types():
+  assert preset("tiny").layer_windows() == (None, None)
+  assert preset("tiny", sliding_window=8).layer_windows() == (8, 8)  # Mistral: every layer
+  gemma_like = preset("tiny", sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
+  assert gemma_like.layer_windows() == (8, None)
+  assert LlamaConfig.from_dict(gemma_like.to_dict()) == gemma_like
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(sliding_window=0), "sliding_window must be >= 1"),
+    (dict(layer_types=("full_attention",)), "layer_types has 1 entries but num_layers is 2"),
+    (dict(sliding_window=4, layer_types=("local", "full_attention")),
+     r"layer_types \['local'\] are unknown"),
+    (dict(layer_types=("sliding_attention",) * 2), "sliding_window is None"),
+])
+def test_bad_attention_types_are_named(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    preset("tiny", **fields)

@@ -21,6 +21,7 @@ from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
 from ulysses_jax.rope import RopeScaling
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
 
@@ -59,6 +60,11 @@ class LlamaConfig:
   chunks of heads, each recomputed in the backward, so q, k, v and the attention output exist
   for 1/n of the heads at a time; it must divide ``num_kv_heads``; 1 = unchunked; see
   ``UlyssesAttention``'s ``head_chunks``).
+  Attention types: ``sliding_window`` (W, transformers' definition: a query sees itself and
+  the W - 1 tokens before it; None = no window) applies to every layer when ``layer_types``
+  is empty (Mistral), else to the layers marked ``"sliding_attention"`` (one of
+  ``LAYER_TYPES`` per layer: Gemma 3, Qwen's ``max_window_layers``); ``layer_windows()``
+  gives each layer's window.
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -84,6 +90,8 @@ class LlamaConfig:
   mlp_chunk: int = _field(0)
   loss_chunk: int = _field(1)
   attn_head_chunks: int = _field(1)
+  sliding_window: int | None = _field()
+  layer_types: tuple[str, ...] = _field()
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -94,9 +102,11 @@ class LlamaConfig:
       if getattr(self, f.name) is _FROM_PRESET:
         value = getattr(base, f.name) if isinstance(base, LlamaConfig) else base[f.name]
         object.__setattr__(self, f.name, value)
-    if isinstance(self.remat_names, list):  # gin and JSON give lists
-      object.__setattr__(self, "remat_names", tuple(self.remat_names))
+    for name in ("remat_names", "layer_types"):
+      if isinstance(getattr(self, name), list):  # gin and JSON give lists
+        object.__setattr__(self, name, tuple(getattr(self, name)))
     check_fields(self)
+    self._check_layer_types()
     if self.num_layers % self.remat_group:
       raise ConfigError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
                         f"({self.remat_group}), the layers per rematerialised group.")
@@ -114,6 +124,25 @@ class LlamaConfig:
       if not floating:
         raise ConfigError(f"LlamaConfig.{name} must be a floating dtype name such as "
                           f"'float32' or 'bfloat16', got {getattr(self, name)!r}.")
+
+  def _check_layer_types(self):
+    if self.sliding_window is not None and self.sliding_window < 1:
+      raise ConfigError(f"sliding_window must be >= 1 (tokens a query sees, itself included) "
+                        f"or None, got {self.sliding_window}.")
+    if self.layer_types and len(self.layer_types) != self.num_layers:
+      raise ConfigError(f"layer_types has {len(self.layer_types)} entries but num_layers is "
+                        f"{self.num_layers}; give one per layer, or () for all full attention.")
+    unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+    if unknown:
+      raise ConfigError(f"layer_types {unknown} are unknown; each must be one of {LAYER_TYPES}.")
+    if "sliding_attention" in self.layer_types and self.sliding_window is None:
+      raise ConfigError("layer_types has 'sliding_attention' layers but sliding_window is "
+                        "None; set sliding_window to the window length in tokens.")
+
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), ``[num_layers]``."""
+    types = self.layer_types or ("sliding_attention",) * self.num_layers
+    return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
@@ -140,7 +169,7 @@ _DEFAULTS = dict(
     tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
     param_dtype="float32", attention_backend="auto", remat_policy="full",
     remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
-    attn_head_chunks=1)
+    attn_head_chunks=1, sliding_window=None, layer_types=())
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

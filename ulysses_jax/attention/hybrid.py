@@ -25,7 +25,7 @@ from ulysses_jax.mesh import RING, SEQ, ring_size
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       backend: str = "auto", scale: float | None = None,
-                      layout: Layout = "natural") -> jax.Array:
+                      layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
   """Exact attention over a sequence sharded on the mesh's ``seq`` (and ``ring``) axes.
 
   Args:
@@ -44,6 +44,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``zigzag.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
       ``ring`` axis both orders coincide.
+    sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
+      global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
+      before it), within its segment.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` (``(data, (ring, seq))``) when the
@@ -51,24 +54,30 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   """
   args = dict(mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   if not (isinstance(mesh, Mesh) and ring_size(mesh) > 1):  # plain meshes, and bad ones
-    return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend, **args)
+    return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend,
+                                     sliding_window=sliding_window, **args)
   validate_inputs(q, k, v, **args)
   zigzag.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
   backend = ring.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,
-                                 segment_ids_given=segment_ids is not None, mesh=mesh)
+                                 segment_ids_given=segment_ids is not None, mesh=mesh,
+                                 sliding_window=sliding_window)
   return _hybrid_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
-                           scale=None if scale is None else float(scale), layout=layout)
+                           scale=None if scale is None else float(scale), layout=layout,
+                           sliding_window=sliding_window)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout"))
-def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout):
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout",
+                                             "sliding_window"))
+def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout,
+                      sliding_window):
   ring_shards, seq_shards = ring_size(mesh), mesh.shape[SEQ]
   # The natural layout pads to the ring's length (its own next multiple); zigzag inputs
   # already have it (zigzag.check_layout).
   seq_multiple = (zigzag.padded_length(q.shape[1], ring_shards, seq_shards)
                   if layout == "natural" else 1)
   attend = functools.partial(ring.attend_shard, axis_name=RING, ring_size=ring_shards,
-                             causal=causal, scale=scale, layout=layout, backend=backend)
+                             causal=causal, scale=scale, layout=layout, backend=backend,
+                             sliding_window=sliding_window)
   return ulysses.all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, causal=causal,
                                       seq_multiple=seq_multiple)

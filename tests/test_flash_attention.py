@@ -27,8 +27,8 @@ from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_o
                              random_inputs, relative_error)
 from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
-from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
+from ulysses_jax.attention.reference import attention_mask, dense_attention
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
 from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
                                                 flash_attention_backward)
 
@@ -49,18 +49,20 @@ def _outputs_and_grads(attention, q, k, v, d_out, d_lse):
 
 
 def _check_against_reference(q, k, v, d_out, *, causal, segment_ids=None, kv_segment_ids=None,
-                             tol=F32_TOL, **kernel_args):
+                             tol=F32_TOL, sliding_window=None, **kernel_args):
   """Compares out, lse and the gradients (with a random lse cotangent) with dense_attention."""
   kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
   d_lse = jax.random.normal(jax.random.PRNGKey(7), (q.shape[0], q.shape[2], q.shape[1]))
   ours = _outputs_and_grads(
       lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
                                       kv_segment_ids=kv_segment_ids, return_lse=True,
-                                      **kernel_args), q, k, v, d_out, d_lse)
+                                      sliding_window=sliding_window, **kernel_args),
+      q, k, v, d_out, d_lse)
   upcast = lambda x: x.astype(jnp.float32)
   expected = _outputs_and_grads(
       lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                      kv_segment_ids=kv_ids, return_lse=True),
+                                      kv_segment_ids=kv_ids, return_lse=True,
+                                      sliding_window=sliding_window),
       upcast(q), upcast(k), upcast(v), upcast(d_out), d_lse)
   for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), ours, expected):
     assert actual.shape == wanted.shape, f"{name}: shape {actual.shape} != {wanted.shape}"
@@ -181,6 +183,46 @@ def test_fully_masked_blocks_are_skipped():
     np.testing.assert_allclose(actual, wanted, rtol=1e-5, atol=1e-5)
 
 
+# Windows of one key, inside a block, across block edges, longer than a query block, longer
+# than the sequence; 200 tokens (ragged) in blocks of 16 queries and 32 keys; GQA, packed.
+@pytest.mark.parametrize("window", [1, 7, 33, 90, 500])
+def test_sliding_window_matches_reference(window):
+  q, k, v, d_out, segment_ids = random_inputs(5, 1, 200, 4, 2, 32, num_segments=3)
+  _check_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           sliding_window=window, block_q=16, block_kv=32)
+
+
+def test_sliding_window_matches_reference_bfloat16():
+  q, k, v, d_out, _ = random_inputs(6, 1, 160, 2, 1, 64, dtype=jnp.bfloat16)
+  _check_against_reference(q, k, v, d_out, causal=True, sliding_window=40, tol=BF16_TOL,
+                           block_q=32, block_kv=16)
+
+
+@pytest.mark.parametrize("seq_len,block_q,block_kv,window",
+                         [(200, 16, 32, 7), (200, 32, 16, 40), (256, 64, 64, 1),
+                          (100, 16, 16, 300)])
+def test_sliding_window_ranges_skip_only_hidden_blocks(seq_len, block_q, block_kv, window):
+  """Per query block: blocks outside [first, n_visible) are hidden from all its queries, and
+  blocks in [plain_from, n_plain) visible to all of them (so they need no mask)."""
+  plan = choose_tiles(seq_len, 64, causal=True, scale=1.0, interpret=True, block_q=block_q,
+                      block_kv=block_kv, sliding_window=window)
+  mask = np.array(attention_mask(plan.padded_len, plan.padded_len, causal=True,
+                                  sliding_window=window))[0]
+  mask[:, seq_len:] = False  # padded keys
+  for qb in range(plan.padded_len // block_q):
+    n_plain, n_visible = flash_kernels.kv_ranges(plan, qb, block_q, block_kv,
+                                                 plan.padded_len // block_kv)
+    first, plain_from = flash_kernels.window_kv_ranges(plan, qb, block_q, block_kv, n_plain)
+    rows = mask[qb * block_q:(qb + 1) * block_q]
+    tiles = rows.reshape(block_q, -1, block_kv)
+    seen = tiles.any(axis=(0, 2)).nonzero()[0]
+    if seen.size:
+      assert int(first) <= seen.min() and seen.max() < int(n_visible), qb
+    assert tiles[:, int(plain_from):int(n_plain)].all(), qb
+    if qb * block_q < seq_len:  # a query block of real tokens visits about W keys, not all
+      assert int(n_visible) - int(first) <= -(-(block_q + window) // block_kv) + 1, qb
+
+
 def test_through_ulysses_attention_on_8_devices():
   mesh = mesh_of(2, 4)
   q, k, v, d_out, segment_ids = random_inputs(7, 2, 64, 8, 4, 32, num_segments=3)
@@ -232,6 +274,11 @@ def test_block_plan_per_head_dim_and_generation():
           v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), backward_kernel="mosaic", block_kv=64),
      r"backward_kernel='mosaic' needs block_q a multiple of 128 and block_kv a multiple of 128, "
      r"got None and 64"),
+    (dict(q=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+          v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), forward_kernel="mosaic", sliding_window=4),
+     r"forward_kernel='mosaic' does not take a sliding_window \(got 4\) yet"),
+    (dict(sliding_window=4, causal=False), r"sliding_window \(4\) needs causal=True"),
+    (dict(sliding_window=0), "sliding_window must be a positive int"),
 ])
 def test_invalid_inputs_raise_clear_errors(change, message):
   args = dict(q=jnp.zeros((1, 8, 2, 64)), k=jnp.zeros((1, 8, 2, 64)), v=jnp.zeros((1, 8, 2, 64)))

@@ -91,8 +91,8 @@ def test_kernel_backends_get_the_window(monkeypatch):
 
 
 def test_auto_backend_with_a_window_on_gpus(monkeypatch):
-  """On (simulated) Hopper GPUs every backend takes a window, except the Pallas kernels inside
-  ring attention, where "auto" falls back to XLA and says why."""
+  """On (simulated) Hopper GPUs a window skips the kernels that do not take one (today the
+  Mosaic ones) and, inside ring attention, every Pallas kernel: "auto" says why."""
   from ulysses_jax.kernels import target as target_lib
   monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
   device = AbstractDevice(device_kind=H100, num_cores=132, platform="gpu")
@@ -101,14 +101,14 @@ def test_auto_backend_with_a_window_on_gpus(monkeypatch):
   with jax.sharding.use_abstract_mesh(AbstractMesh((1, 8), (DATA, SEQ), abstract_device=device)):
     plain = backends.choose_backend(**case, ring_attention=False)
     ring = backends.choose_backend(**case, ring_attention=True)
-    monkeypatch.setattr(fa, "SLIDING_WINDOW_KERNELS", ("mosaic",))
-    no_triton = backends.choose_backend(**case, ring_attention=False)
-  assert (plain.backend, plain.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
+    monkeypatch.setattr(fa, "SLIDING_WINDOW_KERNELS", ("triton", "mosaic"))
+    both = backends.choose_backend(**case, ring_attention=False)
+  assert (plain.backend, plain.fallbacks) == ("pallas", ("cudnn", "xla"))
   assert "sliding window 256" in plain.reason
+  assert "does not support sliding_window (256)" in plain.reason
   assert (ring.backend, ring.fallbacks) == ("xla", ())
   assert "ring attention cannot use it with sliding_window" in ring.reason
-  assert no_triton.fallbacks == ("cudnn", "xla")
-  assert "does not support sliding_window (256)" in no_triton.reason
+  assert (both.backend, both.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
 
 
 @pytest.mark.parametrize("causal", [False, True])

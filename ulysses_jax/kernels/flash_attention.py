@@ -32,10 +32,11 @@ import jax
 import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
-SLIDING_WINDOW_KERNELS = ("triton", "mosaic")  # kernels that take sliding_window
+SLIDING_WINDOW_KERNELS = ("triton",)  # kernels that take sliding_window
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MIN_BLOCK = 16  # smallest tile a Triton dot accepts
@@ -78,6 +79,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
                     block_q: int | None = None, block_kv: int | None = None,
                     interpret: bool | None = None, return_lse: bool = False,
                     forward_kernel: str = "triton", backward_kernel: str = "triton",
+                    sliding_window: int | None = None,
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
@@ -101,14 +103,18 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
     backward_kernel: ``"triton"``, or ``"mosaic"`` for the Hopper kernels of
       ``flash_hopper_backward`` (bfloat16 / float16, head dims 64 / 128; ``block_q`` and
       ``block_kv`` multiples of 128 when given).
+    sliding_window: with ``causal``, query i sees only keys i - W < j <= i (transformers'
+      window; ``reference.dense_attention``); the kernels skip the blocks it hides. Kernels in
+      ``SLIDING_WINDOW_KERNELS`` only.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
-  _validate_kernels(forward_kernel, backward_kernel, q_BSHD, block_q, block_kv)
+  _validate_kernels(forward_kernel, backward_kernel, q_BSHD, block_q, block_kv, sliding_window,
+                    causal)
   plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel,
-                   backward_kernel)
+                   backward_kernel, sliding_window)
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   out, lse = _flash(plan, *(_pad(plan, x) for x in (q_BSHD, k_BSKD, v_BSKD)), q_seg, kv_seg)
   s = plan.seq_len
@@ -119,7 +125,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
 def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
                              causal=True, segment_ids=None, kv_segment_ids=None, scale=None,
                              block_q=None, block_kv=None, interpret=None,
-                             grad_dtype=jnp.float32, kernel="triton"):
+                             grad_dtype=jnp.float32, kernel="triton", sliding_window=None):
   """``(dq, dk, dv)`` of one attention given an output and lse computed elsewhere.
 
   Arguments as ``flash_attention``; ``out_BSHD`` ``[B, S, Hq, D]``, ``lse_BHS`` ``[B, Hq, S]``
@@ -131,12 +137,13 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
   kernels or, with ``kernel="mosaic"``, the Hopper ones (which write the inputs' dtype only).
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
-  _validate_kernels("triton", kernel, q_BSHD, block_q, block_kv)
+  _validate_kernels("triton", kernel, q_BSHD, block_q, block_kv, sliding_window, causal)
   if kernel == "mosaic" and jnp.dtype(grad_dtype) != q_BSHD.dtype:
     raise ValueError(f"flash_attention_backward: kernel='mosaic' writes the inputs' dtype "
                      f"({q_BSHD.dtype}), got grad_dtype={jnp.dtype(grad_dtype)}; pass "
                      f"grad_dtype={q_BSHD.dtype} or kernel='triton'.")
-  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton", kernel)
+  plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, "triton", kernel,
+                   sliding_window)
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   pad = functools.partial(_pad, plan)
   lse = jnp.pad(lse_BHS, [(0, 0), (0, 0), (0, plan.padded_len - plan.seq_len)])
@@ -145,7 +152,8 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
   return tuple(g[:, :plan.seq_len] for g in grads)
 
 
-def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, backward_kernel):
+def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, backward_kernel,
+              sliding_window):
   d = q.shape[3]
   target = target_lib.current(arrays=(q,))
   if interpret is None:
@@ -156,7 +164,8 @@ def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, ba
                       scale=d ** -0.5 if scale is None else float(scale), block_q=block_q,
                       block_kv=block_kv, interpret=bool(interpret),
                       generation="other" if interpret else target.generation,
-                      forward_kernel=forward_kernel, backward_kernel=backward_kernel)
+                      forward_kernel=forward_kernel, backward_kernel=backward_kernel,
+                      sliding_window=sliding_window)
 
 
 def _check_triton_finds_the_gpu(target):
@@ -195,7 +204,8 @@ def _padded_segment_ids(plan, segment_ids, kv_segment_ids):
 def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
                  block_q: int | None = None, block_kv: int | None = None,
                  interpret: bool = False, generation: str | None = None,
-                 forward_kernel: str = "triton", backward_kernel: str = "triton") -> KernelSpec:
+                 forward_kernel: str = "triton", backward_kernel: str = "triton",
+                 sliding_window: int | None = None) -> KernelSpec:
   """Block sizes and launch parameters of the three kernels for one problem shape.
 
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default that of the
@@ -224,7 +234,7 @@ def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
   return KernelSpec(causal=bool(causal), scale=float(scale), seq_len=seq_len,
                     padded_len=padded_len, interpret=interpret, forward=tiles[0], dq=tiles[1],
                     dkv=tiles[2], forward_kernel=forward_kernel,
-                    backward_kernel=backward_kernel)
+                    backward_kernel=backward_kernel, sliding_window=sliding_window)
 
 
 def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
@@ -262,10 +272,16 @@ def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
                        f"{block}; try 64 or 128, or None for the tuned default.")
 
 
-def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv):
+def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv, sliding_window,
+                      causal):
+  check_sliding_window(sliding_window, causal)
   for name, kernel in (("forward_kernel", forward_kernel), ("backward_kernel", backward_kernel)):
     if kernel not in KERNELS:
       raise ValueError(f"flash_attention: {name} must be one of {KERNELS}, got {kernel!r}.")
+    if sliding_window is not None and kernel not in SLIDING_WINDOW_KERNELS:
+      raise ValueError(f"flash_attention: {name}={kernel!r} does not take a sliding_window "
+                       f"(got {sliding_window}) yet; use {name}='triton', or "
+                       "attention_backend='xla' or 'auto'.")
   d = q.shape[3]
   # (argument, head dims, required multiple of block_q, of block_kv) of each Mosaic kernel
   mosaic = [("forward_kernel", flash_hopper.HEAD_DIMS, _MOSAIC_MIN_ROWS, 64)] * (

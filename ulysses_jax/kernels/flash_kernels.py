@@ -12,8 +12,12 @@ Use ``flash_attention.flash_attention``; this module assumes validated, padded i
 
 Each kernel splits its inner loop in two ranges of blocks: blocks that need a positional mask
 (the causal diagonal; key blocks that hold padding) and blocks that need none. Blocks that the
-causal mask hides completely, and blocks of padding only, are never visited. Segment masks
-apply to every visited block.
+causal mask hides completely, and blocks of padding only, are never visited. With a sliding
+window W (``KernelSpec.sliding_window``, the Triton kernels only) the loops start at the first
+block the window reaches (dk/dv: end at the last query block that sees the key block), and
+blocks the window's lower edge cuts are masked too: a query block visits about
+(block + W) / block_kv key blocks instead of all before it. Segment masks apply to every
+visited block.
 """
 
 import dataclasses
@@ -54,17 +58,20 @@ class KernelSpec:
   dkv: Tile
   forward_kernel: str = "triton"  # or "mosaic": flash_hopper.forward
   backward_kernel: str = "triton"  # or "mosaic": flash_hopper_backward
+  sliding_window: int | None = None  # causal only: query i sees keys i - W < j <= i
 
   @property
   def ragged(self):
     return self.padded_len != self.seq_len
 
 
-def visible(q_pos, kv_pos, q_seg, kv_seg, *, causal, kv_len):
+def visible(q_pos, kv_pos, q_seg, kv_seg, *, causal, kv_len, window=None):
   """Which keys each query sees, broadcast from ``[n, 1]`` / ``[1, m]`` operands; None: all."""
   conditions = []
   if causal:
     conditions.append(q_pos >= kv_pos)
+  if window is not None:
+    conditions.append(q_pos - kv_pos < window)
   if kv_len is not None:
     conditions.append(kv_pos < kv_len)
   if q_seg is not None:
@@ -98,6 +105,30 @@ def kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks):
   return n_plain, n_visible
 
 
+def window_kv_ranges(plan, q_block, block_q, block_kv, n_plain):
+  """``(first, plain_from)`` under a sliding window: key blocks before ``first`` are hidden
+  from every query of the block, ``[first, plain_from)`` are cut by the window's lower edge
+  (masked), ``[plain_from, n_plain)`` wholly visible; ``(0, 0)`` without a window."""
+  if plan.sliding_window is None:
+    return 0, 0
+  first_q = q_block * block_q
+  first = jnp.minimum(n_plain, lax.div(jnp.maximum(0, first_q - plan.sliding_window + 1),
+                                       block_kv))
+  last_q = first_q + block_q - 1
+  plain_from = lax.div(jnp.maximum(0, last_q - plan.sliding_window + 1) + block_kv - 1,
+                       block_kv)
+  return first, jnp.clip(plain_from, first, n_plain)
+
+
+def _visit_kv_blocks(plan, q_block, block_q, block_kv, visit, init):
+  """Runs ``visit(masked, j, carry)`` over the key blocks query block ``q_block`` sees."""
+  n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, plan.padded_len // block_kv)
+  first, plain_from = window_kv_ranges(plan, q_block, block_q, block_kv, n_plain)
+  carry = lax.fori_loop(first, plain_from, functools.partial(visit, True), init)
+  carry = lax.fori_loop(plain_from, n_plain, functools.partial(visit, False), carry)
+  return lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
+
+
 def _kv_slice(j, block_kv):
   return pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
 
@@ -108,7 +139,6 @@ def _forward_kernel(*refs, plan, has_segments):
   else:
     (q_ref, k_ref, v_ref, o_ref, lse_ref), q_seg_ref, kv_seg_ref = refs, None, None
   block_q, block_kv = plan.forward.block_q, plan.forward.block_kv
-  num_kv_blocks = plan.padded_len // block_kv
   q_block = _q_block(plan, plan.padded_len // block_q, pl.program_id(0))
   q = q_ref[...]
   q_pos = (q_block * block_q + jnp.arange(block_q))[:, None]
@@ -122,7 +152,8 @@ def _forward_kernel(*refs, plan, has_segments):
     mask = visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
                     kv_seg_ref[kv][None, :] if has_segments else None,
                     causal=masked and plan.causal,
-                    kv_len=plan.seq_len if masked and plan.ragged else None)
+                    kv_len=plan.seq_len if masked and plan.ragged else None,
+                    window=plan.sliding_window if masked else None)
     if mask is not None:
       scores = jnp.where(mask, scores, -jnp.inf)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
@@ -137,9 +168,7 @@ def _forward_kernel(*refs, plan, has_segments):
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
-  n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
-  carry = lax.fori_loop(0, n_plain, functools.partial(visit, False), init)
-  acc, row_max, denom = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
+  acc, row_max, denom = _visit_kv_blocks(plan, q_block, block_q, block_kv, visit, init)
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)
   o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
@@ -153,7 +182,6 @@ def _dq_kernel(*refs, plan, has_segments):
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref), q_seg_ref, kv_seg_ref = (
         refs, None, None)
   block_q, block_kv = plan.dq.block_q, plan.dq.block_kv
-  num_kv_blocks = plan.padded_len // block_kv
   q_block = _q_block(plan, plan.padded_len // block_q, pl.program_id(0))
   q, do = q_ref[...], do_ref[...]
   lse2, delta = lse2_ref[...][:, None], delta_ref[...][:, None]
@@ -168,16 +196,15 @@ def _dq_kernel(*refs, plan, has_segments):
     mask = visible(q_pos, (j * block_kv + jnp.arange(block_kv))[None, :], q_seg,
                     kv_seg_ref[kv][None, :] if has_segments else None,
                     causal=masked and plan.causal,
-                    kv_len=plan.seq_len if masked and plan.ragged else None)
+                    kv_len=plan.seq_len if masked and plan.ragged else None,
+                    window=plan.sliding_window if masked else None)
     if mask is not None:
       probs = jnp.where(mask, probs, 0.0)
     d_scores = probs * (dot(do, v, 1, 1) - delta)
     return dq + dot(d_scores.astype(k.dtype), k, 1, 0)
 
-  n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, num_kv_blocks)
-  dq = lax.fori_loop(0, n_plain, functools.partial(visit, False),
-                     jnp.zeros(q.shape, jnp.float32))
-  dq = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), dq)
+  dq = _visit_kv_blocks(plan, q_block, block_q, block_kv, visit,
+                        jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
@@ -208,7 +235,8 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
     probs_t = jnp.exp2(dot(k, q, 1, 1) * qk_scale - lse2_ref[g, rows][None, :])
     mask = visible((i * block_q + jnp.arange(block_q))[None, :], kv_pos,
                     q_seg_ref[rows][None, :] if has_segments else None, kv_seg,
-                    causal=masked and plan.causal, kv_len=None)
+                    causal=masked and plan.causal, kv_len=None,
+                    window=plan.sliding_window if masked else None)
     if mask is not None:
       probs_t = jnp.where(mask, probs_t, 0.0)
     dv = dv + dot(probs_t.astype(do.dtype), do, 1, 0)
@@ -222,10 +250,17 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
     mid = jnp.minimum(num_q_blocks, lax.div(first_kv + block_kv - 1 + block_q - 1, block_q))
   else:
     lo = mid = 0
+  # A window: query blocks from `plain_end` on see only some of these keys, from `end` none.
+  end, plain_end = num_q_blocks, num_q_blocks
+  if plan.sliding_window is not None:
+    w = plan.sliding_window
+    end = jnp.minimum(num_q_blocks, lax.div(first_kv + block_kv + w - 2, block_q) + 1)
+    plain_end = jnp.clip(lax.div(first_kv + w, block_q), mid, end)
 
   def one_group(g, carry):
     carry = lax.fori_loop(lo, mid, functools.partial(visit, True, g), carry)
-    return lax.fori_loop(mid, num_q_blocks, functools.partial(visit, False, g), carry)
+    carry = lax.fori_loop(mid, plain_end, functools.partial(visit, False, g), carry)
+    return lax.fori_loop(plain_end, end, functools.partial(visit, True, g), carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, groups, one_group, (zeros, zeros))
@@ -235,7 +270,8 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
 
 def kernel_name(kernel, plan):
   """The kernel's name in the HLO: ``ulysses_jax.aot.cost`` reads its FLOPs from it."""
-  return f"flash_attention_{kernel}" + ("_causal" if plan.causal else "")
+  window = "" if plan.sliding_window is None else f"_window{plan.sliding_window}"
+  return f"flash_attention_{kernel}" + ("_causal" if plan.causal else "") + window
 
 
 def _call(kernel, tile, plan, grid, in_specs, out_specs, out_shape, name):

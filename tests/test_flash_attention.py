@@ -223,12 +223,16 @@ def test_sliding_window_ranges_skip_only_hidden_blocks(seq_len, block_q, block_k
       assert int(n_visible) - int(first) <= -(-(block_q + window) // block_kv) + 1, qb
 
 
-def test_through_ulysses_attention_on_8_devices():
+# A window of 11 crosses the 16-token shards and the kernels' blocks.
+@pytest.mark.parametrize("window", [None, 11])
+def test_through_ulysses_attention_on_8_devices(window):
   mesh = mesh_of(2, 4)
   q, k, v, d_out, segment_ids = random_inputs(7, 2, 64, 8, 4, 32, num_segments=3)
   fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=True,
-                                         segment_ids=segment_ids, backend="pallas")
-  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids, tol=F32_TOL)
+                                         segment_ids=segment_ids, backend="pallas",
+                                         sliding_window=window)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids, tol=F32_TOL,
+                           sliding_window=window)
 
 
 def test_block_plan_per_head_dim_and_generation():

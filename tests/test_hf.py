@@ -164,8 +164,8 @@ def test_checkpoint_errors_name_expected_and_actual(checkpoint, mesh, tmp_path):
     (dict(layer_types=["full_attention", "sliding_attention"]), r"\['sliding_attention'\]"),
     (dict(attention_bias=True), r"attention_bias=true \(llama puts a bias on o_proj too\)"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' \(only 'silu'\)"),
-    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
-     r"rope type 'yarn' \(supported: 'default', 'linear', 'llama3'\)"),
+    (dict(rope_parameters=dict(rope_type="longrope", factor=4.0, rope_theta=1e4)),
+     r"rope type 'longrope' \(supported: 'default', 'linear', 'llama3', 'yarn'\)"),
     (dict(rope_parameters=None, rope_theta=1e4, rope_scaling=dict(type="dynamic", factor=2.0)),
      r"rope type 'dynamic'"),
 ])

@@ -177,4 +177,4 @@ def test_bad_arguments_raise_before_work():
   with pytest.raises(ValueError, match="backend must be one of"):
     UlyssesAttention(E, 4, mesh=mesh, backend="flash", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="RopeScaling.kind must be one of"):
-    RopeScaling(kind="yarn")
+    RopeScaling(kind="dynamic")

@@ -68,7 +68,7 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   """The ``LlamaConfig`` of a Hugging Face ``config.json`` dict; errors name what is unsupported.
 
   Reads both the transformers 5 ``rope_parameters`` and the older ``rope_theta`` /
-  ``rope_scaling`` fields; rope types ``default``, ``linear`` and ``llama3``.
+  ``rope_scaling`` fields; rope types ``default``, ``linear``, ``llama3`` and ``yarn``.
   """
   model_type = hf.get("model_type")
   if model_type not in ARCHITECTURES:
@@ -93,18 +93,11 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   sliding_layers = [t for t in hf.get("layer_types") or () if t != "full_attention"]
   if sliding_layers:
     problems.append(f"layer_types {sorted(set(sliding_layers))} (only 'full_attention')")
-  rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  scaling = None
-  if rope_type == "linear":
-    scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
-  elif rope_type == "llama3":
-    scaling = RopeScaling(kind="llama3", factor=float(rope["factor"]),
-                          low_freq_factor=float(rope["low_freq_factor"]),
-                          high_freq_factor=float(rope["high_freq_factor"]),
-                          original_max_position=int(rope["original_max_position_embeddings"]))
-  elif rope_type != "default":
-    problems.append(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3')")
+  try:
+    scaling = rope_scaling_from_hf(hf)
+  except ConfigError as e:
+    scaling = None
+    problems.append(str(e))
   if problems:
     raise ConfigError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems)
                       + ".")
@@ -115,11 +108,47 @@ def config_from_hf(hf: dict) -> LlamaConfig:
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      rope_theta=float(_rope_fields(hf).get("rope_theta", hf.get("rope_theta", 10_000.0))),
       rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
       init_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _rope_fields(hf: dict) -> dict:
+  return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
+  """The ``RopeScaling`` of a ``config.json`` dict (None for rope type ``default``);
+  ``ConfigError`` naming an unsupported rope type or field."""
+  rope = _rope_fields(hf)
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type == "default":
+    return None
+  if rope_type == "linear":
+    return RopeScaling(kind="linear", factor=float(rope["factor"]))
+  if rope_type == "llama3":
+    return RopeScaling(kind="llama3", factor=float(rope["factor"]),
+                       low_freq_factor=float(rope["low_freq_factor"]),
+                       high_freq_factor=float(rope["high_freq_factor"]),
+                       original_max_position=int(rope["original_max_position_embeddings"]))
+  if rope_type != "yarn":
+    raise ConfigError(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3', "
+                      "'yarn')")
+  if rope.get("mscale") or rope.get("mscale_all_dim"):
+    raise ConfigError("yarn mscale / mscale_all_dim (DeepSeek's attention factor)")
+  if rope.get("factor") is None:
+    raise ConfigError("yarn without factor")
+  # transformers takes the original context from the top level first.
+  original = hf.get("original_max_position_embeddings") or rope.get(
+      "original_max_position_embeddings") or hf["max_position_embeddings"]
+  attention_factor = rope.get("attention_factor")
+  return RopeScaling(
+      kind="yarn", factor=float(rope["factor"]), original_max_position=int(original),
+      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+      attention_factor=None if attention_factor is None else float(attention_factor),
+      truncate=bool(rope.get("truncate", True)))
 
 
 def read_config(path) -> LlamaConfig:
@@ -178,8 +207,14 @@ def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
     hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
     if s.kind == "llama3":
       hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor,
-                                high_freq_factor=s.high_freq_factor,
-                                original_max_position_embeddings=s.original_max_position)
+                                high_freq_factor=s.high_freq_factor)
+    if s.kind == "yarn":
+      hf["rope_scaling"].update(beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+                                truncate=s.truncate)
+      if s.attention_factor is not None:
+        hf["rope_scaling"]["attention_factor"] = s.attention_factor
+    if s.kind != "linear":
+      hf["rope_scaling"]["original_max_position_embeddings"] = s.original_max_position
       hf["max_position_embeddings"] = int(s.original_max_position * s.factor)
   if model_type != "qwen2":
     hf["attention_bias"] = False  # qwen2 has fixed q/k/v biases and no such field

@@ -19,7 +19,7 @@ from ulysses_jax.attention.backends import BACKENDS
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.rope import RopeScaling
+from ulysses_jax.rope import RopeScaling, attention_factor
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
@@ -116,6 +116,11 @@ class LlamaConfig:
                         f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+    if attention_factor(self.rope_scaling) != 1.0:
+      raise ConfigError(f"rope_scaling {self.rope_scaling} multiplies cos and sin by "
+                        f"{attention_factor(self.rope_scaling):.6g}, which UlyssesAttention "
+                        "does not apply yet; only YaRN with factor 1 or attention_factor=1.0 "
+                        "runs.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)

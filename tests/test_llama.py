@@ -10,11 +10,12 @@ import pytest
 from flax import nnx
 
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
-                         model_on, packed_batch, relative_error, tree_on_host)
+                         model_on, needs_windows, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models import llama
-from ulysses_jax.models.llama import MLP, Llama, LlamaConfig, init_llama, preset
+from ulysses_jax.models.llama import (MLP, Llama, LlamaConfig, attention_has_windows, init_llama,
+                                     preset)
 from ulysses_jax.rope import RopeScaling, inverse_frequencies
 
 
@@ -42,7 +43,7 @@ def reference_logits(config, params, tokens, positions, segment_ids):
   post = lambda layer, name, y: norm(y, layer[name]) if c.post_norms else y
   activation = _gelu_tanh if c.mlp_activation == "gelu_tanh" else lambda g: g / (1 + np.exp(-g))
   x = p["embedding"][tokens] * (np.sqrt(c.hidden_dim) if c.embed_scale else 1.0)
-  for i in range(c.num_layers):
+  for i, window in enumerate(c.layer_windows()):
     layer = jax.tree.map(lambda a, i=i: a[i], p["layers"])
     attn = layer["attn"]
     h = norm(x, layer["attn_norm"])
@@ -54,7 +55,8 @@ def reference_logits(config, params, tokens, positions, segment_ids):
     q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
     out = np.asarray(dense_attention(*(jnp.asarray(t, jnp.float32) for t in (q, k, v)),
                                      causal=True, q_segment_ids=segment_ids,
-                                     kv_segment_ids=segment_ids), np.float64)
+                                     kv_segment_ids=segment_ids, sliding_window=window),
+                     np.float64)
     x = x + post(layer, "attn_post_norm", np.einsum("bshd,hde->bse", out,
                                                     attn["o_proj"]["kernel"]))
     mlp = layer["mlp"]
@@ -72,11 +74,19 @@ ALL_FEATURES = preset("tiny-gqa", tie_embeddings=True, qkv_bias=True, qk_norm=Tr
 
 GEMMA_STYLE = preset("tiny-gqa", tie_embeddings=True, mlp_activation="gelu_tanh",
                      norm_offset_one=True, post_norms=True, embed_scale=True, mlp_chunk=3)
+# Windows of 3 and 6 tokens over documents of up to 20: several windows long.
+MIXED_WINDOWS = preset("tiny-gqa", num_layers=3, sliding_window=3,
+                       layer_types=("sliding_attention", "full_attention", "sliding_attention"))
 
 
 @pytest.mark.parametrize("config, mesh_shape", [
-    (preset("tiny-gqa"), (2, 4)), (ALL_FEATURES, (2, 4)), (GEMMA_STYLE, (1, 8))],
-    ids=["plain", "tied-bias-qknorm-llama3rope", "gemma-style"])
+    (preset("tiny-gqa"), (2, 4)), (ALL_FEATURES, (2, 4)),
+    pytest.param(MIXED_WINDOWS, (1, 8), marks=needs_windows),
+    pytest.param(MIXED_WINDOWS.replace(remat_group=3), (2, 4), marks=needs_windows),
+    pytest.param(preset("tiny", sliding_window=6), (1, 8), marks=needs_windows),
+    (GEMMA_STYLE, (1, 8))],
+    ids=["plain", "tied-bias-qknorm-llama3rope", "mixed-windows", "mixed-windows-remat-group",
+         "all-sliding", "gemma-style"])
 def test_logits_match_reference(config, mesh_shape):
   mesh = mesh_of(*mesh_shape)
   # Perturb every parameter so norm scales and biases are not at their 1/0 init.
@@ -280,3 +290,9 @@ def test_config_errors_name_expected_and_actual():
 def test_norm_offset_one_with_qk_norm_is_an_error():
   with pytest.raises(ConfigError, match="norm_offset_one with qk_norm"):
     preset("tiny", norm_offset_one=True, qk_norm=True)
+
+
+@pytest.mark.skipif(attention_has_windows(), reason="UlyssesAttention has sliding windows")
+def test_windows_without_attention_support_are_an_error():
+  with pytest.raises(ConfigError, match="UlyssesAttention has no sliding window yet"):
+    Llama(preset("tiny", sliding_window=4), mesh=mesh_of(1, 1), rngs=nnx.Rngs(0))

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``) in NNX.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``,
+sliding windows per layer; Gemma-style options in ``LlamaConfig``) in NNX.
 
 Activations are ``[B, S, E]`` sharded ``(data, seq)``; attention is ``UlyssesAttention``;
 everything else is token-local. The layers are stacked (every layer parameter has a leading
@@ -22,6 +23,8 @@ Sequences that the seq axis does not divide are padded at the end inside the mod
 padding is invisible to real tokens under the causal mask and carries no loss).
 """
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,6 +35,7 @@ from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.common import PAD_SEGMENT
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.layers import Dense, RMSNorm, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
@@ -128,7 +132,11 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
   """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
-  ``config.post_norms``, ``x + post_norm(attn(norm(x)))`` and likewise for the MLP (Gemma)."""
+  ``config.post_norms``, ``x + post_norm(attn(norm(x)))`` and likewise for the MLP (Gemma).
+
+  One module serves every layer of the scan, so the layer's attention type comes in as data:
+  ``sliding``, a bool scalar (the layer's entry of ``config.layer_windows()`` is not None).
+  """
 
   def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
                rngs: nnx.Rngs):
@@ -146,16 +154,38 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
     self.attn_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
     self.mlp_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
+    self.windows = frozenset(c.layer_windows())
+    self.sliding_window = c.sliding_window
     self.mesh = mesh
     self.rules = rules
 
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, sliding):
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
     post = lambda norm, y: y if norm is None else norm(y)
-    x_BSE = constrain(x_BSE + post(self.attn_post_norm, self.attn(
-        x_BSE, positions_BS, segment_ids_BS, norm=self.attn_norm)))
+    x_BSE = constrain(x_BSE + post(self.attn_post_norm, self._attention(
+        x_BSE, positions_BS, segment_ids_BS, sliding)))
     return constrain(x_BSE + post(self.mlp_post_norm, self.mlp(x_BSE, norm=self.mlp_norm)))
+
+  def _attention(self, x_BSE, positions_BS, segment_ids_BS, sliding):
+    """``attn(norm(x))`` with this layer's window: the window is static in the attention
+    kernels, so mixed layers choose between the windowed and the full call with
+    ``lax.cond`` (both compiled once, one run per layer) and the layers stay one scan."""
+    def attend(window):
+      if window is None:
+        return self.attn(x_BSE, positions_BS, segment_ids_BS, norm=self.attn_norm)
+      return self.attn(x_BSE, positions_BS, segment_ids_BS, norm=self.attn_norm,
+                       sliding_window=window)
+
+    if len(self.windows) == 1:
+      return attend(next(iter(self.windows)))
+    return jax.lax.cond(sliding, lambda: attend(self.sliding_window), lambda: attend(None))
+
+
+def attention_has_windows() -> bool:
+  """Whether ``UlyssesAttention`` takes a per-call ``sliding_window`` (branch sw-attn; until
+  it is merged, configs with sliding windows are a ``ConfigError``)."""
+  return "sliding_window" in inspect.signature(UlyssesAttention.__call__).parameters
 
 
 class Llama(nnx.Module):
@@ -164,6 +194,9 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, mesh: Mesh,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     c = config
+    if any(c.layer_windows()) and not attention_has_windows():
+      raise ConfigError(f"sliding_window={c.sliding_window}: UlyssesAttention has no sliding "
+                        "window yet, so the model cannot run these layers' attention.")
     self.embedding = param(
         c.init_std * jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_dim),
                                        c.param_dtype), ("vocab", "embed"), mesh=mesh, rules=rules)
@@ -232,11 +265,14 @@ class Llama(nnx.Module):
     c = self.config
     remat = lambda f: f if c.remat_policy == "none" else jax.checkpoint(
         f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
-    run = lambda x_BSE, state: nnx.merge(graphdef, state)(x_BSE, positions_BS, segment_ids_BS)
+    run = lambda x_BSE, layer: nnx.merge(graphdef, layer["state"])(
+        x_BSE, positions_BS, segment_ids_BS, layer["sliding"])
+    sliding_L = jnp.array([w is not None for w in c.layer_windows()])
 
     if c.remat_group == 1:
-      layer = remat(lambda x, state: (run(x, jax.device_put(state, slice_shardings)), None))
-      x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
+      layer = remat(lambda x, layer: (run(x, dict(
+          layer, state=jax.device_put(layer["state"], slice_shardings))), None))
+      x_BSE, _ = jax.lax.scan(layer, x_BSE, dict(state=layer_states, sliding=sliding_L))
       return self.final_norm(x_BSE)
 
     # A group copies its layers' weights to the device at once, so only the outer loop moves
@@ -246,12 +282,13 @@ class Llama(nnx.Module):
         lambda s: sharding.in_memory(s.mesh, P(None, *s.spec), "device"), slice_shardings)
     layer = remat(lambda x, state: (run(x, state), None))
 
-    def group(x_BSE, group_states):
-      group_states = jax.device_put(group_states, group_shardings)
-      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group_states)[0], None
+    def group(x_BSE, group):
+      group = dict(group, state=jax.device_put(group["state"], group_shardings))
+      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group)[0], None
 
     group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))
-    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]), layer_states)
+    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]),
+                          dict(state=layer_states, sliding=sliding_L))
     x_BSE, _ = jax.lax.scan(group, x_BSE, groups)
     return self.final_norm(x_BSE)
 

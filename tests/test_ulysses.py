@@ -41,6 +41,26 @@ def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments
                            tol=F32_TOL)
 
 
+# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments, sliding_window
+WINDOW_CASES = [
+    ((1, 8), (1, 64, 8, 2, 8), 3, 1),       # a token sees only itself, GQA, packed
+    ((1, 8), (1, 64, 8, 8, 8), 0, 5),       # window < shard (8 tokens)
+    ((2, 4), (2, 37, 6, 2, 8), 5, 12),      # crosses shard boundaries, S % P != 0, packed
+    ((2, 4), (2, 40, 4, 1, 8), 0, 40),      # window = S, MQA
+    ((1, 8), (1, 24, 8, 4, 8), 2, 100),     # window > S
+]
+
+
+@pytest.mark.parametrize("mesh_shape,shape,num_segments,window", WINDOW_CASES)
+def test_sliding_window_matches_dense_reference(mesh_shape, shape, num_segments, window):
+  mesh = mesh_of(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(9, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                         sliding_window=window)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL, sliding_window=window)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_negative_segment_ids_are_segments_like_any_other(causal):
   """-1 and -2 are ordinary ids (padding uses reserved int32 values), also where the sequence
@@ -182,6 +202,10 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
     (dict(scale=-1.0), r"scale must be a positive number"),
     (dict(mesh="bad"), r"mesh must be a jax.sharding.Mesh"),
     (dict(mesh="no_seq"), r"lack \['seq'\]"),
+    (dict(sliding_window=0), r"sliding_window must be a positive int"),
+    (dict(sliding_window=4, causal=False), r"sliding_window \(4\) needs causal=True"),
+    (dict(sliding_window=4, backend="pallas"), r"backend='pallas' does not support "
+     r"sliding_window"),
 ])
 def test_bad_input_errors(kwargs, message):
   q_shape = kwargs.get("q_shape", (2, 16, 4, 8))
@@ -195,4 +219,6 @@ def test_bad_input_errors(kwargs, message):
                                                                        mesh_of(2, 4))
   with pytest.raises(ValueError, match=message):
     ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
-                      backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"))
+                      backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"),
+                      causal=kwargs.get("causal", True),
+                      sliding_window=kwargs.get("sliding_window"))

@@ -27,6 +27,7 @@ import jax
 from jax.sharding import Mesh
 
 from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.kernels import target as target_lib
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
@@ -52,15 +53,18 @@ class BackendChoice:
 
 def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, causal: bool,
                    segment_ids_given: bool, mesh: Mesh | None = None,
-                   ring_attention: bool | None = None) -> BackendChoice:
+                   ring_attention: bool | None = None,
+                   sliding_window: int | None = None) -> BackendChoice:
   """The backend ``"auto"`` runs for these inputs on ``mesh``'s devices (default: the enclosing
   mesh context, else JAX's first device), and why.
 
   ``ring_attention``: whether the local attention runs inside ring attention (which takes only
   ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
   Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
-  named in the reason.
+  named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``)
+  skips the backends that cannot apply the window.
   """
+  check_sliding_window(sliding_window, causal)
   if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
     raise ValueError(f"query heads ({num_q_heads}) must be a positive multiple of KV heads "
                      f"({num_kv_heads}); use a number of KV heads that divides {num_q_heads}.")
@@ -70,6 +74,7 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   case = (f"{jax.numpy.dtype(dtype).name}, head dim {head_dim}, {num_q_heads} query / "
           f"{num_kv_heads} KV heads, {'causal' if causal else 'full'} mask, "
           f"{'with' if segment_ids_given else 'no'} segment ids"
+          + (f", sliding window {sliding_window}" if sliding_window is not None else "")
           + (", inside ring attention" if ring_attention else ""))
   if not target.on_gpu:
     return BackendChoice("xla", f"{KERNEL_NAMES['xla']} for {case}: the devices are "
@@ -77,7 +82,7 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                          "would run interpreted (slow)")
   chain, skipped = [], []
   for backend in PREFERENCE:
-    why = _why_not(backend, target, dtype, head_dim, segment_ids_given)
+    why = _why_not(backend, target, dtype, head_dim, segment_ids_given, sliding_window)
     if backend == "pallas_mosaic" and not why and target.compute_capability is None:
       why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
     if ring_attention and backend in NOT_IN_RING:
@@ -91,12 +96,15 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   return BackendChoice(chain[0], "; ".join([reason, *skipped]), tuple(chain[1:]))
 
 
-def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
+def _why_not(backend, target, dtype, head_dim, segment_ids_given,
+             sliding_window=None) -> str | None:
   """Why ``backend`` cannot run these inputs on GPUs like ``target``, as the end of a
   sentence starting "backend=... "; None when it can."""
   from ulysses_jax.kernels import flash_attention, flash_hopper_backward
   dtype = jax.numpy.dtype(dtype).name
   capability = target.compute_capability
+  if sliding_window is not None and backend != "xla":
+    return "does not support sliding_window yet"
   if backend == "pallas_mosaic":
     # Both Mosaic kernels (forward and backward) must cover the head dim.
     if dtype not in _HALF_DTYPES or head_dim not in flash_hopper_backward.HEAD_DIMS:
@@ -119,36 +127,48 @@ def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
 
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
-                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
+                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
+                    sliding_window: int | None = None) -> str:
   """Checks ``backend`` against the inputs and the devices of ``mesh`` (default: the
   enclosing mesh context, else JAX's first device) and returns a concrete backend name
   (``"auto"``: ``choose_backend``'s)."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+  check_sliding_window(sliding_window, causal)
   if backend == "auto":
     return choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
                           num_kv_heads=num_kv_heads, causal=causal,
                           segment_ids_given=segment_ids_given, mesh=mesh,
-                          ring_attention=False).backend
+                          ring_attention=False, sliding_window=sliding_window).backend
   instead = {"cudnn": "use backend='pallas' or 'xla'", "pallas_mosaic": "use backend='pallas'"}
+  if sliding_window is not None and backend != "xla":
+    instead[backend] = "use backend='xla' or 'auto'"
   if backend in instead:
     # Off GPUs the Mosaic kernels run in GPU interpret mode (for tests): only dtype and head
     # dim are checked there; a GPU of unknown compute capability is given the benefit.
-    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given)
+    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given,
+                   sliding_window)
     if why:
       raise ValueError(f"backend={backend!r} {why}; {instead[backend]}.")
   return backend
 
 
-def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids, scale):
+def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids, scale,
+                    sliding_window=None):
   """Self-attention over the full local sequence.
 
   q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` with Hq % Hkv == 0, segment_ids ``[B, S]`` or
-  None; returns ``[B, S, Hq, D]``. ``backend`` must already be resolved.
+  None; returns ``[B, S, Hq, D]``. ``sliding_window``: None, or W >= 1 with ``causal`` (query
+  p sees keys p' with ``0 <= p - p' < W``). ``backend`` must already be resolved, for this
+  window too.
   """
   if backend == "xla":
     return chunked_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=segment_ids,
-                             kv_segment_ids=segment_ids, scale=scale)
+                             kv_segment_ids=segment_ids, scale=scale,
+                             sliding_window=sliding_window)
+  if sliding_window is not None:
+    raise ValueError(f"backend={backend!r} does not support sliding_window yet; use "
+                     "backend='xla' (resolve_backend picks it).")
   if backend in ("pallas", "pallas_mosaic"):
     from ulysses_jax.kernels.flash_attention import flash_attention
     kernel = "mosaic" if backend == "pallas_mosaic" else "triton"

@@ -2,20 +2,15 @@
 
 import jax
 import numpy as np
-import pytest
 from flax import nnx
 
 from ulysses_jax import make_mesh, sharding
 from ulysses_jax.data import IGNORE_LABEL
-from ulysses_jax.models.llama import Llama, attention_has_windows
+from ulysses_jax.models.llama import Llama
 
 F32_RTOL = 1e-5  # relative L2 error per array, float32
 # The meshes of the SP-equivalence checks: pure data parallel, hybrid, pure sequence parallel.
 MESHES = ((8, 1), (2, 4), (1, 8))
-
-
-needs_windows = pytest.mark.skipif(not attention_has_windows(),
-                                   reason="UlyssesAttention has no sliding_window yet (sw-attn)")
 
 
 def mesh_of(data, seq, ring=1):

@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from model_cases import needs_windows  # noqa: E402
 from ulysses_jax import make_mesh  # noqa: E402
 from ulysses_jax.hf import config_from_hf, load_llama, save_llama  # noqa: E402
 
@@ -130,7 +129,6 @@ SLIDING_CASES = {
 }
 
 
-@needs_windows
 @pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
 @pytest.mark.parametrize("case", SLIDING_CASES)
 def test_sliding_windows_load_and_round_trip(case, mesh_shape, tokens, tmp_path):

@@ -10,12 +10,11 @@ import pytest
 from flax import nnx
 
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
-                         model_on, needs_windows, packed_batch, relative_error, tree_on_host)
+                         model_on, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models import llama
-from ulysses_jax.models.llama import (MLP, Llama, LlamaConfig, attention_has_windows, init_llama,
-                                     preset)
+from ulysses_jax.models.llama import MLP, Llama, LlamaConfig, init_llama, preset
 from ulysses_jax.rope import RopeScaling, inverse_frequencies
 
 
@@ -81,9 +80,8 @@ MIXED_WINDOWS = preset("tiny-gqa", num_layers=3, sliding_window=3,
 
 @pytest.mark.parametrize("config, mesh_shape", [
     (preset("tiny-gqa"), (2, 4)), (ALL_FEATURES, (2, 4)),
-    pytest.param(MIXED_WINDOWS, (1, 8), marks=needs_windows),
-    pytest.param(MIXED_WINDOWS.replace(remat_group=3), (2, 4), marks=needs_windows),
-    pytest.param(preset("tiny", sliding_window=6), (1, 8), marks=needs_windows),
+    (MIXED_WINDOWS, (1, 8)), (MIXED_WINDOWS.replace(remat_group=3), (2, 4)),
+    (preset("tiny", sliding_window=6), (1, 8)),
     (GEMMA_STYLE, (1, 8))],
     ids=["plain", "tied-bias-qknorm-llama3rope", "mixed-windows", "mixed-windows-remat-group",
          "all-sliding", "gemma-style"])
@@ -140,7 +138,6 @@ def test_sequence_parallel_loss_and_grads_match_single_device(sp_reference, name
   assert_trees_close(grads, ref_grads)
 
 
-@needs_windows
 def test_mixed_windows_loss_and_grads_match_single_device():
   """The lax.cond between windowed and full layers, differentiated (and rematerialised), on
   a sequence-sharded mesh."""
@@ -304,9 +301,3 @@ def test_config_errors_name_expected_and_actual():
 def test_norm_offset_one_with_qk_norm_is_an_error():
   with pytest.raises(ConfigError, match="norm_offset_one with qk_norm"):
     preset("tiny", norm_offset_one=True, qk_norm=True)
-
-
-@pytest.mark.skipif(attention_has_windows(), reason="UlyssesAttention has sliding windows")
-def test_windows_without_attention_support_are_an_error():
-  with pytest.raises(ConfigError, match="UlyssesAttention has no sliding window yet"):
-    Llama(preset("tiny", sliding_window=4), mesh=mesh_of(1, 1), rngs=nnx.Rngs(0))

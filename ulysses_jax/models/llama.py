@@ -23,8 +23,6 @@ Sequences that the seq axis does not divide are padded at the end inside the mod
 padding is invisible to real tokens under the causal mask and carries no loss).
 """
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,7 +33,6 @@ from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.common import PAD_SEGMENT
-from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.layers import Dense, RMSNorm, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
@@ -171,21 +168,11 @@ class DecoderLayer(nnx.Module):
     """``attn(norm(x))`` with this layer's window: the window is static in the attention
     kernels, so mixed layers choose between the windowed and the full call with
     ``lax.cond`` (both compiled once, one run per layer) and the layers stay one scan."""
-    def attend(window):
-      if window is None:
-        return self.attn(x_BSE, positions_BS, segment_ids_BS, norm=self.attn_norm)
-      return self.attn(x_BSE, positions_BS, segment_ids_BS, norm=self.attn_norm,
-                       sliding_window=window)
-
+    attend = lambda window: self.attn(x_BSE, positions_BS, segment_ids_BS,
+                                      norm=self.attn_norm, sliding_window=window)
     if len(self.windows) == 1:
       return attend(next(iter(self.windows)))
     return jax.lax.cond(sliding, lambda: attend(self.sliding_window), lambda: attend(None))
-
-
-def attention_has_windows() -> bool:
-  """Whether ``UlyssesAttention`` takes a per-call ``sliding_window`` (branch sw-attn; until
-  it is merged, configs with sliding windows are a ``ConfigError``)."""
-  return "sliding_window" in inspect.signature(UlyssesAttention.__call__).parameters
 
 
 class Llama(nnx.Module):
@@ -194,9 +181,6 @@ class Llama(nnx.Module):
   def __init__(self, config: LlamaConfig, *, mesh: Mesh,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     c = config
-    if any(c.layer_windows()) and not attention_has_windows():
-      raise ConfigError(f"sliding_window={c.sliding_window}: UlyssesAttention has no sliding "
-                        "window yet, so the model cannot run these layers' attention.")
     self.embedding = param(
         c.init_std * jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_dim),
                                        c.param_dtype), ("vocab", "embed"), mesh=mesh, rules=rules)

@@ -212,9 +212,10 @@ def build_llama(config: LlamaConfig, mesh: Mesh, read, *,
 
 
 def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
-  """The ``config.json`` dict of ``config``: model type llama, or qwen2 (qkv_bias) / qwen3
-  (qk_norm). Rope fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form,
-  which transformers 5 reads too."""
+  """The ``config.json`` dict of ``config``: model type qwen2 (qkv_bias), qwen3 (qk_norm),
+  else llama, or with sliding windows mistral (every layer) / ministral (some layers). Rope
+  fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form, which
+  transformers 5 reads too."""
   if config.qkv_bias and config.qk_norm:
     raise ValueError("no Hugging Face architecture has both qkv_bias and qk_norm.")
   gemma_options = [f"{name}={getattr(config, name)!r}" for name, plain in (

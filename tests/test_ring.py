@@ -231,6 +231,11 @@ def test_mesh_axes():
     (lambda q, m: ulysses.ulysses_attention(q, q, q, mesh=m),
      r"is plain Ulysses and takes no ring, got a mesh with ring=4; call "
      r"ulysses_jax.ulysses_attention"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="pallas", sliding_window=4),
+     r"sliding_window \(4\) inside ring attention needs backend='xla' or 'auto', got "
+     r"'pallas'"),
+    (lambda q, m: ring_attention(q, q, q, mesh=m, causal=False, sliding_window=4),
+     r"sliding_window \(4\) needs causal=True"),
 ])
 def test_bad_input_errors(call, message):
   with pytest.raises(ValueError, match=message):
@@ -242,3 +247,66 @@ def test_padded_length():
   assert zigzag.padded_length(37, 2, 4) == 40          # 4 chunks of 10, halves of 20 split by 4
   assert zigzag.padded_length(4000, 2) == 4096         # chunks above 512 tokens are whole blocks
   assert zigzag.padded_length(64, 8) == 64
+
+
+# (attention, (data, seq, ring), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments,
+# sliding_window, layout); the local length after padding is S/R.
+WINDOW_CASES = [
+    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 8), 3, 3, "natural"),      # W < chunk: steps 0, 1
+    (ring_attention, (1, 4, 1), (1, 44, 2, 1, 8), 2, 1, "natural"),      # W = 1, padded, MQA
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 2, 8), 4, 12, "natural"),  # W > S/R: zigzag
+    (ring_attention, (1, 4, 1), (1, 32, 2, 2, 8), 3, 5, "zigzag"),       # zigzag inputs
+    (ulysses_attention, (1, 1, 8), (1, 48, 2, 2, 8), 0, 48, "natural"),  # W = S
+]
+
+
+@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window,layout", WINDOW_CASES)
+def test_sliding_window_matches_dense_reference(attention, mesh_shape, shape, num_segments,
+                                                window, layout):
+  mesh = _mesh(*mesh_shape)
+  ring_shards = ring_size(mesh) if attention is ulysses_attention else mesh.shape[SEQ]
+  q, k, v, d_out, segment_ids = random_inputs(7, *shape, num_segments=num_segments)
+  zig, unzig = ((lambda x: zigzag.to_zigzag(x, ring_shards), lambda x: zigzag.from_zigzag(
+      x, ring_shards)) if layout == "zigzag" else (lambda x: x, lambda x: x))
+  seg = None if segment_ids is None else zig(segment_ids)
+  fn = lambda q, k, v: unzig(attention(zig(q), zig(k), zig(v), mesh=mesh, segment_ids=seg,
+                                       sliding_window=window, layout=layout))
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL, sliding_window=window)
+
+
+def test_window_sources_are_the_ring_distances_a_window_reaches():
+  from ulysses_jax.attention.ring import _Ring
+  ring = lambda window, zig: _Ring(SEQ, 4, True, None, 4, "xla", window, zig)
+  shifts = lambda window, zig: [shift for shift, _ in ring(window, zig).window_sources(8)]
+  assert shifts(1, False) == [0]       # a token sees itself only
+  assert shifts(8, False) == [0, 1]    # W <= S/R: this device and the one before
+  assert shifts(9, False) == [0, 1]    # query 8r sees 8r - 8, the first key before
+  assert shifts(10, False) == [0, 1, 2]  # and 8r - 9, the last of device r - 2
+  assert shifts(100, False) == [0, 1, 2, 3]
+  # Natural order, shift 1: every device but 0 receives from the one before (0 would get 3's).
+  assert ring(8, False).window_sources(8)[1][1] == ((0, 1), (1, 2), (2, 3))
+  assert shifts(4, True) == [0, 1, 3]  # zigzag: chunks 0|7 1|6 2|5 3|4 neighbour both ways
+
+
+def test_a_small_window_moves_one_kv_block_per_direction():
+  """W <= S/R: one K and one V ppermute forward (no loop of R-1 rotations), and with the
+  backward K, V out and dK, dV back: under 1/6 of the full ring's traffic."""
+  mesh = _mesh(1, 8, 1)
+  q, k, v, _, _ = random_inputs(4, 1, 64, 4, 2, 16)
+
+  def permute_bytes(window, grad):
+    attend = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, sliding_window=window)
+    fn = jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2)) if grad else attend
+    text = jax.jit(fn).lower(q, k, v).compile().as_text()
+    return text, hlo.executed_collective_bytes(text)["collective-permute"]
+
+  block = 1 * 8 * 2 * 16 * 4  # one [1, 64/8, 2, 16] float32 K or V block
+  text, forward = permute_bytes(4, grad=False)
+  assert forward == 2 * block  # executed bytes: no loop of rotations around them
+  assert [op for op, _, _ in hlo.collectives(text)] == ["collective-permute"] * 2
+  _, full_backward = permute_bytes(None, grad=True)
+  _, backward = permute_bytes(4, grad=True)
+  # K, V out (fetched again in the backward unless XLA reuses the forward's) and dK, dV back.
+  assert 4 * block <= backward <= 6 * block
+  assert full_backward > 6 * backward

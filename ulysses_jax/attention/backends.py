@@ -16,6 +16,10 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
   that covers the inputs, the devices and the mesh (``choose_backend`` says which and why);
   ``"xla"`` elsewhere (the kernels would run interpreted).
 
+Every backend takes a ``sliding_window`` (the Pallas ones through their kernels, those in
+``kernels.flash_attention.SLIDING_WINDOW_KERNELS``; cuDNN as ``local_window_size=(W - 1, 0)``),
+except that ring attention with a window needs ``"xla"`` (the kernels take no positions).
+
 "On GPU" means the devices the attention is built for: those of ``mesh`` when given (a mesh
 of compile-only GPU devices from ``ulysses_jax.aot`` included), else those of the enclosing
 mesh context (``ulysses_jax.kernels.target.current``).
@@ -40,6 +44,10 @@ KERNEL_NAMES = {"pallas_mosaic": "our Mosaic GPU (Hopper) kernels", "pallas": "o
 NOT_IN_RING = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
                         "not return"}
 _HALF_DTYPES = ("bfloat16", "float16")
+# The kernel (``flash_attention``'s forward_kernel/backward_kernel) each Pallas backend runs.
+_KERNEL_OF = {"pallas": "triton", "pallas_mosaic": "mosaic"}
+# Why ring attention cannot use a backend with a sliding window.
+NOT_IN_RING_WITH_WINDOW = "its kernels take no positions, which a window across ring steps needs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,8 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
       why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
     if ring_attention and backend in NOT_IN_RING:
       why = f"ring attention cannot use it: {NOT_IN_RING[backend]}"
+    if ring_attention and sliding_window is not None and backend in _KERNEL_OF:
+      why = f"ring attention cannot use it with sliding_window: {NOT_IN_RING_WITH_WINDOW}"
     if why:
       skipped.append(f"not {KERNEL_NAMES[backend]}: {why}")
     else:
@@ -103,8 +113,9 @@ def _why_not(backend, target, dtype, head_dim, segment_ids_given,
   from ulysses_jax.kernels import flash_attention, flash_hopper_backward
   dtype = jax.numpy.dtype(dtype).name
   capability = target.compute_capability
-  if sliding_window is not None and backend != "xla":
-    return "does not support sliding_window yet"
+  if sliding_window is not None and backend in _KERNEL_OF:
+    if _KERNEL_OF[backend] not in flash_attention.SLIDING_WINDOW_KERNELS:
+      return f"does not support sliding_window ({sliding_window}) in its kernels yet"
   if backend == "pallas_mosaic":
     # Both Mosaic kernels (forward and backward) must cover the head dim.
     if dtype not in _HALF_DTYPES or head_dim not in flash_hopper_backward.HEAD_DIMS:
@@ -141,7 +152,7 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num
                           segment_ids_given=segment_ids_given, mesh=mesh,
                           ring_attention=False, sliding_window=sliding_window).backend
   instead = {"cudnn": "use backend='pallas' or 'xla'", "pallas_mosaic": "use backend='pallas'"}
-  if sliding_window is not None and backend != "xla":
+  if sliding_window is not None and backend in _KERNEL_OF:
     instead[backend] = "use backend='xla' or 'auto'"
   if backend in instead:
     # Off GPUs the Mosaic kernels run in GPU interpret mode (for tests): only dtype and head
@@ -166,15 +177,17 @@ def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids
     return chunked_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=segment_ids,
                              kv_segment_ids=segment_ids, scale=scale,
                              sliding_window=sliding_window)
-  if sliding_window is not None:
-    raise ValueError(f"backend={backend!r} does not support sliding_window yet; use "
-                     "backend='xla' (resolve_backend picks it).")
-  if backend in ("pallas", "pallas_mosaic"):
+  if backend in _KERNEL_OF:
     from ulysses_jax.kernels.flash_attention import flash_attention
-    kernel = "mosaic" if backend == "pallas_mosaic" else "triton"
+    kernel = _KERNEL_OF[backend]
+    # Only a given window is passed, so kernels without the keyword still run the rest.
+    window = {} if sliding_window is None else dict(sliding_window=sliding_window)
     return flash_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                           scale=scale, forward_kernel=kernel, backward_kernel=kernel)
+                           scale=scale, forward_kernel=kernel, backward_kernel=kernel, **window)
   if backend == "cudnn":
+    # jax's window (left, right) shows key k to query q iff q - left <= k <= q + right, so
+    # transformers' W is (W - 1, 0) (jax.nn.functions._get_window_mask; cuDNN's is the same).
+    local_window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(q_BSHD, k_BSKD, v_BSKD, scale=scale, is_causal=causal,
-                                        implementation="cudnn")
+                                        local_window_size=local_window, implementation="cudnn")
   raise ValueError(f"unresolved backend {backend!r}; call resolve_backend first.")

@@ -19,7 +19,6 @@ from jax.sharding import Mesh
 
 from ulysses_jax.attention import ring, ulysses, zigzag
 from ulysses_jax.attention.common import Layout, validate_inputs
-from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.mesh import RING, SEQ, ring_size
 
 
@@ -58,26 +57,27 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend,
                                      sliding_window=sliding_window, **args)
   validate_inputs(q, k, v, **args)
-  check_sliding_window(sliding_window, causal)
-  if sliding_window is not None:
-    raise ValueError(f"sliding_window ({sliding_window}) on a mesh with a ring axis (ring="
-                     f"{ring_size(mesh)}) is not supported yet; use a mesh without a ring axis.")
   zigzag.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
   backend = ring.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,
-                                 segment_ids_given=segment_ids is not None, mesh=mesh)
+                                 segment_ids_given=segment_ids is not None, mesh=mesh,
+                                 sliding_window=sliding_window)
   return _hybrid_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
-                           scale=None if scale is None else float(scale), layout=layout)
+                           scale=None if scale is None else float(scale), layout=layout,
+                           sliding_window=sliding_window)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout"))
-def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout):
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout",
+                                             "sliding_window"))
+def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout,
+                      sliding_window):
   ring_shards, seq_shards = ring_size(mesh), mesh.shape[SEQ]
   # The natural layout pads to the ring's length (its own next multiple); zigzag inputs
   # already have it (zigzag.check_layout).
   seq_multiple = (zigzag.padded_length(q.shape[1], ring_shards, seq_shards)
                   if layout == "natural" else 1)
   attend = functools.partial(ring.attend_shard, axis_name=RING, ring_size=ring_shards,
-                             causal=causal, scale=scale, layout=layout, backend=backend)
+                             causal=causal, scale=scale, layout=layout, backend=backend,
+                             sliding_window=sliding_window)
   return ulysses.all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, causal=causal,
                                       seq_multiple=seq_multiple)

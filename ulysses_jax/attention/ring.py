@@ -36,6 +36,13 @@ layout, so the attention itself is layout-agnostic:
 
 Without a causal mask the ring is balanced as is and the layout does not matter.
 
+**Sliding window** (``sliding_window=W``, causal, ``"xla"`` only: the flash kernels take no
+positions). The ring distances some query's window reaches are known statically from W, S/R,
+R and the layout (``_Ring.window_sources``); each device fetches those K/V blocks directly,
+one ``ppermute`` of that shift from the owner's own K/V, and no other step runs or moves data
+(the backward fetches them again and sends their dK/dV back the same way). With W <= S/R the
+natural layout is kept (the window balances the work) and needs shifts 0 and 1 only.
+
 **Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
 whole block, masking by global positions. ``"pallas"`` (``"pallas_mosaic"``) runs the Triton
 (Mosaic GPU) flash kernels, which know no positions, so a causal step is cut into what the
@@ -53,29 +60,37 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax.attention import backends, chunked, zigzag
 from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.mesh import DATA, sequence_axes
 
 # --- The backend ------------------------------------------------------------------------
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
-                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
+                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
+                    sliding_window: int | None = None) -> str:
   """The ring's local attention: ``"xla"``, ``"pallas"`` or ``"pallas_mosaic"`` (``"auto"``:
   ``choose_backend``'s pick for ring attention: our Mosaic kernels on Hopper GPUs, the Triton
-  ones on other GPUs)."""
+  ones on other GPUs; ``"xla"`` with a ``sliding_window``)."""
+  check_sliding_window(sliding_window, causal)
   if backend in backends.NOT_IN_RING:
     raise ValueError(f"ring attention supports backend 'auto', 'xla', 'pallas' or "
                      f"'pallas_mosaic', got {backend!r}: {backends.NOT_IN_RING[backend]}.")
+  if sliding_window is not None and backend not in ("auto", "xla"):
+    raise ValueError(f"sliding_window ({sliding_window}) inside ring attention needs "
+                     f"backend='xla' or 'auto', got {backend!r}: "
+                     f"{backends.NOT_IN_RING_WITH_WINDOW}.")
   if backend == "auto":
     return backends.choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
                                    num_kv_heads=num_kv_heads, causal=causal,
                                    segment_ids_given=segment_ids_given, mesh=mesh,
-                                   ring_attention=True).backend
+                                   ring_attention=True, sliding_window=sliding_window).backend
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
                                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                   causal=causal, segment_ids_given=segment_ids_given, mesh=mesh)
@@ -92,6 +107,8 @@ class _Ring:
   scale: float | None
   block: int
   backend: str  # "xla", "pallas" or "pallas_mosaic"
+  window: int | None = None  # sliding_window (xla only)
+  zigzag: bool = True  # the blocks are in zigzag layout (causal rings only)
 
   @property
   def kernel(self) -> str:
@@ -104,8 +121,35 @@ class _Ring:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, perm), tree)
 
   def positions(self, index, local_len):
-    # Causal rings always run in zigzag layout; without a mask positions are unused.
-    return zigzag.chunk_positions(index, self.size, local_len // 2, zigzag=self.causal)
+    # Without a mask positions are unused.
+    return zigzag.chunk_positions(index, self.size, local_len // 2,
+                                  zigzag=self.causal and self.zigzag)
+
+  def window_sources(self, local_len) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """The ring distances a window needs, ``((shift, perm), ...)``: device i needs the K/V of
+    device i - shift iff some of its queries see some of those keys (decided from the chunk
+    positions, statically); ``perm`` lists the ``(source, destination)`` pairs that do."""
+    chunk = local_len // 2
+    chunks = (zigzag.zigzag_order(self.size) if self.zigzag
+              else np.arange(2 * self.size)).reshape(self.size, 2)
+
+    def sees(q_chunk, kv_chunk):  # some distance in [0, window) between the two chunks
+      return q_chunk >= kv_chunk and (q_chunk - kv_chunk - 1) * chunk + 1 < self.window
+
+    sources = []
+    for shift in range(self.size):
+      perm = tuple(((i - shift) % self.size, i) for i in range(self.size)
+                   if any(sees(a, b) for a in chunks[i] for b in chunks[(i - shift) % self.size]))
+      if perm:
+        sources.append((shift, perm))
+    return tuple(sources)
+
+  def fetch(self, tree, perm):
+    """Every array of ``tree`` moves along ``perm``'s ``(source, destination)`` pairs (zeros
+    where no pair arrives); the identity for a device's own block."""
+    if all(i == j for i, j in perm):
+      return tree
+    return jax.tree.map(lambda x: lax.ppermute(x, self.axis_name, list(perm)), tree)
 
   def source(self, step):
     """The device whose K/V block this device holds at ``step``."""
@@ -118,17 +162,24 @@ class _Ring:
 def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
                  segment_ids_Bs: jax.Array | None, *, axis_name: str | tuple[str, ...],
                  ring_size: int, causal: bool, scale: float | None, layout: Layout,
-                 backend: str) -> jax.Array:
+                 backend: str, sliding_window: int | None = None) -> jax.Array:
   """Ring attention inside ``shard_map``: local ``[B, S/R, H, D]`` in, same shape out.
 
   The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
   ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None. ``backend``
-  is resolved (``resolve_backend``).
+  is resolved (``resolve_backend``, ``"xla"`` with a ``sliding_window``).
+
+  With a ``sliding_window`` W each device fetches only the K/V blocks some of its queries
+  see, each by one ``ppermute`` from its owner (``_Ring.window_sources``), and the natural
+  layout stays natural when W <= S/R (the window balances the work already).
   """
-  chunk = q_BsHD.shape[1] // 2
+  local_len = q_BsHD.shape[1]
+  chunk = local_len // 2
   block = max(b for b in range(1, min(chunk, zigzag.MAX_BLOCK) + 1) if chunk % b == 0)
-  ring = _Ring(axis_name, ring_size, causal, scale, block, backend)
-  exchange = causal and layout == "natural" and ring_size > 1
+  natural_window = sliding_window is not None and sliding_window <= local_len
+  ring = _Ring(axis_name, ring_size, causal, scale, block, backend, sliding_window,
+               zigzag=layout == "zigzag" or not natural_window)
+  exchange = causal and layout == "natural" and ring_size > 1 and ring.zigzag
   if exchange:
     q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
         None if x is None else zigzag.exchange(x, axis_name, ring_size, inverse=False)
@@ -147,7 +198,7 @@ def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
       q, k, v, causal=ring.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
       q_positions=ring.positions(lax.axis_index(ring.axis_name), local_len),
       kv_positions=ring.positions(ring.source(step), k.shape[1]), scale=ring.scale,
-      block_q=ring.block, block_kv=ring.block, return_lse=True)
+      sliding_window=ring.window, block_q=ring.block, block_kv=ring.block, return_lse=True)
 
 
 def _step_case(ring, step):
@@ -243,6 +294,8 @@ def _ring_attention_shard(ring, q, k, v, segment_ids):
 
 
 def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
+  if ring.window is not None:
+    return _windowed_forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids)
   b, s, h, d = q_BSHD.shape
 
   def step(t, carry):
@@ -256,6 +309,16 @@ def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
   k, v, kv_seg, out, lse = lax.fori_loop(0, ring.size - 1, step, init)
   last = ring.size - 1
   out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
+  return out.astype(q_BSHD.dtype), lse
+
+
+def _windowed_forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
+  """``_forward`` with a window: only the needed blocks, each fetched from its owner."""
+  b, s, h, d = q_BSHD.shape
+  out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
+  for shift, perm in ring.window_sources(s):
+    k, v, kv_seg = ring.fetch((k_BSKD, v_BSKD, segment_ids), perm)
+    out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, shift))
   return out.astype(q_BSHD.dtype), lse
 
 
@@ -277,7 +340,7 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
       q_segment_ids=q_seg, kv_segment_ids=kv_seg,
       q_positions=ring.positions(lax.axis_index(ring.axis_name), s),
       kv_positions=ring.positions(ring.source(step), k.shape[1]),
-      block_q=ring.block, block_kv=ring.block)
+      block_q=ring.block, block_kv=ring.block, sliding_window=ring.window)
 
 
 def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
@@ -310,7 +373,24 @@ def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
                                              from_later])
 
 
+def _windowed_backward(ring, residuals, d_out):
+  """``_backward_rule`` with a window: each needed block fetched again, its dK/dV sent back
+  to its owner by the inverse permutation."""
+  q, k, v, segment_ids, out, lse = residuals
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+  for shift, perm in ring.window_sources(q.shape[1]):
+    k_t, v_t, kv_seg = ring.fetch((k, v, segment_ids), perm)
+    dq_t, dk_t, dv_t = _step_grads(ring, q, k_t, v_t, segment_ids, kv_seg, out, lse, d_out,
+                                   shift)
+    dk_t, dv_t = ring.fetch((dk_t, dv_t), tuple((j, i) for i, j in perm))
+    dq, dk, dv = dq + dq_t, dk + dk_t, dv + dv_t
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
 def _backward_rule(ring, residuals, d_out):
+  if ring.window is not None:
+    return _windowed_backward(ring, residuals, d_out)
   q, k, v, segment_ids, out, lse = residuals
 
   def accumulate(t, k, v, kv_seg, dq, dk, dv):
@@ -341,7 +421,7 @@ _ring_attention_shard.defvjp(_forward_rule, _backward_rule)
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                    causal: bool = True, segment_ids: jax.Array | None = None,
                    backend: str = "auto", scale: float | None = None,
-                   layout: Layout = "natural") -> jax.Array:
+                   layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
   """Exact attention by ring over all the mesh's sequence axes; ``ulysses_attention``'s contract.
 
   Args:
@@ -358,6 +438,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     scale: score scale, default ``1/sqrt(D)``.
     layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the
       inputs and output are in ``zigzag.to_zigzag(., R)`` order and S must be a multiple of 2R.
+    sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
+      global position p sees the keys at p' with ``0 <= p - p' < W``. Needs backend ``"xla"``
+      (``"auto"`` picks it); the ring then moves only the K/V blocks some window reaches.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
@@ -366,16 +449,19 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3], num_q_heads=q.shape[2],
                             num_kv_heads=k.shape[2], causal=causal,
-                            segment_ids_given=segment_ids is not None, mesh=mesh)
+                            segment_ids_given=segment_ids is not None, mesh=mesh,
+                            sliding_window=sliding_window)
   axes = sequence_axes(mesh)
   zigzag.check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
                          scale=None if scale is None else float(scale), layout=layout,
-                         backend=backend)
+                         backend=backend, sliding_window=sliding_window)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout", "backend"))
-def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backend):
+@functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout", "backend",
+                                             "sliding_window"))
+def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backend,
+                    sliding_window):
   s = q.shape[1]
   axes = sequence_axes(mesh)
   ring_size = math.prod(mesh.shape[a] for a in axes)
@@ -384,7 +470,8 @@ def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backen
     q, k, v, segment_ids = pad_sequence(zigzag.padded_length(s, ring_size), q, k, v, segment_ids,
                                         causal=causal)
   attend = functools.partial(attend_shard, axis_name=axes, ring_size=ring_size, causal=causal,
-                             scale=scale, layout=layout, backend=backend)
+                             scale=scale, layout=layout, backend=backend,
+                             sliding_window=sliding_window)
   act = P(DATA, axes, None, None)
   seg_spec = None if segment_ids is None else P(DATA, axes)
   out = jax.shard_map(attend, mesh=mesh, in_specs=(act, act, act, seg_spec), out_specs=act,

@@ -69,12 +69,25 @@ CASES = {
     "qwen2_bias_gqa": ("Qwen2ForCausalLM", dict(num_key_value_heads=2), None),
     "qwen3_qk_norm": ("Qwen3ForCausalLM", dict(num_key_value_heads=2), None),
     "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=None), None),
+    # All three YaRN regimes at D=16; attention_factor 1: UlyssesAttention cannot apply others.
+    "qwen3_yarn": ("Qwen3ForCausalLM", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=4096,
+        attention_factor=1.0, rope_theta=10_000.0)), None),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_load_matches_transformers_and_save_round_trips(case, mesh, tokens, tmp_path):
   cls_name, overrides, max_shard_size = CASES[case]
+  exported_cls = "LlamaForCausalLM" if case == "mistral" else cls_name
+  check_load_and_round_trip(cls_name, overrides, mesh, tokens, tmp_path,
+                            exported_cls=exported_cls, max_shard_size=max_shard_size)
+
+
+def check_load_and_round_trip(cls_name, overrides, mesh, tokens, tmp_path, *, exported_cls,
+                              max_shard_size=None):
+  """A random transformers model of ``cls_name`` loads with its logits, and saves back as
+  an ``exported_cls`` with the same logits and tensors."""
   reference = random_hf_model(cls_name, **overrides)
   kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
   reference.save_pretrained(tmp_path / "hf", **kwargs)
@@ -90,11 +103,39 @@ def test_load_matches_transformers_and_save_round_trips(case, mesh, tokens, tmp_
   save_llama(model, tmp_path / "ours", max_shard_bytes=20_000 if sharded else 5 * 2**30)
   assert (tmp_path / "ours" / "model.safetensors.index.json").exists() == sharded
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-  assert type(exported).__name__ == ("LlamaForCausalLM" if case == "mistral" else cls_name)
+  assert type(exported).__name__ == exported_cls
   np.testing.assert_array_less(np.abs(torch_logits(exported, tokens) - expected), TOL)
   exported_params = dict(exported.state_dict())
   for name, value in reference.state_dict().items():
     np.testing.assert_array_equal(exported_params[name].numpy(), value.numpy(), err_msg=name)
+  return model
+
+
+# Windows of 5 tokens over 32: several windows long. (name: class, overrides, the layers'
+# windows we must read)
+SLIDING_CASES = {
+    "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5), (5, 5)),
+    "qwen2_max_window_layers": (
+        "Qwen2ForCausalLM", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+                                 max_window_layers=1), (None, 5, 5)),
+    "qwen3_layer_types": (
+        "Qwen3ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
+                                 sliding_window=5,
+                                 layer_types=["sliding_attention", "full_attention"]), (5, None)),
+    "qwen2_window_off": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=5),
+                         (None, None)),
+    "ministral": ("MinistralForCausalLM", dict(
+        sliding_window=5, layer_types=["full_attention", "sliding_attention"]), (None, 5)),
+}
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+@pytest.mark.parametrize("case", SLIDING_CASES)
+def test_sliding_windows_load_and_round_trip(case, mesh_shape, tokens, tmp_path):
+  cls_name, overrides, windows = SLIDING_CASES[case]
+  model = check_load_and_round_trip(cls_name, overrides, make_mesh(*mesh_shape), tokens,
+                                    tmp_path, exported_cls=cls_name)
+  assert model.config.layer_windows() == windows
 
 
 def test_bfloat16_checkpoint_loads_exactly_and_saves_back(mesh, tokens, tmp_path):
@@ -155,17 +196,19 @@ def test_checkpoint_errors_name_expected_and_actual(checkpoint, mesh, tmp_path):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(model_type="gpt2"), r"unsupported model_type 'gpt2'; supported: \['llama', 'mistral'"),
+    (dict(model_type="gpt2"),
+     r"unsupported model_type 'gpt2'; supported: \['llama', 'ministral', 'mistral'"),
     (dict(model_type="mixtral"), r"unsupported model_type 'mixtral'"),
+    (dict(model_type="gemma3_text"), r"'gemma3_text': .* no query_pre_attn_scalar"),
     (dict(num_local_experts=8), r"num_local_experts=8 \(mixture of experts\)"),
-    (dict(model_type="mistral", sliding_window=4096), r"sliding_window=4096 is active"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=128),
-     r"sliding_window=128 is active"),
-    (dict(layer_types=["full_attention", "sliding_attention"]), r"\['sliding_attention'\]"),
+    (dict(model_type="qwen3", num_experts=4), r"num_experts=4 \(mixture of experts\)"),
+    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 \(only 1.0\)"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
+     r"partial_rotary_factor=0.5 \(only 1.0\)"),
     (dict(attention_bias=True), r"attention_bias=true \(llama puts a bias on o_proj too\)"),
     (dict(hidden_act="gelu"), r"hidden_act='gelu' \(only 'silu'\)"),
-    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)),
-     r"rope type 'yarn' \(supported: 'default', 'linear', 'llama3'\)"),
+    (dict(rope_parameters=dict(rope_type="longrope", factor=4.0, rope_theta=1e4)),
+     r"rope type 'longrope' \(supported: 'default', 'linear', 'llama3', 'yarn'\)"),
     (dict(rope_parameters=None, rope_theta=1e4, rope_scaling=dict(type="dynamic", factor=2.0)),
      r"rope type 'dynamic'"),
 ])
@@ -195,3 +238,11 @@ def test_missing_safetensors_says_what_to_install(checkpoint, mesh, monkeypatch)
   monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
   with pytest.raises(ImportError, match=r"pip install 'ulysses_jax\[hf\]'"):
     load_llama(checkpoint, mesh)
+
+
+def test_gemma_options_have_no_export_yet():
+  from ulysses_jax.hf import config_to_hf
+  from ulysses_jax.models.config import preset
+  with pytest.raises(ValueError, match=r"no Hugging Face export for norm_offset_one=True, "
+                                       r"post_norms=True yet"):
+    config_to_hf(preset("tiny", norm_offset_one=True, post_norms=True))

@@ -12,13 +12,18 @@ from flax import nnx
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
                          model_on, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models import llama
 from ulysses_jax.models.llama import MLP, Llama, LlamaConfig, init_llama, preset
 from ulysses_jax.rope import RopeScaling, inverse_frequencies
 
 
-def _rms(x, scale, eps):
-  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+def _rms(x, scale, eps, offset_one=False):
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (offset_one + scale)
+
+
+def _gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
 
 
 def _rope(x_BSHD, positions_BS, inv_freq):
@@ -33,11 +38,14 @@ def reference_logits(config, params, tokens, positions, segment_ids):
   c = config
   p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(params))
   inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-  x = p["embedding"][tokens]
-  for i in range(c.num_layers):
+  norm = lambda x, params: _rms(x, params["scale"], c.norm_eps, c.norm_offset_one)
+  post = lambda layer, name, y: norm(y, layer[name]) if c.post_norms else y
+  activation = _gelu_tanh if c.mlp_activation == "gelu_tanh" else lambda g: g / (1 + np.exp(-g))
+  x = p["embedding"][tokens] * (np.sqrt(c.hidden_dim) if c.embed_scale else 1.0)
+  for i, window in enumerate(c.layer_windows()):
     layer = jax.tree.map(lambda a, i=i: a[i], p["layers"])
     attn = layer["attn"]
-    h = _rms(x, layer["attn_norm"]["scale"], c.norm_eps)
+    h = norm(x, layer["attn_norm"])
     q, k, v = (np.einsum("bse,ehd->bshd", h, attn[n]["kernel"]) + attn[n].get("bias", 0.0)
                for n in ("q_proj", "k_proj", "v_proj"))
     if c.qk_norm:
@@ -46,14 +54,15 @@ def reference_logits(config, params, tokens, positions, segment_ids):
     q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
     out = np.asarray(dense_attention(*(jnp.asarray(t, jnp.float32) for t in (q, k, v)),
                                      causal=True, q_segment_ids=segment_ids,
-                                     kv_segment_ids=segment_ids), np.float64)
-    x = x + np.einsum("bshd,hde->bse", out, attn["o_proj"]["kernel"])
+                                     kv_segment_ids=segment_ids, sliding_window=window),
+                     np.float64)
+    x = x + post(layer, "attn_post_norm", np.einsum("bshd,hde->bse", out,
+                                                    attn["o_proj"]["kernel"]))
     mlp = layer["mlp"]
-    h = _rms(x, layer["mlp_norm"]["scale"], c.norm_eps)
-    gate = h @ mlp["gate_proj"]["kernel"]
-    x = x + (gate / (1 + np.exp(-gate)) * (h @ mlp["up_proj"]["kernel"])) @ mlp["down_proj"][
-        "kernel"]
-  x = _rms(x, p["final_norm"]["scale"], c.norm_eps)
+    h = norm(x, layer["mlp_norm"])
+    gated = activation(h @ mlp["gate_proj"]["kernel"]) * (h @ mlp["up_proj"]["kernel"])
+    x = x + post(layer, "mlp_post_norm", gated @ mlp["down_proj"]["kernel"])
+  x = norm(x, p["final_norm"])
   head = p["embedding"].T if c.tie_embeddings else p["lm_head"]["kernel"]
   return x @ head
 
@@ -62,10 +71,22 @@ ALL_FEATURES = preset("tiny-gqa", tie_embeddings=True, qkv_bias=True, qk_norm=Tr
                       rope_scaling=RopeScaling(factor=4.0, original_max_position=16))
 
 
-@pytest.mark.parametrize("config", [preset("tiny-gqa"), ALL_FEATURES],
-                         ids=["plain", "tied-bias-qknorm-llama3rope"])
-def test_logits_match_reference(config):
-  mesh = mesh_of(2, 4)
+GEMMA_STYLE = preset("tiny-gqa", tie_embeddings=True, mlp_activation="gelu_tanh",
+                     norm_offset_one=True, post_norms=True, embed_scale=True, mlp_chunk=3)
+# Windows of 3 and 6 tokens over documents of up to 20: several windows long.
+MIXED_WINDOWS = preset("tiny-gqa", num_layers=3, sliding_window=3,
+                       layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+
+
+@pytest.mark.parametrize("config, mesh_shape", [
+    (preset("tiny-gqa"), (2, 4)), (ALL_FEATURES, (2, 4)),
+    (MIXED_WINDOWS, (1, 8)), (MIXED_WINDOWS.replace(remat_group=3), (2, 4)),
+    (preset("tiny", sliding_window=6), (1, 8)),
+    (GEMMA_STYLE, (1, 8))],
+    ids=["plain", "tied-bias-qknorm-llama3rope", "mixed-windows", "mixed-windows-remat-group",
+         "all-sliding", "gemma-style"])
+def test_logits_match_reference(config, mesh_shape):
+  mesh = mesh_of(*mesh_shape)
   # Perturb every parameter so norm scales and biases are not at their 1/0 init.
   state = initial_state(config)
   leaves, treedef = jax.tree.flatten(state)
@@ -113,6 +134,19 @@ def test_sequence_parallel_loss_and_grads_match_single_device(sp_reference, name
                                                               mesh_shape):
   config, state, batch, (ref_loss, ref_grads) = sp_reference(name, seq_len)
   loss, grads = loss_and_grads(model_on(config, mesh_of(*mesh_shape), state), batch)
+  assert relative_error(loss, ref_loss) < 1e-5
+  assert_trees_close(grads, ref_grads)
+
+
+def test_mixed_windows_loss_and_grads_match_single_device():
+  """The lax.cond between windowed and full layers, differentiated (and rematerialised), on
+  a sequence-sharded mesh."""
+  config = MIXED_WINDOWS.replace(num_layers=2, loss_chunk=8,
+                                layer_types=("full_attention", "sliding_attention"))
+  state = initial_state(config)
+  batch = packed_batch(2, 2, 24, config.vocab_size)
+  loss, grads = loss_and_grads(model_on(config, mesh_of(1, 8), state), batch)
+  ref_loss, ref_grads = loss_and_grads(model_on(config, mesh_of(1, 1), state), batch)
   assert relative_error(loss, ref_loss) < 1e-5
   assert_trees_close(grads, ref_grads)
 
@@ -262,3 +296,8 @@ def test_config_errors_name_expected_and_actual():
   model = nnx.eval_shape(lambda: Llama(preset("tiny"), mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match=r"labels must have the tokens' shape \(2, 8\)"):
     model.loss(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 7), jnp.int32))
+
+
+def test_norm_offset_one_with_qk_norm_is_an_error():
+  with pytest.raises(ConfigError, match="norm_offset_one with qk_norm"):
+    preset("tiny", norm_offset_one=True, qk_norm=True)

@@ -205,4 +205,4 @@ def test_bad_arguments_raise_before_work():
   with pytest.raises(ValueError, match="sliding_window must be a positive int"):
     _attention(mesh)(jnp.zeros((1, 8, E)), sliding_window=0)
   with pytest.raises(ValueError, match="RopeScaling.kind must be one of"):
-    RopeScaling(kind="yarn")
+    RopeScaling(kind="dynamic")

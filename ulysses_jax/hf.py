@@ -2,8 +2,9 @@
 
 Reads Hugging Face Llama-family checkpoint directories (``config.json`` plus
 ``model.safetensors``, or shards listed in ``model.safetensors.index.json``) of the model
-types ``llama``, ``mistral`` (without an active sliding window), ``qwen2`` (q/k/v biases) and
-``qwen3`` (qk-norm), and writes directories that ``transformers`` loads. Needs the optional
+types ``llama``, ``mistral`` (a sliding window on every layer), ``ministral`` (sliding
+windows per ``layer_types``), ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm), both with
+sliding windows per layer, and writes directories that ``transformers`` loads. Needs the optional
 extra ``hf`` (``pip install 'ulysses_jax[hf]'``) for ``safetensors``; torch is never imported.
 
 Parameter mapping; ``i`` is the layer, and our layer parameters stack the L layers on axis 0
@@ -50,7 +51,8 @@ from ulysses_jax.models.llama import Llama, LlamaConfig
 from ulysses_jax.rope import RopeScaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "ministral": "MinistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 _RENAME = {"embedding": "embed_tokens", "final_norm": "norm", "attn": "self_attn",
            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints store
@@ -68,9 +70,16 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   """The ``LlamaConfig`` of a Hugging Face ``config.json`` dict; errors name what is unsupported.
 
   Reads both the transformers 5 ``rope_parameters`` and the older ``rope_theta`` /
-  ``rope_scaling`` fields; rope types ``default``, ``linear`` and ``llama3``.
+  ``rope_scaling`` fields; rope types ``default``, ``linear``, ``llama3`` and ``yarn``.
   """
   model_type = hf.get("model_type")
+  if model_type in ("gemma3_text", "gemma3"):
+    raise ConfigError(
+        f"unsupported model_type {model_type!r}: the decoder has Gemma 3's MLP, norms and "
+        "embedding scale (LlamaConfig mlp_activation='gelu_tanh', norm_offset_one, "
+        "post_norms, embed_scale), but UlyssesAttention has no query_pre_attn_scalar "
+        "attention scale, no (1 + w) q/k norms and no per-layer RoPE base "
+        "(rope_local_base_freq) yet.")
   if model_type not in ARCHITECTURES:
     raise ConfigError(f"unsupported model_type {model_type!r}; supported: "
                       f"{sorted(ARCHITECTURES)}.")
@@ -84,27 +93,14 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   for key in ("num_local_experts", "num_experts", "n_routed_experts"):
     if hf.get(key):
       problems.append(f"{key}={hf[key]} (mixture of experts)")
-  if hf.get("partial_rotary_factor", 1.0) != 1.0:
-    problems.append(f"partial_rotary_factor={hf['partial_rotary_factor']} (only 1.0)")
-  window = hf.get("sliding_window")
-  if window is not None and (model_type == "mistral" or hf.get("use_sliding_window")):
-    problems.append(f"sliding_window={window} is active (if no sequence will exceed {window} "
-                    "tokens, set it to null in config.json)")
-  sliding_layers = [t for t in hf.get("layer_types") or () if t != "full_attention"]
-  if sliding_layers:
-    problems.append(f"layer_types {sorted(set(sliding_layers))} (only 'full_attention')")
-  rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  scaling = None
-  if rope_type == "linear":
-    scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
-  elif rope_type == "llama3":
-    scaling = RopeScaling(kind="llama3", factor=float(rope["factor"]),
-                          low_freq_factor=float(rope["low_freq_factor"]),
-                          high_freq_factor=float(rope["high_freq_factor"]),
-                          original_max_position=int(rope["original_max_position_embeddings"]))
-  elif rope_type != "default":
-    problems.append(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3')")
+  partial = _rope_fields(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:  # transformers 5 moves it into rope_parameters
+    problems.append(f"partial_rotary_factor={partial} (only 1.0)")
+  try:
+    scaling = rope_scaling_from_hf(hf)
+  except ConfigError as e:
+    scaling = None
+    problems.append(str(e))
   if problems:
     raise ConfigError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems)
                       + ".")
@@ -115,11 +111,69 @@ def config_from_hf(hf: dict) -> LlamaConfig:
       num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       mlp_dim=hf["intermediate_size"],
-      rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+      rope_theta=float(_rope_fields(hf).get("rope_theta", hf.get("rope_theta", 10_000.0))),
       rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-      init_std=float(hf.get("initializer_range", 0.02)))
+      init_std=float(hf.get("initializer_range", 0.02)), **_attention_types_from_hf(hf))
+
+
+def _attention_types_from_hf(hf: dict) -> dict:
+  """``sliding_window`` and ``layer_types`` as transformers' configs of each model type set
+  them: Mistral slides every layer (it ignores ``layer_types``); Qwen2/3 slide only with
+  ``use_sliding_window``, the layers of ``layer_types`` (written by transformers 5) or else
+  those from ``max_window_layers`` on; Ministral slides the layers of ``layer_types``
+  (default: all); Llama never."""
+  model_type, window = hf["model_type"], hf.get("sliding_window")
+  layers = hf["num_hidden_layers"]
+  if model_type == "llama":
+    window = None
+  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    window = None
+  types = tuple(hf.get("layer_types") or ())
+  if model_type in ("qwen2", "qwen3") and not types:
+    first = hf.get("max_window_layers", 28)
+    types = tuple("sliding_attention" if window is not None and i >= first
+                  else "full_attention" for i in range(layers))
+  if model_type in ("llama", "mistral") or window is None:
+    types = ()
+  return dict(sliding_window=window, layer_types=types)
+
+
+def _rope_fields(hf: dict) -> dict:
+  return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+
+
+def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
+  """The ``RopeScaling`` of a ``config.json`` dict (None for rope type ``default``);
+  ``ConfigError`` naming an unsupported rope type or field."""
+  rope = _rope_fields(hf)
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type == "default":
+    return None
+  if rope_type == "linear":
+    return RopeScaling(kind="linear", factor=float(rope["factor"]))
+  if rope_type == "llama3":
+    return RopeScaling(kind="llama3", factor=float(rope["factor"]),
+                       low_freq_factor=float(rope["low_freq_factor"]),
+                       high_freq_factor=float(rope["high_freq_factor"]),
+                       original_max_position=int(rope["original_max_position_embeddings"]))
+  if rope_type != "yarn":
+    raise ConfigError(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3', "
+                      "'yarn')")
+  if rope.get("mscale") or rope.get("mscale_all_dim"):
+    raise ConfigError("yarn mscale / mscale_all_dim (DeepSeek's attention factor)")
+  if rope.get("factor") is None:
+    raise ConfigError("yarn without factor")
+  # transformers takes the original context from the top level first.
+  original = hf.get("original_max_position_embeddings") or rope.get(
+      "original_max_position_embeddings") or hf["max_position_embeddings"]
+  attention_factor = rope.get("attention_factor")
+  return RopeScaling(
+      kind="yarn", factor=float(rope["factor"]), original_max_position=int(original),
+      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+      attention_factor=None if attention_factor is None else float(attention_factor),
+      truncate=bool(rope.get("truncate", True)))
 
 
 def read_config(path) -> LlamaConfig:
@@ -158,12 +212,22 @@ def build_llama(config: LlamaConfig, mesh: Mesh, read, *,
 
 
 def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
-  """The ``config.json`` dict of ``config``: model type llama, or qwen2 (qkv_bias) / qwen3
-  (qk_norm). Rope fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form,
-  which transformers 5 reads too."""
+  """The ``config.json`` dict of ``config``: model type qwen2 (qkv_bias), qwen3 (qk_norm),
+  else llama, or with sliding windows mistral (every layer) / ministral (some layers). Rope
+  fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form, which
+  transformers 5 reads too."""
   if config.qkv_bias and config.qk_norm:
     raise ValueError("no Hugging Face architecture has both qkv_bias and qk_norm.")
+  gemma_options = [f"{name}={getattr(config, name)!r}" for name, plain in (
+      ("mlp_activation", "silu"), ("norm_offset_one", False), ("post_norms", False),
+      ("embed_scale", False)) if getattr(config, name) != plain]
+  if gemma_options:
+    raise ConfigError(f"no Hugging Face export for {', '.join(gemma_options)} yet (Gemma 3's "
+                      "options: gemma3_text needs attention features UlyssesAttention lacks).")
   model_type = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
+  windows = config.layer_windows()
+  if model_type == "llama" and any(windows):
+    model_type = "mistral" if all(windows) else "ministral"
   hf = dict(
       architectures=[ARCHITECTURES[model_type]], model_type=model_type,
       vocab_size=config.vocab_size, hidden_size=config.hidden_dim,
@@ -178,16 +242,38 @@ def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
     hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
     if s.kind == "llama3":
       hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor,
-                                high_freq_factor=s.high_freq_factor,
-                                original_max_position_embeddings=s.original_max_position)
+                                high_freq_factor=s.high_freq_factor)
+    if s.kind == "yarn":
+      hf["rope_scaling"].update(beta_fast=s.beta_fast, beta_slow=s.beta_slow,
+                                truncate=s.truncate)
+      if s.attention_factor is not None:
+        hf["rope_scaling"]["attention_factor"] = s.attention_factor
+    if s.kind != "linear":
+      hf["rope_scaling"]["original_max_position_embeddings"] = s.original_max_position
       hf["max_position_embeddings"] = int(s.original_max_position * s.factor)
   if model_type != "qwen2":
     hf["attention_bias"] = False  # qwen2 has fixed q/k/v biases and no such field
-  if model_type == "llama":
+  if model_type in ("llama", "mistral", "ministral"):
     hf["mlp_bias"] = False
-  else:
-    hf.update(use_sliding_window=False, sliding_window=None)
+  hf.update(_attention_types_to_hf(config, model_type))
   return hf
+
+
+def _attention_types_to_hf(config: LlamaConfig, model_type: str) -> dict:
+  """The sliding-window fields of ``model_type`` that make transformers slide the layers of
+  ``config.layer_windows()``."""
+  windows = config.layer_windows()
+  if model_type == "llama":
+    return {}
+  if not any(windows):  # qwen2, qwen3
+    return dict(use_sliding_window=False, sliding_window=None)
+  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
+  fields = dict(sliding_window=config.sliding_window)
+  if model_type != "mistral":
+    fields["layer_types"] = types
+  if model_type in ("qwen2", "qwen3"):
+    fields.update(use_sliding_window=True, max_window_layers=types.index("sliding_attention"))
+  return fields
 
 
 def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
@@ -351,6 +437,7 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
   of a multi-host gather must) but writes nothing.
   """
   dtype = jnp.dtype(dtype)
+  hf_config = config_to_hf(config, dtype.name)  # first: it raises for configs with no export
   mesh = make_mesh(1, 1, devices=jax.devices()[:1])
   abstract = nnx.eval_shape(lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0)))
   shapes = {k: v.shape for k, v in traverse_util.flatten_dict(
@@ -398,7 +485,7 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
              "weight_map": {name: file for file, shard in zip(names, shards)
                             for name, *_ in shard}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-  (path / "config.json").write_text(json.dumps(config_to_hf(config, dtype.name), indent=2))
+  (path / "config.json").write_text(json.dumps(hf_config, indent=2))
 
 
 def save_llama(model: Llama, path: str | os.PathLike, *, dtype: str | None = None,
@@ -408,8 +495,9 @@ def save_llama(model: Llama, path: str | os.PathLike, *, dtype: str | None = Non
 
   Weights in ``dtype`` (default: the parameter dtype), gathered to the host one parameter,
   or one block of layers of a stacked parameter (at most 1 GiB), at a time. Every process
-  must call it (multi-host gathers); process 0 writes. A ``mistral`` checkpoint comes back as
-  ``llama`` (same architecture).
+  must call it (multi-host gathers); process 0 writes. A ``mistral`` checkpoint without a
+  window comes back as ``llama`` (same architecture); sliding windows are written as
+  ``mistral`` (every layer), ``ministral`` (some layers) or Qwen's ``layer_types``.
   """
   params = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   read = lambda key, layers: _host(params[key] if layers is None else params[key][layers])

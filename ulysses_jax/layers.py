@@ -77,15 +77,19 @@ class Dense(nnx.Module):
 
 class RMSNorm(nnx.Module):
   """``x / rms(x) * scale`` over the last axis, computed in float32; scale ``[dim]`` = 1,
-  logical axis ``norm`` (replicated by the default rules)."""
+  logical axis ``norm`` (replicated by the default rules). With ``offset_one`` (Gemma) the
+  factor is ``1 + scale`` and scale starts at 0."""
 
-  def __init__(self, dim: int, *, mesh: Mesh, eps: float = 1e-6, dtype=jnp.float32,
-               param_dtype=jnp.float32, rules: sharding.Rules = sharding.DEFAULT_RULES):
-    self.scale = param(jnp.ones((dim,), param_dtype), ("norm",), mesh=mesh, rules=rules)
+  def __init__(self, dim: int, *, mesh: Mesh, eps: float = 1e-6, offset_one: bool = False,
+               dtype=jnp.float32, param_dtype=jnp.float32,
+               rules: sharding.Rules = sharding.DEFAULT_RULES):
+    init = jnp.zeros if offset_one else jnp.ones
+    self.scale = param(init((dim,), param_dtype), ("norm",), mesh=mesh, rules=rules)
     self.eps = eps
+    self.offset_one = offset_one
     self.dtype = jnp.dtype(dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+    return (y * (self.offset_one + self.scale[...].astype(jnp.float32))).astype(self.dtype)

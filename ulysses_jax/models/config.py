@@ -19,9 +19,10 @@ from ulysses_jax.attention.backends import BACKENDS
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.rope import RopeScaling
+from ulysses_jax.rope import RopeScaling, attention_factor
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
 
@@ -65,6 +66,12 @@ class LlamaConfig:
   is empty (Mistral), else to the layers marked ``"sliding_attention"`` (one of
   ``LAYER_TYPES`` per layer: Gemma 3, Qwen's ``max_window_layers``); ``layer_windows()``
   gives each layer's window.
+  Family options (Gemma 3 sets all four): ``mlp_activation`` (gated MLP's activation, one of
+  ``MLP_ACTIVATIONS``: ``"silu"`` SwiGLU, ``"gelu_tanh"`` GeGLU with tanh-approximated GELU),
+  ``norm_offset_one`` (every RMSNorm multiplies by ``1 + scale``, scale stored as such),
+  ``post_norms`` (an RMSNorm on the attention output and on the MLP output, before each
+  residual add), ``embed_scale`` (embeddings multiplied by sqrt(E), rounded to the compute
+  dtype).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -92,6 +99,10 @@ class LlamaConfig:
   attn_head_chunks: int = _field(1)
   sliding_window: int | None = _field()
   layer_types: tuple[str, ...] = _field()
+  mlp_activation: Literal[MLP_ACTIVATIONS] = _field()
+  norm_offset_one: bool = _field()
+  post_norms: bool = _field()
+  embed_scale: bool = _field()
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -116,6 +127,14 @@ class LlamaConfig:
                         f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
+    if self.norm_offset_one and self.qk_norm:
+      raise ConfigError("norm_offset_one with qk_norm: UlyssesAttention's q/k norms have no "
+                        "(1 + scale) form yet.")
+    if attention_factor(self.rope_scaling) != 1.0:
+      raise ConfigError(f"rope_scaling {self.rope_scaling} multiplies cos and sin by "
+                        f"{attention_factor(self.rope_scaling):.6g}, which UlyssesAttention "
+                        "does not apply yet; only YaRN with factor 1 or attention_factor=1.0 "
+                        "runs.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
@@ -169,7 +188,8 @@ _DEFAULTS = dict(
     tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
     param_dtype="float32", attention_backend="auto", remat_policy="full",
     remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
-    attn_head_chunks=1, sliding_window=None, layer_types=())
+    attn_head_chunks=1, sliding_window=None, layer_types=(), mlp_activation="silu",
+    norm_offset_one=False, post_norms=False, embed_scale=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``) in NNX.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``,
+sliding windows per layer; Gemma-style options in ``LlamaConfig``) in NNX.
 
 Activations are ``[B, S, E]`` sharded ``(data, seq)``; attention is ``UlyssesAttention``;
 everything else is token-local. The layers are stacked (every layer parameter has a leading
@@ -13,6 +14,8 @@ Parameter tree (kernels are Hugging Face ``weight``s transposed and reshaped)::
   layers.mlp.gate_proj.kernel     [L, E, F]     (mlp.gate_proj.weight.T)
   layers.mlp.up_proj.kernel       [L, E, F]
   layers.mlp.down_proj.kernel     [L, F, E]
+  layers.{attn,mlp}_post_norm.scale [L, E]      (with post_norms; Gemma's post_attention_ and
+                                                post_feedforward_layernorm.weight)
   final_norm.scale                [E]           (model.norm.weight)
   lm_head.kernel                  [E, V]        (lm_head.weight.T; absent when tied)
 
@@ -81,12 +84,16 @@ def _group_policy(layer_policy: str):
   return jax.checkpoint_policies.nothing_saveable
 
 
-def _swiglu(x_BSE, gate_EF, up_EF, down_FE):
-  return jax.nn.silu(x_BSE @ gate_EF) * (x_BSE @ up_EF) @ down_FE
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def _gated_mlp(activation, x_BSE, gate_EF, up_EF, down_FE):
+  return activation(x_BSE @ gate_EF) * (x_BSE @ up_EF) @ down_FE
 
 
 class MLP(nnx.Module):
-  """SwiGLU ``down(silu(gate(x)) * up(x))``; optionally tiled along the sequence.
+  """Gated MLP ``down(act(gate(x)) * up(x))`` (act: ``config.mlp_activation``, SwiGLU for
+  silu); optionally tiled along the sequence.
 
   With ``chunk > 0`` the MLP runs as a scan over chunks of ``chunk`` local tokens per
   device, each recomputed in the backward pass, so the ``[B, S, F]`` intermediate never
@@ -102,6 +109,7 @@ class MLP(nnx.Module):
     self.up_proj = Dense((e,), (f,), axes=("embed", "mlp"), **dense)
     self.down_proj = Dense((f,), (e,), axes=("mlp", "embed"), **dense)
     self.chunk = config.mlp_chunk
+    self.activation = config.mlp_activation
     self.mesh = mesh
 
   def __call__(self, x_BSE: jax.Array, norm=None) -> jax.Array:
@@ -109,7 +117,8 @@ class MLP(nnx.Module):
     the normalised ``[B, S, E]`` input and its gradient never exist whole."""
     kernels = [p.compute_kernel() for p in (self.gate_proj, self.up_proj, self.down_proj)]
     norm = norm or (lambda x: x)
-    block = lambda x: _swiglu(norm(x).astype(kernels[0].dtype), *kernels)
+    block = lambda x: _gated_mlp(ACTIVATIONS[self.activation],
+                                 norm(x).astype(kernels[0].dtype), *kernels)
     if not self.chunk:
       return block(x_BSE)
     x_NBPcE = sharding.to_local_chunks(x_BSE, mesh=self.mesh, chunk=self.chunk)
@@ -119,13 +128,18 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
+  ``config.post_norms``, ``x + post_norm(attn(norm(x)))`` and likewise for the MLP (Gemma).
+
+  One module serves every layer of the scan, so the layer's attention type comes in as data:
+  ``sliding``, a bool scalar (the layer's entry of ``config.layer_windows()`` is not None).
+  """
 
   def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
                rngs: nnx.Rngs):
     c = config
-    norm = dict(mesh=mesh, eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype,
-                rules=rules)
+    norm = dict(mesh=mesh, eps=c.norm_eps, offset_one=c.norm_offset_one, dtype=c.dtype,
+                param_dtype=c.param_dtype, rules=rules)
     self.attn_norm = RMSNorm(c.hidden_dim, **norm)
     self.attn = UlyssesAttention(
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -135,15 +149,30 @@ class DecoderLayer(nnx.Module):
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
     self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
+    self.attn_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
+    self.mlp_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
+    self.windows = frozenset(c.layer_windows())
+    self.sliding_window = c.sliding_window
     self.mesh = mesh
     self.rules = rules
 
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, sliding):
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
-    x_BSE = constrain(x_BSE + self.attn(x_BSE, positions_BS, segment_ids_BS,
-                                        norm=self.attn_norm))
-    return constrain(x_BSE + self.mlp(x_BSE, norm=self.mlp_norm))
+    post = lambda norm, y: y if norm is None else norm(y)
+    x_BSE = constrain(x_BSE + post(self.attn_post_norm, self._attention(
+        x_BSE, positions_BS, segment_ids_BS, sliding)))
+    return constrain(x_BSE + post(self.mlp_post_norm, self.mlp(x_BSE, norm=self.mlp_norm)))
+
+  def _attention(self, x_BSE, positions_BS, segment_ids_BS, sliding):
+    """``attn(norm(x))`` with this layer's window: the window is static in the attention
+    kernels, so mixed layers choose between the windowed and the full call with
+    ``lax.cond`` (both compiled once, one run per layer) and the layers stay one scan."""
+    attend = lambda window: self.attn(x_BSE, positions_BS, segment_ids_BS,
+                                      norm=self.attn_norm, sliding_window=window)
+    if len(self.windows) == 1:
+      return attend(next(iter(self.windows)))
+    return jax.lax.cond(sliding, lambda: attend(self.sliding_window), lambda: attend(None))
 
 
 class Llama(nnx.Module):
@@ -163,7 +192,8 @@ class Llama(nnx.Module):
       return DecoderLayer(c, mesh=mesh, rules=rules, rngs=rngs)
 
     self.layers = make_layers(rngs)
-    self.final_norm = RMSNorm(c.hidden_dim, mesh=mesh, eps=c.norm_eps, dtype=c.dtype,
+    self.final_norm = RMSNorm(c.hidden_dim, mesh=mesh, eps=c.norm_eps,
+                              offset_one=c.norm_offset_one, dtype=c.dtype,
                               param_dtype=c.param_dtype, rules=rules)
     self.lm_head = None if c.tie_embeddings else Dense(
         (c.hidden_dim,), (c.vocab_size,), axes=("embed", "vocab"), mesh=mesh, dtype=c.dtype,
@@ -205,6 +235,8 @@ class Llama(nnx.Module):
     # Gathering the table first keeps the lookup local to each (data, seq) shard.
     table_VE = sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh)
     x_BSE = jnp.take(table_VE, tokens_BS, axis=0)
+    if self.config.embed_scale:
+      x_BSE = x_BSE * jnp.asarray(self.config.hidden_dim ** 0.5, self.config.dtype)
     x_BSE = sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
 
     graphdef, layer_states = nnx.split(self.layers)
@@ -217,11 +249,14 @@ class Llama(nnx.Module):
     c = self.config
     remat = lambda f: f if c.remat_policy == "none" else jax.checkpoint(
         f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
-    run = lambda x_BSE, state: nnx.merge(graphdef, state)(x_BSE, positions_BS, segment_ids_BS)
+    run = lambda x_BSE, layer: nnx.merge(graphdef, layer["state"])(
+        x_BSE, positions_BS, segment_ids_BS, layer["sliding"])
+    sliding_L = jnp.array([w is not None for w in c.layer_windows()])
 
     if c.remat_group == 1:
-      layer = remat(lambda x, state: (run(x, jax.device_put(state, slice_shardings)), None))
-      x_BSE, _ = jax.lax.scan(layer, x_BSE, layer_states)
+      layer = remat(lambda x, layer: (run(x, dict(
+          layer, state=jax.device_put(layer["state"], slice_shardings))), None))
+      x_BSE, _ = jax.lax.scan(layer, x_BSE, dict(state=layer_states, sliding=sliding_L))
       return self.final_norm(x_BSE)
 
     # A group copies its layers' weights to the device at once, so only the outer loop moves
@@ -231,12 +266,13 @@ class Llama(nnx.Module):
         lambda s: sharding.in_memory(s.mesh, P(None, *s.spec), "device"), slice_shardings)
     layer = remat(lambda x, state: (run(x, state), None))
 
-    def group(x_BSE, group_states):
-      group_states = jax.device_put(group_states, group_shardings)
-      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group_states)[0], None
+    def group(x_BSE, group):
+      group = dict(group, state=jax.device_put(group["state"], group_shardings))
+      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group)[0], None
 
     group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))
-    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]), layer_states)
+    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]),
+                          dict(state=layer_states, sliding=sliding_L))
     x_BSE, _ = jax.lax.scan(group, x_BSE, groups)
     return self.final_norm(x_BSE)
 

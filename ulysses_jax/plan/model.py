@@ -80,9 +80,10 @@ chunk recomputes its attention in the backward). Compute: 6·params·T + 12·K·
 K the sum over layers of the keys a query sees on average (S/2 causal, about W with a sliding
 window W: ``reference.mean_visible_keys``; padded heads compute too), plus one forward when
 rematerialising, one more with remat groups, and the attention layer (projections and
-attention) once more with head chunks. Host transfers at ``pcie_bw``: offloaded activations, and with ``offload_params`` the layer weights
-each forward pass fetches (a remat group once for its k layers, in the forward and in its
-recompute) and the gradients it sends back, overlap with compute; the update's streams (the
+attention) once more with head chunks. Host transfers at ``pcie_bw``: offloaded activations,
+and with ``offload_params`` the layer weights each forward pass fetches (a remat group once
+for its k layers, in the forward and in its recompute) and the gradients it sends back,
+overlap with compute; the update's streams (the
 optimizer state in and out; the parameters and gradients the gradient norm and the update
 read, the parameters written back) do not.
 """

@@ -46,3 +46,12 @@ def test_the_planner_predicts_less_attention_and_ring_traffic_under_a_window():
   assert windowed["ring_bytes"] < full["ring_bytes"] / 1.5  # the zigzag exchange stays
   assert windowed["compute_s"] < full["compute_s"]
   assert windowed["all_to_all_bytes"] == full["all_to_all_bytes"]
+
+
+def test_aot_cost_counts_a_windowed_kernel_by_its_window():
+  from tests.test_aot import _HLO
+  from ulysses_jax.aot import cost
+  windowed = _HLO.replace("flash_attention_forward_causal/",
+                          "flash_attention_forward_causal_window32/")
+  ops = {op.name: op for op in cost.operations(windowed)}
+  assert ops["att"].flops == 4 * 1 * 4 * 256 * (32 - 32 ** 2 / (2 * 256)) * 64

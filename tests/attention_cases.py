@@ -51,10 +51,12 @@ def output_and_grads(attention_fn, q, k, v, d_out):
   return jax.jit(run)(q, k, v, d_out)
 
 
-def assert_matches_reference(attention_fn, q, k, v, d_out, *, causal, segment_ids, tol):
+def assert_matches_reference(attention_fn, q, k, v, d_out, *, causal, segment_ids, tol,
+                             sliding_window=None):
   """Compares forward and dq/dk/dv of ``attention_fn(q, k, v)`` with ``dense_attention``."""
   reference = lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                              kv_segment_ids=segment_ids)
+                                              kv_segment_ids=segment_ids,
+                                              sliding_window=sliding_window)
   upcast = lambda x: x.astype(jnp.float32)
   expected = output_and_grads(reference, upcast(q), upcast(k), upcast(v), upcast(d_out))
   actual = output_and_grads(attention_fn, q, k, v, d_out)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, random_inputs,
-                             relative_error)
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, output_and_grads,
+                             random_inputs, relative_error)
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.attention.reference import dense_attention
 
@@ -89,3 +89,80 @@ def test_memory_stays_linear_inside_a_differentiated_layer_scan():
   one_score_matrix = seq_len * seq_len * 4
   # Measured 11 MB (it was 108 MB when static-bound loops became scans); [S, S] is 64 MB.
   assert compiled.memory_analysis().temp_size_in_bytes < one_score_matrix // 2
+
+
+@pytest.mark.parametrize("shape,window,num_segments,blocks", [
+    ((1, 64, 4, 2, 8), 1, 3, (16, 16)),     # a query sees only itself
+    ((2, 64, 4, 4, 8), 5, 0, (16, 16)),     # window < block
+    ((1, 64, 2, 1, 8), 21, 4, (16, 8)),     # crosses block boundaries, MQA, packed
+    ((1, 50, 4, 2, 8), 13, 3, (16, 8)),     # ragged tails in q and kv blocks
+    ((1, 40, 2, 2, 8), 40, 2, (8, 8)),      # window = S: causal
+    ((1, 40, 2, 2, 8), 1000, 0, (16, 8)),   # window > S
+])
+def test_sliding_window_matches_dense_reference(shape, window, num_segments, blocks):
+  q, k, v, d_out, segment_ids = random_inputs(5, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: chunked_attention(q, k, v, q_segment_ids=segment_ids,
+                                         kv_segment_ids=segment_ids, sliding_window=window,
+                                         block_q=blocks[0], block_kv=blocks[1])
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL, sliding_window=window)
+
+
+def test_sliding_window_with_offset_queries_and_lse_gradient():
+  """Ring attention's use: a query shard at an offset, positions given, lse differentiated."""
+  q, k, v, _, _ = random_inputs(6, 1, 48, 4, 2, 8)
+  q = q[:, 24:]
+  positions = jnp.arange(24, 48)
+
+  def loss(attention, q, k, v):
+    out, lse = attention(q, k, v, causal=True, q_positions=positions, sliding_window=11,
+                         return_lse=True)
+    return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.sin(lse))
+
+  chunked = lambda *a, **kw: chunked_attention(*a, **kw, block_q=8, block_kv=8)
+  expected = jax.value_and_grad(loss, argnums=(1, 2, 3))(dense_attention, q, k, v)
+  actual = jax.value_and_grad(loss, argnums=(1, 2, 3))(chunked, q, k, v)
+  assert relative_error(actual[0], expected[0]) < F32_TOL
+  for a, e in zip(actual[1], expected[1]):
+    assert relative_error(a, e) < F32_TOL
+
+
+@pytest.mark.parametrize("window,causal,match", [
+    (0, True, "positive int"), (-3, True, "positive int"), (2.0, True, "positive int"),
+    (8, False, "needs causal=True"),
+])
+def test_bad_sliding_window_is_rejected(window, causal, match):
+  q, k, v, _, _ = random_inputs(7, 1, 8, 2, 2, 8)
+  with pytest.raises(ValueError, match=match):
+    chunked_attention(q, k, v, causal=causal, sliding_window=window)
+
+
+def test_sliding_window_skips_hidden_blocks():
+  """Forward and backward compute O(S·W) tiles, counted with a callback in the tile function.
+
+  S = 1024 in blocks of 64 (16 x 16 tiles): causal computes 136 tiles per pass, a window of
+  64 only the diagonal and the one below it, 31.
+  """
+  from ulysses_jax.attention import chunked
+  seq_len, block = 1024, 64
+  q, k, v, d_out, _ = random_inputs(8, 1, seq_len, 1, 1, 8)
+  tiles = []
+  real_tile_probs = chunked._tile_probs
+
+  def counting_tile_probs(*args):
+    jax.debug.callback(lambda: tiles.append(1))
+    return real_tile_probs(*args)
+
+  def count(window):
+    tiles.clear()
+    fn = lambda q, k, v: chunked_attention(q, k, v, sliding_window=window, block_q=block,
+                                           block_kv=block)
+    jax.block_until_ready(output_and_grads(fn, q, k, v, d_out))
+    return len(tiles)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(chunked, "_tile_probs", counting_tile_probs)
+    # One forward pass, and two backward passes (dq; dk and dv).
+    assert count(None) == 3 * 136
+    assert count(64) == 3 * 31
+    assert count(1) == 3 * 16

@@ -24,7 +24,7 @@ def _rms(x, scale, eps=1e-6):
   return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * scale
 
 
-def _dense_reference(attn, x, positions, segment_ids):
+def _dense_reference(attn, x, positions, segment_ids, sliding_window=None):
   """The same layer with plain projections and single-device dense attention."""
   project = lambda p: jnp.einsum("bse,ehd->bshd", x, p.kernel[...]) + (
       0.0 if p.bias is None else p.bias[...])
@@ -34,7 +34,7 @@ def _dense_reference(attn, x, positions, segment_ids):
   inv_freq = inverse_frequencies(D, attn.rope_theta, attn.rope_scaling)
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
   out = dense_attention(q, k, v, causal=True, q_segment_ids=segment_ids,
-                        kv_segment_ids=segment_ids)
+                        kv_segment_ids=segment_ids, sliding_window=sliding_window)
   return jnp.einsum("bshd,hde->bse", out, attn.o_proj.kernel[...])
 
 
@@ -64,6 +64,30 @@ def test_matches_dense_reference_with_gradients(mesh_shape, seq_len, features):
   assert relative_error(out, expected) < 1e-5
   grads = jax.jit(jax.grad(ulysses, argnums=(0, 1)))(state, x)
   assert_trees_close(grads, jax.jit(jax.grad(dense, argnums=(0, 1)))(state, x))
+
+
+@pytest.mark.parametrize("mesh_shape,head_chunks,call_kwargs,window", [
+    ((2, 4), 1, {}, 7),
+    ((1, 8), 2, dict(sliding_window=3), 3),
+    ((2, 4), 1, dict(sliding_window=None), None),
+])
+def test_sliding_window_from_constructor_and_per_call(mesh_shape, head_chunks, call_kwargs,
+                                                      window):
+  """The constructor's window (7) by default; a call's ``sliding_window`` overrides it."""
+  mesh = mesh_of(*mesh_shape)
+  seq_len = 30
+  attn = _attention(mesh, sliding_window=7, head_chunks=head_chunks)
+  batch = packed_batch(0, 2, seq_len, 2)
+  x = jax.random.normal(jax.random.key(2), (2, seq_len, E))
+  pos, seg = batch["positions"], batch["segment_ids"]
+  loss = lambda x: jnp.sum(jnp.sin(attn(x, pos, seg, **call_kwargs)))
+  dense_loss = lambda x: jnp.sum(jnp.sin(_dense_reference(attn, x, pos, seg, window)))
+  out, grad = jax.value_and_grad(loss)(x)
+  expected, expected_grad = jax.value_and_grad(dense_loss)(x)
+  assert relative_error(out, expected) < 1e-5
+  assert relative_error(grad, expected_grad) < 1e-5
+  other = _dense_reference(attn, x, pos, seg, 2 if window is None else None)
+  assert relative_error(other, _dense_reference(attn, x, pos, seg, window)) > 1e-2
 
 
 def test_head_chunks_with_the_norm_inside_match_the_plain_layer():
@@ -176,5 +200,9 @@ def test_bad_arguments_raise_before_work():
     UlyssesAttention(E, 4, num_kv_heads=2, head_chunks=3, mesh=mesh, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="backend must be one of"):
     UlyssesAttention(E, 4, mesh=mesh, backend="flash", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"sliding_window \(8\) needs causal=True"):
+    UlyssesAttention(E, 4, mesh=mesh, causal=False, sliding_window=8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+    _attention(mesh)(jnp.zeros((1, 8, E)), sliding_window=0)
   with pytest.raises(ValueError, match="RopeScaling.kind must be one of"):
     RopeScaling(kind="yarn")

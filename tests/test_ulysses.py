@@ -6,14 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec as P
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
-                             random_inputs)
+                             random_inputs, relative_error)
 from ulysses_jax import hlo, ulysses_attention
-from ulysses_jax.attention import ulysses
+from ulysses_jax.attention import backends, ulysses
 from ulysses_jax.attention.baselines import allgather_kv_attention
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels import flash_attention as fa
 from ulysses_jax.mesh import DATA, SEQ
+
+H100 = "NVIDIA H100 80GB HBM3"
 
 # (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments
 CASES = [
@@ -39,6 +43,72 @@ def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments
                                          segment_ids=segment_ids)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
                            tol=F32_TOL)
+
+
+# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments, sliding_window
+WINDOW_CASES = [
+    ((1, 8), (1, 64, 8, 2, 8), 3, 1),       # a token sees only itself, GQA, packed
+    ((1, 8), (1, 64, 8, 8, 8), 0, 5),       # window < shard (8 tokens)
+    ((2, 4), (2, 37, 6, 2, 8), 5, 12),      # crosses shard boundaries, S % P != 0, packed
+    ((2, 4), (2, 40, 4, 1, 8), 0, 40),      # window = S, MQA
+    ((1, 8), (1, 24, 8, 4, 8), 2, 100),     # window > S
+]
+
+
+@pytest.mark.parametrize("mesh_shape,shape,num_segments,window", WINDOW_CASES)
+def test_sliding_window_matches_dense_reference(mesh_shape, shape, num_segments, window):
+  mesh = mesh_of(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(9, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                         sliding_window=window)
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL, sliding_window=window)
+
+
+def test_cudnn_window_is_transformers_window():
+  """``local_window_size=(W - 1, 0)`` with ``is_causal`` (what the cuDNN backend passes) masks
+  exactly as ``dense_attention``'s ``sliding_window=W``; checked on jax's XLA implementation,
+  which builds the mask cuDNN is given."""
+  q, k, v, _, _ = random_inputs(10, 1, 40, 4, 2, 8)
+  for window in (1, 7, 40):
+    jax_out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           local_window_size=(window - 1, 0))
+    assert relative_error(jax_out, dense_attention(q, k, v, sliding_window=window)) < F32_TOL
+
+
+def test_kernel_backends_get_the_window(monkeypatch):
+  """``local_attention`` hands the window to the Pallas kernels and to cuDNN."""
+  seen = []
+  monkeypatch.setattr(fa, "flash_attention", lambda *a, **kw: seen.append(kw))
+  monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: seen.append(kw))
+  q, k, v, _, _ = random_inputs(11, 1, 16, 2, 2, 8)
+  for backend in ("pallas", "pallas_mosaic", "cudnn"):
+    backends.local_attention(backend, q, k, v, causal=True, segment_ids=None, scale=None,
+                             sliding_window=5)
+  assert [kw.get("sliding_window") for kw in seen[:2]] == [5, 5]
+  assert [kw["forward_kernel"] for kw in seen[:2]] == ["triton", "mosaic"]
+  assert seen[2]["local_window_size"] == (4, 0)
+
+
+def test_auto_backend_with_a_window_on_gpus(monkeypatch):
+  """On (simulated) Hopper GPUs every backend takes a window, except the Pallas kernels inside
+  ring attention, where "auto" falls back to XLA and says why."""
+  from ulysses_jax.kernels import target as target_lib
+  monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
+  device = AbstractDevice(device_kind=H100, num_cores=132, platform="gpu")
+  case = dict(dtype=jnp.bfloat16, head_dim=128, num_q_heads=32, num_kv_heads=8, causal=True,
+              segment_ids_given=False, sliding_window=256)
+  with jax.sharding.use_abstract_mesh(AbstractMesh((1, 8), (DATA, SEQ), abstract_device=device)):
+    plain = backends.choose_backend(**case, ring_attention=False)
+    ring = backends.choose_backend(**case, ring_attention=True)
+    monkeypatch.setattr(fa, "SLIDING_WINDOW_KERNELS", ("mosaic",))
+    no_triton = backends.choose_backend(**case, ring_attention=False)
+  assert (plain.backend, plain.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
+  assert "sliding window 256" in plain.reason
+  assert (ring.backend, ring.fallbacks) == ("xla", ())
+  assert "ring attention cannot use it with sliding_window" in ring.reason
+  assert no_triton.fallbacks == ("cudnn", "xla")
+  assert "does not support sliding_window (256)" in no_triton.reason
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -182,6 +252,8 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
     (dict(scale=-1.0), r"scale must be a positive number"),
     (dict(mesh="bad"), r"mesh must be a jax.sharding.Mesh"),
     (dict(mesh="no_seq"), r"lack \['seq'\]"),
+    (dict(sliding_window=0), r"sliding_window must be a positive int"),
+    (dict(sliding_window=4, causal=False), r"sliding_window \(4\) needs causal=True"),
 ])
 def test_bad_input_errors(kwargs, message):
   q_shape = kwargs.get("q_shape", (2, 16, 4, 8))
@@ -195,4 +267,6 @@ def test_bad_input_errors(kwargs, message):
                                                                        mesh_of(2, 4))
   with pytest.raises(ValueError, match=message):
     ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
-                      backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"))
+                      backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"),
+                      causal=kwargs.get("causal", True),
+                      sliding_window=kwargs.get("sliding_window"))

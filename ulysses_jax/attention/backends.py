@@ -16,6 +16,10 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
   that covers the inputs, the devices and the mesh (``choose_backend`` says which and why);
   ``"xla"`` elsewhere (the kernels would run interpreted).
 
+Every backend takes a ``sliding_window`` (the Pallas ones through their kernels, those in
+``kernels.flash_attention.SLIDING_WINDOW_KERNELS``; cuDNN as ``local_window_size=(W - 1, 0)``),
+except that ring attention with a window needs ``"xla"`` (the kernels take no positions).
+
 "On GPU" means the devices the attention is built for: those of ``mesh`` when given (a mesh
 of compile-only GPU devices from ``ulysses_jax.aot`` included), else those of the enclosing
 mesh context (``ulysses_jax.kernels.target.current``).
@@ -27,6 +31,7 @@ import jax
 from jax.sharding import Mesh
 
 from ulysses_jax.attention.chunked import chunked_attention
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.kernels import target as target_lib
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
@@ -39,6 +44,10 @@ KERNEL_NAMES = {"pallas_mosaic": "our Mosaic GPU (Hopper) kernels", "pallas": "o
 NOT_IN_RING = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's attention does "
                         "not return"}
 _HALF_DTYPES = ("bfloat16", "float16")
+# The kernel (``flash_attention``'s forward_kernel/backward_kernel) each Pallas backend runs.
+_KERNEL_OF = {"pallas": "triton", "pallas_mosaic": "mosaic"}
+# Why ring attention cannot use a backend with a sliding window.
+NOT_IN_RING_WITH_WINDOW = "its kernels take no positions, which a window across ring steps needs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +61,18 @@ class BackendChoice:
 
 def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, causal: bool,
                    segment_ids_given: bool, mesh: Mesh | None = None,
-                   ring_attention: bool | None = None) -> BackendChoice:
+                   ring_attention: bool | None = None,
+                   sliding_window: int | None = None) -> BackendChoice:
   """The backend ``"auto"`` runs for these inputs on ``mesh``'s devices (default: the enclosing
   mesh context, else JAX's first device), and why.
 
   ``ring_attention``: whether the local attention runs inside ring attention (which takes only
   ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
   Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
-  named in the reason.
+  named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``)
+  skips the backends that cannot apply the window.
   """
+  check_sliding_window(sliding_window, causal)
   if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
     raise ValueError(f"query heads ({num_q_heads}) must be a positive multiple of KV heads "
                      f"({num_kv_heads}); use a number of KV heads that divides {num_q_heads}.")
@@ -70,6 +82,7 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   case = (f"{jax.numpy.dtype(dtype).name}, head dim {head_dim}, {num_q_heads} query / "
           f"{num_kv_heads} KV heads, {'causal' if causal else 'full'} mask, "
           f"{'with' if segment_ids_given else 'no'} segment ids"
+          + (f", sliding window {sliding_window}" if sliding_window is not None else "")
           + (", inside ring attention" if ring_attention else ""))
   if not target.on_gpu:
     return BackendChoice("xla", f"{KERNEL_NAMES['xla']} for {case}: the devices are "
@@ -77,11 +90,13 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                          "would run interpreted (slow)")
   chain, skipped = [], []
   for backend in PREFERENCE:
-    why = _why_not(backend, target, dtype, head_dim, segment_ids_given)
+    why = _why_not(backend, target, dtype, head_dim, segment_ids_given, sliding_window)
     if backend == "pallas_mosaic" and not why and target.compute_capability is None:
       why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
     if ring_attention and backend in NOT_IN_RING:
       why = f"ring attention cannot use it: {NOT_IN_RING[backend]}"
+    if ring_attention and sliding_window is not None and backend in _KERNEL_OF:
+      why = f"ring attention cannot use it with sliding_window: {NOT_IN_RING_WITH_WINDOW}"
     if why:
       skipped.append(f"not {KERNEL_NAMES[backend]}: {why}")
     else:
@@ -91,12 +106,16 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   return BackendChoice(chain[0], "; ".join([reason, *skipped]), tuple(chain[1:]))
 
 
-def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
+def _why_not(backend, target, dtype, head_dim, segment_ids_given,
+             sliding_window=None) -> str | None:
   """Why ``backend`` cannot run these inputs on GPUs like ``target``, as the end of a
   sentence starting "backend=... "; None when it can."""
   from ulysses_jax.kernels import flash_attention, flash_hopper_backward
   dtype = jax.numpy.dtype(dtype).name
   capability = target.compute_capability
+  if sliding_window is not None and backend in _KERNEL_OF:
+    if _KERNEL_OF[backend] not in flash_attention.SLIDING_WINDOW_KERNELS:
+      return f"does not support sliding_window ({sliding_window}) in its kernels yet"
   if backend == "pallas_mosaic":
     # Both Mosaic kernels (forward and backward) must cover the head dim.
     if dtype not in _HALF_DTYPES or head_dim not in flash_hopper_backward.HEAD_DIMS:
@@ -119,42 +138,56 @@ def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
 
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
-                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None) -> str:
+                    causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
+                    sliding_window: int | None = None) -> str:
   """Checks ``backend`` against the inputs and the devices of ``mesh`` (default: the
   enclosing mesh context, else JAX's first device) and returns a concrete backend name
   (``"auto"``: ``choose_backend``'s)."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+  check_sliding_window(sliding_window, causal)
   if backend == "auto":
     return choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
                           num_kv_heads=num_kv_heads, causal=causal,
                           segment_ids_given=segment_ids_given, mesh=mesh,
-                          ring_attention=False).backend
+                          ring_attention=False, sliding_window=sliding_window).backend
   instead = {"cudnn": "use backend='pallas' or 'xla'", "pallas_mosaic": "use backend='pallas'"}
+  if sliding_window is not None and backend in _KERNEL_OF:
+    instead[backend] = "use backend='xla' or 'auto'"
   if backend in instead:
     # Off GPUs the Mosaic kernels run in GPU interpret mode (for tests): only dtype and head
     # dim are checked there; a GPU of unknown compute capability is given the benefit.
-    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given)
+    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given,
+                   sliding_window)
     if why:
       raise ValueError(f"backend={backend!r} {why}; {instead[backend]}.")
   return backend
 
 
-def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids, scale):
+def local_attention(backend: str, q_BSHD, k_BSKD, v_BSKD, *, causal, segment_ids, scale,
+                    sliding_window=None):
   """Self-attention over the full local sequence.
 
   q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` with Hq % Hkv == 0, segment_ids ``[B, S]`` or
-  None; returns ``[B, S, Hq, D]``. ``backend`` must already be resolved.
+  None; returns ``[B, S, Hq, D]``. ``sliding_window``: None, or W >= 1 with ``causal`` (query
+  p sees keys p' with ``0 <= p - p' < W``). ``backend`` must already be resolved, for this
+  window too.
   """
   if backend == "xla":
     return chunked_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=segment_ids,
-                             kv_segment_ids=segment_ids, scale=scale)
-  if backend in ("pallas", "pallas_mosaic"):
+                             kv_segment_ids=segment_ids, scale=scale,
+                             sliding_window=sliding_window)
+  if backend in _KERNEL_OF:
     from ulysses_jax.kernels.flash_attention import flash_attention
-    kernel = "mosaic" if backend == "pallas_mosaic" else "triton"
+    kernel = _KERNEL_OF[backend]
+    # Only a given window is passed, so kernels without the keyword still run the rest.
+    window = {} if sliding_window is None else dict(sliding_window=sliding_window)
     return flash_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                           scale=scale, forward_kernel=kernel, backward_kernel=kernel)
+                           scale=scale, forward_kernel=kernel, backward_kernel=kernel, **window)
   if backend == "cudnn":
+    # jax's window (left, right) shows key k to query q iff q - left <= k <= q + right, so
+    # transformers' W is (W - 1, 0) (jax.nn.functions._get_window_mask; cuDNN's is the same).
+    local_window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(q_BSHD, k_BSKD, v_BSKD, scale=scale, is_causal=causal,
-                                        implementation="cudnn")
+                                        local_window_size=local_window, implementation="cudnn")
   raise ValueError(f"unresolved backend {backend!r}; call resolve_backend first.")

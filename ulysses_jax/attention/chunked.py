@@ -5,7 +5,12 @@ Flash-attention's algorithm written with ``lax`` loops: queries are processed in
 ``block_kv``, so no more than ``[B, H, block_q, block_kv]`` scores exist at once. A
 ``custom_vjp`` makes the backward recompute scores block by block from the saved output and
 log-sum-exp (two passes: one for dq, one for dk/dv), so activation memory is O(S), never
-O(S^2). Key/value blocks that the causal mask hides completely are skipped with ``lax.cond``.
+O(S^2). Tiles that the mask hides completely are never computed: each query block's loop runs
+only from its first to its last visible key block (each key block's, in the dk/dv pass, over
+its visible query blocks), and tiles in between that are hidden (possible with positions that
+are not increasing, e.g. ring attention's zigzag chunks) are skipped with ``lax.cond``. With
+a ``sliding_window`` of W keys (and increasing positions) that makes the work O(S·W), not
+O(S^2).
 
 Masking rules are those of ``reference.dense_attention``. Segment ids must be >= 0: the
 negative ids -1 and -2 mark the padding added when S is not a multiple of the block size.
@@ -18,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ulysses_jax.attention.reference import check_sliding_window
+
 # Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
 # so that padded queries and padded keys never match.
 _Q_PAD_SEGMENT = int(np.iinfo(np.int32).min)
@@ -26,16 +33,20 @@ _KV_PAD_SEGMENT = _Q_PAD_SEGMENT + 1
 
 def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
                       kv_segment_ids=None, q_positions=None, kv_positions=None, scale=None,
-                      block_q=512, block_kv=512, return_lse=False):
+                      sliding_window=None, block_q=512, block_kv=512, return_lse=False):
   """Exact attention; same arguments, shapes and result as ``reference.dense_attention``.
 
   q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; segment ids ``[B, S]`` int; positions
   ``[S]`` int (default ``arange``; they place queries and keys for the causal mask, e.g. a
-  query shard at an offset). Returns ``[B, Sq, Hq, D]`` and, with ``return_lse``, the
-  differentiable log-sum-exp ``[B, Hq, Sq]`` float32 that ring attention merges with.
+  query shard at an offset). ``sliding_window``: None, or W >= 1 with ``causal`` (a query at
+  position p sees keys at p' with ``0 <= p - p' < W``; transformers' definition); key blocks
+  outside every window of a query block are not visited. Returns ``[B, Sq, Hq, D]`` and,
+  with ``return_lse``, the differentiable log-sum-exp ``[B, Hq, Sq]`` float32 that ring
+  attention merges with.
   """
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither.")
+  check_sliding_window(sliding_window, causal)
   b, sq, hq, d = q_BSHD.shape
   sk = k_BSKD.shape[1]
   scale = d ** -0.5 if scale is None else float(scale)
@@ -50,7 +61,8 @@ def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None
   k, kv_seg, kv_pos = _pad_to_block(k_BSKD, kv_segment_ids, kv_positions, block_kv,
                                     _KV_PAD_SEGMENT)
   v, _, _ = _pad_to_block(v_BSKD, kv_segment_ids, kv_positions, block_kv, _KV_PAD_SEGMENT)
-  config = _Config(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+  config = _Config(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+                   sliding_window=sliding_window)
   out, lse = _attention(config, q, k, v, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32),
                         q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32))
   out, lse = out[:, :sq], lse[:, :, :sq]
@@ -59,15 +71,18 @@ def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None
 
 def chunked_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BSHD, *,
                                causal, q_segment_ids, kv_segment_ids, q_positions,
-                               kv_positions, scale, block_q, block_kv):
+                               kv_positions, scale, block_q, block_kv, sliding_window=None):
   """``(dq, dk, dv)`` of one query/key tile set, given an output and lse computed elsewhere.
 
   With the output and lse of a larger attention (ring attention passes the global ones),
   ``exp(scores - lse)`` are the true probabilities, so summing this over key shards gives
   the exact gradient. Here sequence lengths must be multiples of the blocks and segment ids
-  and positions are required (no padding is added).
+  and positions are required (no padding is added). ``sliding_window`` as in
+  ``chunked_attention``: tiles outside the window are not visited.
   """
-  config = _Config(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+  check_sliding_window(sliding_window, causal)
+  config = _Config(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+                   sliding_window=sliding_window)
   residuals = (q_BSHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, q_positions,
                kv_positions, out_BSHD, lse_BHS)
   return _backward_rule(config, residuals, (d_out_BSHD, jnp.zeros_like(lse_BHS)))[:3]
@@ -76,13 +91,14 @@ def chunked_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_
 class _Config(tuple):
   """Static settings, hashable so they can be a nondiff argument of the custom_vjp."""
 
-  def __new__(cls, *, causal, scale, block_q, block_kv):
-    return super().__new__(cls, (causal, scale, block_q, block_kv))
+  def __new__(cls, *, causal, scale, block_q, block_kv, sliding_window):
+    return super().__new__(cls, (causal, scale, block_q, block_kv, sliding_window))
 
   causal = property(lambda self: self[0])
   scale = property(lambda self: self[1])
   block_q = property(lambda self: self[2])
   block_kv = property(lambda self: self[3])
+  sliding_window = property(lambda self: self[4])
 
 
 def _pad_to_block(x_BS, segment_ids_BS, positions_S, block, pad_segment):
@@ -107,29 +123,57 @@ def _unblocks(x_NBb):
   return jnp.moveaxis(x_NBb, 0, 1).reshape(b, n * block, *x_NBb.shape[3:])
 
 
-def _fori_loop(num_steps, body, init):
-  """``lax.fori_loop(0, num_steps, body, init)`` that always lowers to a while loop.
+def _fori_loop(lower, upper, body, init):
+  """``lax.fori_loop(lower, upper, body, init)`` that always lowers to a while loop.
 
   A fori_loop with static bounds becomes a scan, and when this attention runs inside a
   differentiated ``lax.scan`` (a model's layer stack) JAX then keeps every tile of that scan
   as a residual, O(S^2) memory, even though the custom_vjp never differentiates it. A while
-  loop has no residuals to keep.
+  loop has no residuals to keep, and its bounds may be traced (the visible block range).
   """
   def cond(carry):
-    return carry[0] < num_steps
+    return carry[0] < upper
 
   def step(carry):
     i, value = carry
     return i + 1, body(i, value)
 
-  return lax.while_loop(cond, step, (jnp.int32(0), init))[1]
+  return lax.while_loop(cond, step, (jnp.asarray(lower, jnp.int32), init))[1]
 
 
-def _block_visible(config, q_pos_b, kv_pos_b):
-  """False when the causal mask hides the whole (query block, key block) tile."""
-  if not config.causal:
-    return jnp.bool_(True)
-  return jnp.min(kv_pos_b) <= jnp.max(q_pos_b)
+def _block_visibility(config, q_pos, kv_pos):
+  """``[Sq / block_q, Sk / block_kv]`` bool: False where the mask hides the whole tile.
+
+  Judged from each block's lowest and highest position (a tile is visible when some query
+  to key distance in it lies in ``[0, sliding_window)``), so it may keep a hidden tile,
+  never drop a visible one. Segment ids are not considered.
+  """
+  q_pos_N = q_pos.reshape(-1, config.block_q)
+  kv_pos_N = kv_pos.reshape(-1, config.block_kv)
+  q_min, q_max = jnp.min(q_pos_N, axis=1)[:, None], jnp.max(q_pos_N, axis=1)[:, None]
+  kv_min, kv_max = jnp.min(kv_pos_N, axis=1)[None], jnp.max(kv_pos_N, axis=1)[None]
+  visible = jnp.ones((q_pos_N.shape[0], kv_pos_N.shape[0]), bool)
+  if config.causal:
+    visible = visible & (kv_min <= q_max)
+  if config.sliding_window is not None:
+    visible = visible & (q_min - kv_max < config.sliding_window)
+  return visible
+
+
+def _visible_range(visible_N):
+  """``(first, last + 1)`` of the True entries of ``visible_N`` ``[N]``; ``(0, 0)`` if none."""
+  n = visible_N.shape[0]
+  first = jnp.argmax(visible_N).astype(jnp.int32)
+  end = (n - jnp.argmax(visible_N[::-1])).astype(jnp.int32)
+  seen = jnp.any(visible_N)
+  return jnp.where(seen, first, 0), jnp.where(seen, end, 0)
+
+
+def _visible_loop(visible_N, body, init):
+  """Runs ``body(j, carry)`` for the visible ``j`` only, looping over their range alone."""
+  first, end = _visible_range(visible_N)
+  return _fori_loop(first, end, lambda j, carry: lax.cond(
+      visible_N[j], lambda c: body(j, c), lambda c: c, carry), init)
 
 
 def _tile_probs(config, q_BbKGD, k_BbKD, q_seg_Bb, kv_seg_Bb, q_pos_b, kv_pos_b, row_max):
@@ -141,8 +185,11 @@ def _tile_probs(config, q_BbKGD, k_BbKD, q_seg_Bb, kv_seg_Bb, q_pos_b, kv_pos_b,
   scores = jnp.einsum("bqhgd,bkhd->bhgqk", q_BbKGD, k_BbKD,
                       preferred_element_type=jnp.float32) * config.scale
   mask = q_seg_Bb[:, :, None] == kv_seg_Bb[:, None, :]
+  distance = q_pos_b[:, None] - kv_pos_b[None, :]
   if config.causal:
-    mask = mask & (q_pos_b[:, None] >= kv_pos_b[None, :])[None]
+    mask = mask & (distance >= 0)[None]
+  if config.sliding_window is not None:
+    mask = mask & (distance < config.sliding_window)[None]
   mask = mask[:, None, None]
   if row_max is None:
     return scores, mask
@@ -165,7 +212,7 @@ def _forward(config, q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, q_pos, kv_pos):
       -1, config.block_kv)
 
   def one_query_block(args):
-    q_b, q_seg_b, q_pos_b = args
+    q_b, q_seg_b, q_pos_b, visible_N = args
     stats_shape = (b, hkv, groups, config.block_q)
     init = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (d,), jnp.float32))
@@ -185,18 +232,15 @@ def _forward(config, q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, q_pos, kv_pos):
           preferred_element_type=jnp.float32)
       return new_max, denom, acc
 
-    def visit(j, carry):
-      visible = _block_visible(config, q_pos_b, kv_pos_blocks[j])
-      return lax.cond(visible, lambda c: update(j, c), lambda c: c, carry)
-
-    row_max, denom, acc = _fori_loop(k_blocks.shape[0], visit, init)
+    row_max, denom, acc = _visible_loop(visible_N, update, init)
     out = acc / jnp.where(denom == 0, 1.0, denom)[..., None]
     lse = jnp.where(denom == 0, -jnp.inf, row_max + jnp.log(jnp.where(denom == 0, 1.0, denom)))
     return jnp.einsum("bhgqd->bqhgd", out).astype(q_BSHD.dtype), lse
 
   out_blocks, lse_blocks = lax.map(
       one_query_block, (q_blocks, _blocks(q_seg, config.block_q),
-                        q_pos.reshape(-1, config.block_q)))
+                        q_pos.reshape(-1, config.block_q),
+                        _block_visibility(config, q_pos, kv_pos)))
   out = _unblocks(out_blocks).reshape(b, sq, hq, d)
   # lse blocks: [nq, B, Hkv, G, bq] -> [B, Hq, Sq]
   lse = jnp.moveaxis(lse_blocks, 0, 3).reshape(b, hq, sq)
@@ -237,31 +281,27 @@ def _backward_rule(config, residuals, cotangents):
                          preferred_element_type=jnp.float32)
     return probs * (d_probs - delta_blocks[i][..., None]), probs
 
+  visible_NqNk = _block_visibility(config, q_pos, kv_pos)
+
   def dq_block(i):
-    def visit(j, dq):
-      def add(dq):
-        d_scores, _ = tile_grads(i, j)
-        return dq + jnp.einsum("bhgqk,bkhd->bqhgd", d_scores.astype(k_blocks.dtype),
-                               k_blocks[j], preferred_element_type=jnp.float32)
-      visible = _block_visible(config, q_pos_blocks[i], kv_pos_blocks[j])
-      return lax.cond(visible, add, lambda dq: dq, dq)
-    dq = _fori_loop(k_blocks.shape[0], visit, jnp.zeros(q_blocks.shape[1:], jnp.float32))
+    def add(j, dq):
+      d_scores, _ = tile_grads(i, j)
+      return dq + jnp.einsum("bhgqk,bkhd->bqhgd", d_scores.astype(k_blocks.dtype),
+                             k_blocks[j], preferred_element_type=jnp.float32)
+    dq = _visible_loop(visible_NqNk[i], add, jnp.zeros(q_blocks.shape[1:], jnp.float32))
     return (dq * config.scale).astype(q_BSHD.dtype)
 
   def dkv_block(j):
-    def visit(i, carry):
-      def add(carry):
-        dk, dv = carry
-        d_scores, probs = tile_grads(i, j)
-        dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(do_blocks.dtype), do_blocks[i],
-                             preferred_element_type=jnp.float32)
-        dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", d_scores.astype(q_blocks.dtype), q_blocks[i],
-                             preferred_element_type=jnp.float32)
-        return dk, dv
-      visible = _block_visible(config, q_pos_blocks[i], kv_pos_blocks[j])
-      return lax.cond(visible, add, lambda c: c, carry)
+    def add(i, carry):
+      dk, dv = carry
+      d_scores, probs = tile_grads(i, j)
+      dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(do_blocks.dtype), do_blocks[i],
+                           preferred_element_type=jnp.float32)
+      dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", d_scores.astype(q_blocks.dtype), q_blocks[i],
+                           preferred_element_type=jnp.float32)
+      return dk, dv
     zeros = jnp.zeros(k_blocks.shape[1:], jnp.float32)
-    dk, dv = _fori_loop(q_blocks.shape[0], visit, (zeros, zeros))
+    dk, dv = _visible_loop(visible_NqNk[:, j], add, (zeros, zeros))
     return (dk * config.scale).astype(k_BSKD.dtype), dv.astype(v_BSKD.dtype)
 
   dq = _unblocks(lax.map(dq_block, jnp.arange(q_blocks.shape[0]))).reshape(b, sq, hq, d)

@@ -19,13 +19,14 @@ from jax.sharding import Mesh
 
 from ulysses_jax.attention import ring, ulysses, zigzag
 from ulysses_jax.attention.common import Layout, validate_inputs
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.mesh import RING, SEQ, ring_size
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       backend: str = "auto", scale: float | None = None,
-                      layout: Layout = "natural") -> jax.Array:
+                      layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
   """Exact attention over a sequence sharded on the mesh's ``seq`` (and ``ring``) axes.
 
   Args:
@@ -44,6 +45,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     layout: the hybrid's sequence order, ``"natural"`` or ``"zigzag"`` (``zigzag.to_zigzag``
       with ``ring_size=mesh.shape["ring"]``); see ``ulysses_jax.attention.ring``. Without a
       ``ring`` axis both orders coincide.
+    sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
+      global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
+      before it), within its segment.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` (``(data, (ring, seq))``) when the
@@ -51,8 +55,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   """
   args = dict(mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
   if not (isinstance(mesh, Mesh) and ring_size(mesh) > 1):  # plain meshes, and bad ones
-    return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend, **args)
+    return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend,
+                                     sliding_window=sliding_window, **args)
   validate_inputs(q, k, v, **args)
+  check_sliding_window(sliding_window, causal)
+  if sliding_window is not None:
+    raise ValueError(f"sliding_window ({sliding_window}) on a mesh with a ring axis (ring="
+                     f"{ring_size(mesh)}) is not supported yet; use a mesh without a ring axis.")
   zigzag.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
   backend = ring.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,

@@ -29,6 +29,7 @@ from ulysses_jax import rope, sharding
 from ulysses_jax.attention import backends
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
+from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.layers import Dense, RMSNorm
 
 # Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).
@@ -36,6 +37,13 @@ QKV = "qkv"
 ATTN_OUT = "attn_out"
 
 _ACT = ("act_batch", "act_seq", "act_heads", "act_head_dim")
+
+
+class _Unset:
+  """The type of ``_CONSTRUCTOR_VALUE``: "not given, use the constructor's value"."""
+
+
+_CONSTRUCTOR_VALUE = _Unset()
 
 
 class UlyssesAttention(nnx.Module):
@@ -48,6 +56,9 @@ class UlyssesAttention(nnx.Module):
     head_dim: D (default E // Hq).
     mesh: a ``("data", "seq")`` mesh (``ulysses_jax.make_mesh``).
     causal: causal mask over positions in the (packed) row.
+    sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the token at
+      position p attends to those at p' with ``0 <= p - p' < W`` (itself and the W - 1 before
+      it). ``__call__`` takes a per-call override.
     rope_theta, rope_scaling: rotary base and optional ``rope.RopeScaling``.
     qk_norm: RMSNorm over D on q and k before RoPE (Qwen3 / OLMo-2 style).
     qkv_bias: biases on the q/k/v projections (Qwen2).
@@ -69,6 +80,7 @@ class UlyssesAttention(nnx.Module):
 
   def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                head_dim: int | None = None, mesh: Mesh, causal: bool = True,
+               sliding_window: int | None = None,
                rope_theta: float = 10_000.0, rope_scaling: rope.RopeScaling | None = None,
                qk_norm: bool = False, qkv_bias: bool = False, norm_eps: float = 1e-6,
                backend: str = "auto", head_chunks: int = 1, dtype=jnp.float32,
@@ -76,6 +88,7 @@ class UlyssesAttention(nnx.Module):
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     check_head_chunks(head_chunks, num_kv_heads)
+    check_sliding_window(sliding_window, causal)
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                        f"({num_kv_heads}): each key/value head serves num_heads/num_kv_heads "
@@ -105,20 +118,29 @@ class UlyssesAttention(nnx.Module):
     self.rope_scaling = rope_scaling
     self.mesh = mesh
     self.causal = causal
+    self.sliding_window = sliding_window
     self.backend = backend
     self.head_chunks = head_chunks
     self.rules = rules
 
   def __call__(self, x_BSE: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, *, norm=None) -> jax.Array:
+               segment_ids: jax.Array | None = None, *, norm=None,
+               sliding_window: int | None | _Unset = _CONSTRUCTOR_VALUE) -> jax.Array:
     """``attention(norm(x))``: ``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
 
     ``norm``: a pre-norm (``[B, S, E]`` -> ``[B, S, E]``) or None. With ``head_chunks`` > 1
     each chunk applies it again, so the normalised input never exists whole.
 
+    ``sliding_window``: this call's window (a Python int or None: it shapes the compiled
+    program), e.g. per layer of a model that mixes sliding and full attention; default the
+    constructor's.
+
     ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
     each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
     """
+    if sliding_window is _CONSTRUCTOR_VALUE:
+      sliding_window = self.sliding_window
+    check_sliding_window(sliding_window, self.causal)
     b, s, _ = x_BSE.shape
     for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
       _check_ids(name, ids, x_BSE.shape)
@@ -126,8 +148,9 @@ class UlyssesAttention(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     norm = norm or (lambda x: x)
     if self.head_chunks == 1:
-      return self._attend(norm(x_BSE), self._kernels(), positions, segment_ids, names=True)
-    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids)
+      return self._attend(norm(x_BSE), self._kernels(), positions, segment_ids, sliding_window,
+                          names=True)
+    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids, sliding_window)
 
   def _kernels(self) -> dict:
     """Compute-dtype, all-gathered projection kernels and q/k/v biases (None without)."""
@@ -138,7 +161,7 @@ class UlyssesAttention(nnx.Module):
       kernels[name + "_bias"] = None if bias is None else bias[...].astype(self.q_proj.dtype)
     return kernels
 
-  def _attend(self, x_BSE, kernels, positions, segment_ids, *, names: bool):
+  def _attend(self, x_BSE, kernels, positions, segment_ids, sliding_window, *, names: bool):
     """The layer on the heads ``kernels`` hold: ``[B, S, E]`` -> ``[B, S, E]``."""
     constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
     x_BSE = x_BSE.astype(self.q_proj.dtype)
@@ -156,13 +179,14 @@ class UlyssesAttention(nnx.Module):
     q, k = (rope.apply_rope(t, positions, inv_freq) for t in (q, k))
     q, k, v = (name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
-                            segment_ids=segment_ids, backend=self.backend)
+                            segment_ids=segment_ids, backend=self.backend,
+                            sliding_window=sliding_window)
     out = name(constrain(out), ATTN_OUT)
     y_BSE = jnp.tensordot(out, kernels["o_proj"], axes=2)
     return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
                               self.rules)
 
-  def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids):
+  def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids, sliding_window):
     """``_attend(norm(x))`` over ``head_chunks`` chunks of heads in a ``lax.scan``, summing
     the chunks' output projections; each chunk (its norm too) is recomputed in the backward
     pass."""
@@ -179,7 +203,7 @@ class UlyssesAttention(nnx.Module):
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def one_chunk(y_BSE, chunk_kernels):
       return y_BSE + self._attend(norm(x_BSE), chunk_kernels, positions, segment_ids,
-                                  names=False)
+                                  sliding_window, names=False)
 
     y_BSE = jnp.zeros(x_BSE.shape, self.q_proj.dtype)
     y_BSE = sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,

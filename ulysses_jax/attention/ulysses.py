@@ -151,7 +151,7 @@ def all_to_all_attention(attend: LocalAttention, q_BSHD: jax.Array, k_BSKD: jax.
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       backend: str = "auto", scale: float | None = None,
-                      layout: Layout = "natural") -> jax.Array:
+                      layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
   """Plain Ulysses: exact attention over a sequence sharded on the mesh's ``seq`` axis.
 
   ``ulysses_jax.ulysses_attention`` (``hybrid.py``) takes the same arguments, and meshes with
@@ -168,6 +168,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     backend: local attention, one of ``backends.BACKENDS``.
     scale: score scale, default ``1/sqrt(D)``.
     layout: ``"natural"`` or ``"zigzag"``; without a ring the two orders coincide.
+    sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
+      global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
+      before it), within its segment. Blocks outside the window are not computed.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` when P divides S.
@@ -181,14 +184,17 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   backend = backends.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                      num_q_heads=q.shape[2], num_kv_heads=k.shape[2],
                                      causal=causal, segment_ids_given=segment_ids is not None,
-                                     mesh=mesh)
+                                     mesh=mesh, sliding_window=sliding_window)
   return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
-                            scale=None if scale is None else float(scale))
+                            scale=None if scale is None else float(scale),
+                            sliding_window=sliding_window)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale"))
-def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale):
+@functools.partial(jax.jit,
+                   static_argnames=("mesh", "causal", "backend", "scale", "sliding_window"))
+def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, sliding_window):
   attend = lambda q, k, v, segment_ids: backends.local_attention(
-      backend, q, k, v, causal=causal, segment_ids=segment_ids, scale=scale)
+      backend, q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
+      sliding_window=sliding_window)
   return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, causal=causal,
                               seq_multiple=mesh.shape[SEQ])

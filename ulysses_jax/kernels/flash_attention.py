@@ -35,6 +35,7 @@ from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kerne
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
+SLIDING_WINDOW_KERNELS = ("triton", "mosaic")  # kernels that take sliding_window
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MIN_BLOCK = 16  # smallest tile a Triton dot accepts

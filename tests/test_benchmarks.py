@@ -200,3 +200,13 @@ def test_benchmarks_write_json_only_where_asked(tmp_path, monkeypatch):
           getattr(call.args[0], "value", None) == "--json"):
         defaults = [k.value.value for k in call.keywords if k.arg == "default"]
         assert defaults == [""], (script.name, defaults)
+
+
+def test_sliding_window_benchmark_times_each_window_beside_full_causal(tmp_path):
+  from benchmarks import sliding_window
+  rows = sliding_window.main(["--seq_len", "1024", "--windows", "64", "--iters", "1",
+                              "--json", str(tmp_path / "window.json")])
+  assert [r["window"] for r in rows] == [64, "full"]
+  assert rows[1]["forward_ratio"] == rows[1]["flop_ratio"] == 1.0
+  assert rows[0]["flop_ratio"] < 0.15 and rows[0]["forward_s"] > 0
+  assert json.loads((tmp_path / "window.json").read_text())["seq_len"] == 1024

@@ -2,12 +2,14 @@
 
 MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops``:
 
-* ``flops_per_token = 6 * N + 6 * L * S * h``: 6 FLOPs per parameter per token for the
-  dense matmuls (forward 2, backward 4), N the parameters that take part in a matmul (all
-  but the embedding lookup; the output head counts, tied or not); attention scores and
-  values cost ``12 * L * S * h`` per token forward+backward (L layers, S sequence length,
-  h = query heads * head dim), halved for the causal mask. Rematerialisation is not
-  counted (this is MFU, not hardware FLOPs utilisation).
+* ``flops_per_token = 6 * N + 12 * h * (sum over layers of k)``: 6 FLOPs per parameter per
+  token for the dense matmuls (forward 2, backward 4), N the parameters that take part in a
+  matmul (all but the embedding lookup; the output head counts, tied or not); attention
+  scores and values cost ``12 * k * h`` per token and layer forward+backward (h = query heads * head
+  dim), k the keys a query sees on average: S/2 under the causal mask over S tokens, about
+  W under a sliding window W << S (``reference.mean_visible_keys``, per layer from
+  ``LlamaConfig.layer_windows``). Rematerialisation is not counted (this is MFU, not
+  hardware FLOPs utilisation).
 * ``peak_flops``: the measured matmul throughput, in the model's compute dtype, of all
   devices together (``measure_peak_flops``), or a given per-device figure times the
   device count.
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.models.llama import LlamaConfig, count_params
 
 
@@ -32,7 +35,8 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   embedding = config.vocab_size * config.hidden_dim
   matmul_params = count_params(config) - embedding + (embedding if config.tie_embeddings
                                                       else 0)
-  attention = 6 * config.num_layers * seq_len * config.num_heads * config.head_dim
+  keys = sum(mean_visible_keys(seq_len, window) for window in config.layer_windows())
+  attention = 12 * keys * config.num_heads * config.head_dim
   return 6 * matmul_params + attention
 
 

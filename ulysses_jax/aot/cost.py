@@ -11,8 +11,9 @@ and counts a while loop's body once however often it runs. This walk does neithe
 * FLOPs of an operation: 2 x (output elements) x (contracted elements) for each ``dot`` in it
   (inside a fusion's computation too) and for cuBLAS GEMM custom calls; for our flash
   attention kernels, 4 (forward), 6 (dq) and 8 (dk/dv) x B x Hq x Sq x Skv x D, halved when
-  causal (the kernels skip masked blocks). Elementwise work is not counted (it is bounded by
-  memory traffic here).
+  causal, about W/Skv under a sliding window W (the kernels skip masked blocks; the name
+  carries the window, ``..._causal_window4096``; ``reference.mean_visible_keys``).
+  Elementwise work is not counted (it is bounded by memory traffic here).
 * Bytes of an operation: its operands' and results' sizes (what a fusion reads from and
   writes to HBM), leaving out collectives (timed on the links instead), asynchronous copies
   (host offload: timed on PCIe from the memory analysis) and operations that move nothing
@@ -23,6 +24,7 @@ import math
 import re
 from typing import NamedTuple
 
+from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.hlo import array_bytes
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.+?) "
@@ -35,7 +37,7 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "afte
 _COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(-start|-done)?$|-done$")
 # Our kernels' names (a Triton pallas_call's name; a Mosaic kernel's enclosing scope).
-_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?/")
+_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?(?:_window(\d+))?/")
 _FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
 
 
@@ -89,7 +91,8 @@ def _custom_call_flops(instruction, shapes):
     operands = [o.strip().lstrip("%") for o in instruction["operands"].split(",")]
     b, sq, hq, d = _dims(shapes[operands[0]])
     skv = _dims(shapes[operands[1]])[1]
-    return _FLASH_FACTOR[flash[1]] * b * hq * sq * skv * d * (0.5 if flash[2] else 1.0)
+    keys = mean_visible_keys(skv, flash[3] and int(flash[3])) if flash[2] else skv
+    return _FLASH_FACTOR[flash[1]] * b * hq * sq * keys * d
   return 0.0
 
 

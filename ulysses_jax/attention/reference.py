@@ -77,3 +77,13 @@ def dense_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
     return out
   lse = jnp.where(denom[..., 0] == 0, -jnp.inf, row_max[..., 0] + jnp.log(denom[..., 0]))
   return out, lse.reshape(b, hq, sq)
+
+
+def mean_visible_keys(seq_len: int, sliding_window: int | None = None) -> float:
+  """Keys a causal query sees, averaged over a sequence of ``seq_len`` (no packing): ``S/2``,
+  and with a window W < S, ``W - W²/(2S)`` (the first W queries see a growing prefix, the
+  rest W keys each). Both are the continuous approximation FLOP counts use (the exact means
+  are (S+1)/2 and W - W(W-1)/(2S)); they agree at W = S."""
+  if sliding_window is None or sliding_window >= seq_len:
+    return seq_len / 2
+  return sliding_window - sliding_window ** 2 / (2 * seq_len)

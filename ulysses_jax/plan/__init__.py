@@ -10,7 +10,7 @@ compiles the recommendation with ``ulysses_jax.aot``).
 """
 
 from ulysses_jax.plan.model import (Hardware, Layout, Model, predict_memory,  # noqa: F401
-                                    predict_step)
+                                    predict_step, ring_steps)
 from ulysses_jax.plan.search import (HEAD_CHUNKS, MLP_CHUNKS, PRECISIONS,  # noqa: F401
                                      REMAT_GROUPS, REMATS, Knobs, Precision, fewest_devices,
                                      fits, layouts, longest_seq_len, plan, precisions)

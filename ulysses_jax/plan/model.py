@@ -70,24 +70,29 @@ rougher estimate).
 Communication (per device per step; formulas of DESIGN.md, times at the given bandwidths):
 all-to-all over ``seq`` n·(2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass (where ``seq`` exceeds a
 chunk's KV heads they are replicated: more bytes with more chunks); ring, per chunk and pass,
-K/V 2·(R-1)·Hkv'·D·T·c and the zigzag exchange of the natural layout (q, k, v and the output,
-or their gradients) (2·Hq' + 2·Hkv')·D·T·c, plus dK/dV 2·R·Hkv'·D·T·c (compute dtype, the
-last hop home) in the backward; FSDP all-gather c·params and reduce-scatter p·params. ``seq``
+K/V 2·s·Hkv'·D·T·c and the zigzag exchange of the natural layout (q, k, v and the output,
+or their gradients) (2·Hq' + 2·Hkv')·D·T·c, plus dK/dV 2·(s+1)·Hkv'·D·T·c (compute dtype,
+the last hop home) in the backward, s = R-1 steps from other devices, fewer for a sliding
+window (``ring_steps``); FSDP all-gather c·params and reduce-scatter p·params. ``seq``
 within a node uses ``intra_bw``; anything wider ``inter_bw``. Passes: the forward, the
 backward, and one more forward for each of: rematerialising, remat groups, head chunks (each
-chunk recomputes its attention in the backward). Compute: 6·params·T + 6·L·S·n·Hq'·D·T FLOPs
-(causal; padded heads compute too), plus one forward when rematerialising, one more with remat
-groups, and the attention layer (projections and attention) once more with head chunks. Host
-transfers at ``pcie_bw``: offloaded activations, and with ``offload_params`` the layer weights
-each forward pass fetches (a remat group once for its k layers, in the forward and in its
-recompute) and the gradients it sends back, overlap with compute; the update's streams (the
+chunk recomputes its attention in the backward). Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs,
+K the sum over layers of the keys a query sees on average (S/2 causal, about W with a sliding
+window W: ``reference.mean_visible_keys``; padded heads compute too), plus one forward when
+rematerialising, one more with remat groups, and the attention layer (projections and
+attention) once more with head chunks. Host transfers at ``pcie_bw``: offloaded activations,
+and with ``offload_params`` the layer weights each forward pass fetches (a remat group once
+for its k layers, in the forward and in its recompute) and the gradients it sends back,
+overlap with compute; the update's streams (the
 optimizer state in and out; the parameters and gradients the gradient norm and the update
 read, the parameters written back) do not.
 """
 
 import dataclasses
+import math
 
 from ulysses_jax.attention.common import check_head_chunks
+from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.attention.ulysses import plan_heads
 from ulysses_jax.gpus import Gpu, gpu_named
 from ulysses_jax.train_step import MemoryOptions
@@ -115,10 +120,16 @@ class Model:
   tie_embeddings: bool = False
   mlp_chunk: int = 0
   loss_chunk: int = 1024
+  layer_windows: tuple[int | None, ...] = ()  # per layer; () = every layer full attention
 
   @classmethod
   def from_config(cls, config):
-    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+    fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows"}
+    return cls(**{name: getattr(config, name) for name in fields},
+               layer_windows=config.layer_windows())
+
+  def windows(self) -> tuple[int | None, ...]:
+    return self.layer_windows or (None,) * self.num_layers
 
   @property
   def layer_params(self):
@@ -200,6 +211,17 @@ class Layout:
     """The placement as the trainer takes it."""
     return MemoryOptions(offload_optimizer=self.offload_optimizer,
                          offload_params=self.offload_params)
+
+
+def ring_steps(ring: int, seq_len: int, window: int | None) -> int:
+  """Steps a ring of ``ring`` devices takes from other devices for a causal layer over
+  ``seq_len`` tokens: all ``ring - 1``, or with a sliding window W only the devices holding
+  the W - 1 keys before some query: in the zigzag layout (``seq_len / 2ring``-token halves,
+  device r holding halves r and 2ring-1-r) the k = ceil((W-1) / half) nearest on each side."""
+  if window is None or ring == 1:
+    return ring - 1
+  half = seq_len / (2 * ring)
+  return min(ring - 1, 2 * math.ceil((window - 1) / half))
 
 
 def _tokens(layout, batch, seq_len):
@@ -332,16 +354,21 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   per_token = _attention_per_token(heads, d)
   a2a = per_token * t * c * (layout.seq - 1) / layout.seq * n_layers * chunks * passes
   kv_block = hkv * d * t  # one chunk's K (or V) block on each device
+  windows = model.windows()
+  # Ring steps from other devices, per layer: a sliding window needs only the nearest.
+  steps = [ring_steps(layout.ring, seq_len, w) for w in windows]
   ring = 0
-  if layout.ring > 1:  # per chunk: K/V rotate in each pass, dK/dV (compute dtype) travel home
+  if layout.ring > 1:  # per chunk: K/V come in each pass, dK/dV (compute dtype) travel home
     # in the backward; the zigzag exchange of the natural layout moves q, k, v and the output
     # (their gradients in the backward) once per pass.
-    ring = n_layers * chunks * c * (passes * 2 * (layout.ring - 1) * kv_block
-                                    + 2 * layout.ring * kv_block + passes * per_token * t)
+    ring = chunks * c * sum(passes * 2 * s * kv_block + 2 * (s + 1) * kv_block
+                            + passes * per_token * t for s in steps)
   # Per micro-batch: gather twice (c), reduce-scatter (p).
   fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
-  # Causal: half of 4·S·h per token, over the heads as exchanged (padding computes too).
-  attn_flops = 2 * n_layers * seq_len * chunks * hq * d * t
+  # Causal: 4·h FLOPs per visible key (scores and values), a query seeing S/2 keys on average
+  # (about W with a window), over the heads as exchanged (padding computes too).
+  keys = sum(mean_visible_keys(seq_len, w) for w in windows)
+  attn_flops = 4 * keys * chunks * hq * d * t
   forward = 2 * model.params * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
@@ -352,7 +379,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
              + attention_layer * rechunk) / hardware.flops
   attn_time = passes * attn_flops / hardware.flops
   # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
-  merge = (n_layers * chunks * passes * layout.ring * 12 * t * hq * d / hardware.hbm_bw
+  merge = (sum(s + 1 for s in steps) * chunks * passes * 12 * t * hq * d / hardware.hbm_bw
            if layout.ring > 1 else 0)
   # Offloaded activations go to the host and back, and offloaded layer weights come to the
   # device in every forward pass (recomputed ones included) and their gradients go back,

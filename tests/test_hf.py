@@ -72,7 +72,7 @@ CASES = {
     # All three YaRN regimes at D=16; attention_factor 1: UlyssesAttention cannot apply others.
     "qwen3_yarn": ("Qwen3ForCausalLM", dict(num_key_value_heads=2, rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=4096,
-        attention_factor=1.0, rope_theta=10_000.0)), None),
+        rope_theta=10_000.0)), None),
 }
 
 

@@ -41,13 +41,3 @@ def test_yarn_round_trips_through_config_json():
   with pytest.raises(ValueError, match="mscale"):
     config_from_hf({**config_to_hf(config), "rope_scaling": {**YARN, "mscale": 1.0,
                                                              "mscale_all_dim": 1.0}})
-  with pytest.raises(ValueError, match="multiplies cos and sin by 1.13863"):
-    config_from_hf({**config_to_hf(config), "rope_scaling": YARN})
-
-
-def test_yarn_attention_factor_the_model_cannot_apply_is_an_error():
-  from ulysses_jax.config_checks import ConfigError
-  from ulysses_jax.models.config import preset
-  with pytest.raises(ConfigError, match="multiplies cos and sin by 1.13863"):
-    preset("tiny", rope_scaling=RopeScaling(kind="yarn", factor=4.0))
-  preset("tiny", rope_scaling=RopeScaling(kind="yarn", factor=4.0, attention_factor=1.0))

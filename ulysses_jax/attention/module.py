@@ -176,7 +176,9 @@ class UlyssesAttention(nnx.Module):
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-    q, k = (rope.apply_rope(t, positions, inv_freq) for t in (q, k))
+    # YaRN scales cos and sin, so the attention logits by its square (1 for other kinds).
+    factor = rope.attention_factor(self.rope_scaling)
+    q, k = (rope.apply_rope(t, positions, inv_freq, scale=factor) for t in (q, k))
     q, k, v = (name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
                             segment_ids=segment_ids, backend=self.backend,

@@ -19,7 +19,7 @@ from ulysses_jax.attention.backends import BACKENDS
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.rope import RopeScaling, attention_factor
+from ulysses_jax.rope import RopeScaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -130,11 +130,6 @@ class LlamaConfig:
     if self.norm_offset_one and self.qk_norm:
       raise ConfigError("norm_offset_one with qk_norm: UlyssesAttention's q/k norms have no "
                         "(1 + scale) form yet.")
-    if attention_factor(self.rope_scaling) != 1.0:
-      raise ConfigError(f"rope_scaling {self.rope_scaling} multiplies cos and sin by "
-                        f"{attention_factor(self.rope_scaling):.6g}, which UlyssesAttention "
-                        "does not apply yet; only YaRN with factor 1 or attention_factor=1.0 "
-                        "runs.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)

@@ -97,11 +97,11 @@ def test_cudnn_and_mosaic_checks_name_the_mesh_devices(monkeypatch):
 
 def test_kernel_interpret_mode_and_tiles_follow_the_target(monkeypatch):
   q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-  spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton")
+  spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton", None)
   assert spec.interpret and spec.forward.num_warps == 8 and spec.forward.block_kv == 64
   monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
   with _gpu_context():
-    spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton")
+    spec = fa._plan_for(q, True, None, None, None, None, "triton", "triton", None)
   assert not spec.interpret
   assert spec == fa.choose_tiles(256, 128, causal=True, scale=128 ** -0.5, generation="sm90")
 

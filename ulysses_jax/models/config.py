@@ -206,6 +206,11 @@ PRESETS.update({
     "qwen2.5-7b": LlamaConfig(
         vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,
         head_dim=128, mlp_dim=18_944, rope_theta=1_000_000.0, norm_eps=1e-6, qkv_bias=True),
+    # mistralai/Mistral-7B-v0.1: a 4,096-token sliding window on every layer.
+    "mistral-7b-v0.1": LlamaConfig(
+        vocab_size=32_000, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, norm_eps=1e-5,
+        sliding_window=4096),
     # ~25M parameters: CPU benchmarks.
     "small": LlamaConfig(
         vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,

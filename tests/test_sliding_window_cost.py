@@ -27,13 +27,20 @@ def test_flops_per_token_counts_each_layers_window():
       half_windowed, 4096), per_layer_full - per_layer_window)
 
 
-def test_ring_steps_reach_only_the_devices_a_window_sees():
-  # 4 devices, 8192 tokens: zigzag halves of 1024 tokens.
-  assert plan.ring_steps(4, 8192, None) == 3
-  assert plan.ring_steps(4, 8192, 1) == 0        # a query sees only itself
-  assert plan.ring_steps(4, 8192, 1025) == 2     # one half back on each side
-  assert plan.ring_steps(4, 8192, 1026) == 3     # two halves: every device
-  assert plan.ring_steps(1, 8192, 16) == 0
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_ring_steps_are_the_distances_the_ring_fetches(ring):
+  """The planner's count equals the shifts ring attention fetches (besides its own block), for
+  windows from 1 to past the sequence, natural and zigzag layouts alike."""
+  from ulysses_jax.attention.ring import _Ring
+  seq_len = 64 * ring
+  local_len = seq_len // ring
+  for window in [None, 1, 2, 31, 63, 64, 65, 96, 97, 200, seq_len, 2 * seq_len]:
+    natural = window is not None and window <= local_len
+    fetched = _Ring("ring", ring, True, None, 1, "xla", window,
+                    zigzag=not natural).window_sources(local_len) if window else None
+    expected = ring - 1 if window is None else sum(shift != 0 for shift, _ in fetched)
+    assert plan.ring_steps(ring, seq_len, window) == expected, (window, expected)
+  assert plan.ring_steps(1, 64, 16) == 0
 
 
 def test_the_planner_predicts_less_attention_and_ring_traffic_under_a_window():

@@ -216,12 +216,22 @@ class Layout:
 def ring_steps(ring: int, seq_len: int, window: int | None) -> int:
   """Steps a ring of ``ring`` devices takes from other devices for a causal layer over
   ``seq_len`` tokens: all ``ring - 1``, or with a sliding window W only the devices holding
-  the W - 1 keys before some query: in the zigzag layout (``seq_len / 2ring``-token halves,
-  device r holding halves r and 2ring-1-r) the k = ceil((W-1) / half) nearest on each side."""
+  the W - 1 keys before some query (``attention.ring``): with W <= S/R the ring keeps the
+  natural layout and needs the one device before; with more, the zigzag layout
+  (``S / 2R``-token halves, device r holding halves r and 2R-1-r) the k = ceil((W-1) / half)
+  nearest on each side."""
   if window is None or ring == 1:
     return ring - 1
+  if ring_keeps_natural_layout(ring, seq_len, window):
+    return min(1, window - 1)
   half = seq_len / (2 * ring)
   return min(ring - 1, 2 * math.ceil((window - 1) / half))
+
+
+def ring_keeps_natural_layout(ring: int, seq_len: int, window: int | None) -> bool:
+  """Whether a causal ring runs in the natural order (no zigzag exchange): with a window of
+  at most one device's tokens, which balances the work already."""
+  return window is not None and window <= seq_len / ring
 
 
 def _tokens(layout, batch, seq_len):
@@ -361,8 +371,9 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   if layout.ring > 1:  # per chunk: K/V come in each pass, dK/dV (compute dtype) travel home
     # in the backward; the zigzag exchange of the natural layout moves q, k, v and the output
     # (their gradients in the backward) once per pass.
+    exchanged = [not ring_keeps_natural_layout(layout.ring, seq_len, w) for w in windows]
     ring = chunks * c * sum(passes * 2 * s * kv_block + 2 * (s + 1) * kv_block
-                            + passes * per_token * t for s in steps)
+                            + passes * per_token * t * e for s, e in zip(steps, exchanged))
   # Per micro-batch: gather twice (c), reduce-scatter (p).
   fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
   # Causal: 4·h FLOPs per visible key (scores and values), a query seeing S/2 keys on average

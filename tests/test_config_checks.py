@@ -1,6 +1,7 @@
 """Tests for the shared config validation (ulysses_jax.config_checks) and the model presets."""
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Literal
 
@@ -78,6 +79,8 @@ def test_llama_config_round_trips_through_a_dict():
   config = preset("llama3.2-1b", remat_policy="full_offload", remat_names=["qkv"])
   assert config.remat_names == ("qkv",)
   assert LlamaConfig.from_dict(config.to_dict()) == config
+  gemma = preset("gemma3-1b", sliding_rope_scaling=RopeScaling(kind="linear", factor=2.0))
+  assert LlamaConfig.from_dict(json.loads(json.dumps(gemma.to_dict()))) == gemma
   with pytest.raises(ConfigError, match=r"unknown LlamaConfig fields \['hidden'\]"):
     LlamaConfig.from_dict({"hidden": 3})
 
@@ -97,6 +100,9 @@ def test_layer_windows_follow_sliding_window_and_layer_types():
     (dict(sliding_window=4, layer_types=("local", "full_attention")),
      r"layer_types \['local'\] are unknown"),
     (dict(layer_types=("sliding_attention",) * 2), "sliding_window is None"),
+    (dict(sliding_rope_scaling=RopeScaling(kind="linear", factor=2.0)),
+     "sliding_rope_scaling is set but sliding_rope_theta is None"),
+    (dict(attention_scale=0.0), r"attention_scale must be > 0, or None for head_dim \*\* -0.5"),
 ])
 def test_bad_attention_types_are_named(fields, message):
   with pytest.raises(ConfigError, match=message):

@@ -13,7 +13,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf import random_hf_model, torch_logits  # noqa: E402
+from test_hf import GEMMA3, random_hf_model, torch_logits  # noqa: E402
 
 from ulysses_jax import cli, finetune, train  # noqa: E402
 from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
@@ -82,6 +82,44 @@ def test_evaluate_fine_tune_export_evaluate_then_resume_without_the_base(tmp_pat
   assert train_cli.main([*flags, "--gin_param=STEPS=8"]) == cli.EXIT_OK, capsys.readouterr().err
   out = capsys.readouterr().out
   assert "Trained steps 7..8 in" in out and "(resumed from step 6)" in out, out
+
+
+# Families beyond Llama: sliding windows, YaRN, Gemma 3 (local and global layers).
+FAMILIES = {
+    "mistral_window": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen3_yarn": ("Qwen3ForCausalLM", dict(num_key_value_heads=2, rope_parameters=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
+        rope_theta=10_000.0))),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_fine_tunes_exports_and_evaluates(family, tmp_path):
+  """``init_from`` a transformers model of each family: the trainer lowers the loss on a
+  repeated document (data 2 x seq 4, 64-token rows: windows of 5 cross device boundaries),
+  and its export, loaded by transformers, has the trained model's logits."""
+  cls_name, overrides = FAMILIES[family]
+  random_hf_model(cls_name, vocab_size=256, **overrides).save_pretrained(tmp_path / "hf")
+  np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
+  evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
+  before = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
+  params = [f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
+            f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
+            f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
+            "OptimizerConfig.learning_rate=1e-2", "OptimizerConfig.warmup_steps=1", "STEPS=5"]
+  train.train(str(tmp_path / "run"), gin_config.read(["configs/finetune_tiny_cpu.gin"], params))
+  after = evaluate_cli.run([f"--hf={tmp_path / 'out'}", *evaluate_flags])
+  assert after["tokens"] == before["tokens"] and after["loss"] < before["loss"] - 0.5
+  config = finetune.model_config(str(tmp_path / "run"), {})
+  assert config == finetune.model_config(str(tmp_path / "hf"), {}).replace(
+      **{k: getattr(config, k) for k in ("dtype", "param_dtype", "remat_policy", "loss_chunk",
+                                         "attention_backend")})
+  model = finetune.load_model(str(tmp_path / "run"), config, make_mesh(data=1, seq=8))
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
+  ours = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens, jnp.int32)))
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  np.testing.assert_array_less(np.abs(torch_logits(exported, tokens) - ours), 1e-4)
 
 
 def test_train_from_python_with_init_from_builds_the_checkpoints_model(tmp_path):

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from ulysses_jax import make_mesh  # noqa: E402
-from ulysses_jax.hf import config_from_hf, load_llama, save_llama  # noqa: E402
+from ulysses_jax.hf import config_from_hf, config_to_hf, load_llama, save_llama  # noqa: E402
 
 TOL = 1e-4  # max abs logit difference, float32
 SEQ_LEN = 32
@@ -28,9 +28,21 @@ LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_fre
                    original_max_position_embeddings=16)  # all three wavelength regimes at D=16
 
 
+# Gemma 3's decoder-only class has its own config class (Gemma3Config is the vision model's).
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+# Gemma 3 (text) with every feature active: alternating sliding and full layers, each type
+# with its RoPE (linear scaling on full layers only), a score scale other than D ** -0.5.
+GEMMA3 = dict(num_hidden_layers=3, num_key_value_heads=2, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              query_pre_attn_scalar=24, rope_parameters={
+                  "sliding_attention": dict(rope_type="default", rope_theta=10_000.0),
+                  "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6)})
+
+
 def random_hf_model(cls_name, seed=0, **overrides):
   """A tiny ``transformers`` causal LM with every weight random (norms around 1, biases too)."""
-  config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+  config_cls = getattr(transformers, CONFIG_CLASSES.get(
+      cls_name, cls_name.replace("ForCausalLM", "Config")))
   torch.manual_seed(seed)
   model = getattr(transformers, cls_name)(config_cls(**{**TINY, **overrides})).eval()
   with torch.no_grad():
@@ -126,6 +138,7 @@ SLIDING_CASES = {
                          (None, None)),
     "ministral": ("MinistralForCausalLM", dict(
         sliding_window=5, layer_types=["full_attention", "sliding_attention"]), (None, 5)),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3, (5, None, 5)),
 }
 
 
@@ -199,9 +212,23 @@ def test_checkpoint_errors_name_expected_and_actual(checkpoint, mesh, tmp_path):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(model_type="gpt2"),
-     r"unsupported model_type 'gpt2'; supported: \['llama', 'ministral', 'mistral'"),
+     r"unsupported model_type 'gpt2'; supported: \['gemma3_text', 'llama', 'ministral'"),
     (dict(model_type="mixtral"), r"unsupported model_type 'mixtral'"),
-    (dict(model_type="gemma3_text"), r"'gemma3_text': .* no query_pre_attn_scalar"),
+    (dict(model_type="gemma3"), r"'gemma3' \(the vision-language model\); give a text-only "
+                                r"checkpoint, model_type 'gemma3_text'"),
+    (dict(model_type="gemma3_text", hidden_activation="gelu"),
+     r"hidden_activation='gelu' \(only 'gelu_pytorch_tanh'\)"),
+    (dict(model_type="gemma3_text", final_logit_softcapping=30.0),
+     r"final_logit_softcapping=30.0 \(logit softcapping"),
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0),
+     r"attn_logit_softcapping=50.0 \(logit softcapping"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True),
+     r"use_bidirectional_attention=true \(only causal attention\)"),
+    (dict(model_type="gemma3_text", rope_parameters={
+        "full_attention": dict(rope_type="default", rope_theta=1e6),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4,
+                                  partial_rotary_factor=0.5)}),
+     r"partial_rotary_factor=0.5 \(only 1.0\)"),
     (dict(num_local_experts=8), r"num_local_experts=8 \(mixture of experts\)"),
     (dict(model_type="qwen3", num_experts=4), r"num_experts=4 \(mixture of experts\)"),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 \(only 1.0\)"),
@@ -242,9 +269,29 @@ def test_missing_safetensors_says_what_to_install(checkpoint, mesh, monkeypatch)
     load_llama(checkpoint, mesh)
 
 
-def test_gemma_options_have_no_export_yet():
-  from ulysses_jax.hf import config_to_hf
+def test_gemma3_reads_older_configs_and_pattern_defaults():
+  """Hub configs written before transformers 5: ``rope_local_base_freq`` and ``rope_scaling``
+  (full layers only), ``sliding_window_pattern`` instead of ``layer_types``."""
+  old = dict(model_type="gemma3_text", **{**TINY, "num_hidden_layers": 7, "rope_theta": 1e6},
+             sliding_window=5, rope_local_base_freq=1e4, query_pre_attn_scalar=24,
+             rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=3)
+  config = config_from_hf(old)
+  assert config.layer_windows() == (5, 5, None, 5, 5, None, 5)
+  assert (config.rope_theta, config.rope_scaling.kind, config.rope_scaling.factor) == (
+      1e6, "linear", 8.0)
+  assert (config.sliding_rope_theta, config.sliding_rope_scaling) == (1e4, None)
+  assert config.attention_scale == 24 ** -0.5 and config.tie_embeddings
+  assert config_from_hf(config_to_hf(config)) == config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(norm_offset_one=True, post_norms=True),
+     r"no Hugging Face architecture has norm_offset_one=True, post_norms=True without the rest "
+     r"of Gemma 3's options"),
+    (dict(attention_scale=0.3), r"no Hugging Face architecture has attention_scale without"),
+    (dict(sliding_rope_theta=1e4), r"only gemma3_text has a RoPE of its own for sliding layers"),
+])
+def test_configs_no_architecture_has_are_not_exported(overrides, message):
   from ulysses_jax.models.config import preset
-  with pytest.raises(ValueError, match=r"no Hugging Face export for norm_offset_one=True, "
-                                       r"post_norms=True yet"):
-    config_to_hf(preset("tiny", norm_offset_one=True, post_norms=True))
+  with pytest.raises(ValueError, match=message):
+    config_to_hf(preset("tiny", **overrides))

@@ -37,25 +37,25 @@ def reference_logits(config, params, tokens, positions, segment_ids):
   """The Llama forward pass written out layer by layer in float64 NumPy (dense attention)."""
   c = config
   p = jax.tree.map(lambda x: np.asarray(x, np.float64), nnx.to_pure_dict(params))
-  inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
   norm = lambda x, params: _rms(x, params["scale"], c.norm_eps, c.norm_offset_one)
   post = lambda layer, name, y: norm(y, layer[name]) if c.post_norms else y
   activation = _gelu_tanh if c.mlp_activation == "gelu_tanh" else lambda g: g / (1 + np.exp(-g))
   x = p["embedding"][tokens] * (np.sqrt(c.hidden_dim) if c.embed_scale else 1.0)
-  for i, window in enumerate(c.layer_windows()):
+  for i, layer_type in enumerate(c.attention_types()):
+    kind = c.layer_attention(layer_type)
+    inv_freq = inverse_frequencies(c.head_dim, kind["rope_theta"], kind["rope_scaling"])
     layer = jax.tree.map(lambda a, i=i: a[i], p["layers"])
     attn = layer["attn"]
     h = norm(x, layer["attn_norm"])
     q, k, v = (np.einsum("bse,ehd->bshd", h, attn[n]["kernel"]) + attn[n].get("bias", 0.0)
                for n in ("q_proj", "k_proj", "v_proj"))
     if c.qk_norm:
-      q, k = _rms(q, attn["q_norm"]["scale"], c.norm_eps), _rms(k, attn["k_norm"]["scale"],
-                                                                c.norm_eps)
+      q, k = norm(q, attn["q_norm"]), norm(k, attn["k_norm"])
     q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
     out = np.asarray(dense_attention(*(jnp.asarray(t, jnp.float32) for t in (q, k, v)),
                                      causal=True, q_segment_ids=segment_ids,
-                                     kv_segment_ids=segment_ids, sliding_window=window),
-                     np.float64)
+                                     kv_segment_ids=segment_ids, scale=c.attention_scale,
+                                     sliding_window=kind["sliding_window"]), np.float64)
     x = x + post(layer, "attn_post_norm", np.einsum("bshd,hde->bse", out,
                                                     attn["o_proj"]["kernel"]))
     mlp = layer["mlp"]
@@ -71,11 +71,14 @@ ALL_FEATURES = preset("tiny-gqa", tie_embeddings=True, qkv_bias=True, qk_norm=Tr
                       rope_scaling=RopeScaling(factor=4.0, original_max_position=16))
 
 
-GEMMA_STYLE = preset("tiny-gqa", tie_embeddings=True, mlp_activation="gelu_tanh",
-                     norm_offset_one=True, post_norms=True, embed_scale=True, mlp_chunk=3)
 # Windows of 3 and 6 tokens over documents of up to 20: several windows long.
 MIXED_WINDOWS = preset("tiny-gqa", num_layers=3, sliding_window=3,
                        layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+# Gemma 3: each layer type with its own RoPE, a score scale other than D ** -0.5.
+GEMMA_STYLE = MIXED_WINDOWS.replace(
+    tie_embeddings=True, mlp_activation="gelu_tanh", norm_offset_one=True, post_norms=True,
+    embed_scale=True, qk_norm=True, attention_scale=0.4, mlp_chunk=3, rope_theta=1e6,
+    rope_scaling=RopeScaling(kind="linear", factor=4.0), sliding_rope_theta=100.0)
 
 
 @pytest.mark.parametrize("config, mesh_shape", [
@@ -277,6 +280,7 @@ def test_presets_have_published_parameter_counts():
   assert llama.count_params(preset("llama3.2-1b")) == 1_235_814_400
   assert llama.count_params(preset("llama3.1-8b")) == 8_030_261_248
   assert llama.count_params(preset("qwen2.5-7b")) == 7_615_616_512
+  assert llama.count_params(preset("gemma3-1b")) == 999_885_952
 
 
 def test_config_errors_name_expected_and_actual():

@@ -2,8 +2,9 @@
 
 ``TrainConfig.init_from`` names either
 
-* a Hugging Face checkpoint directory (``config.json`` + safetensors; Llama, Mistral, Qwen2,
-  Qwen3): loaded with ``hf.load_llama``, tensor by tensor into the FSDP layout; or
+* a Hugging Face checkpoint directory (``config.json`` + safetensors; Llama, Mistral,
+  Ministral, Qwen2, Qwen3, Gemma 3 text): loaded with ``hf.load_llama``, tensor by tensor
+  into the FSDP layout; or
 * a workdir of ours, its ``checkpoints/`` directory, or one step ``checkpoints/<step>``
   (default: the newest step): the parameters of the orbax ``state`` item only (the run
   starts with a fresh optimizer), read slice by slice (``SavedParams``) straight into the
@@ -39,7 +40,8 @@ from ulysses_jax.models.llama import PRESETS, Llama, LlamaConfig
 # Fields that define the trained function: a gin value must equal the checkpoint's.
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
                        "head_dim", "mlp_dim", "norm_eps", "tie_embeddings", "qkv_bias",
-                       "qk_norm")
+                       "qk_norm", "attention_scale", "mlp_activation", "norm_offset_one",
+                       "post_norms", "embed_scale")
 
 
 def is_hf_checkpoint(path: str) -> bool:

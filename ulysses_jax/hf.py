@@ -1,11 +1,10 @@
 """Hugging Face checkpoints <-> ``Llama``: ``load_llama`` and ``save_llama``.
 
-Reads Hugging Face Llama-family checkpoint directories (``config.json`` plus
-``model.safetensors``, or shards listed in ``model.safetensors.index.json``) of the model
-types ``llama``, ``mistral`` (a sliding window on every layer), ``ministral`` (sliding
-windows per ``layer_types``), ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm), both with
-sliding windows per layer, and writes directories that ``transformers`` loads. Needs the optional
-extra ``hf`` (``pip install 'ulysses_jax[hf]'``) for ``safetensors``; torch is never imported.
+Reads Hugging Face checkpoint directories (``config.json`` plus ``model.safetensors``, or
+shards listed in ``model.safetensors.index.json``) of the model types ``llama``, ``mistral``,
+``ministral``, ``qwen2``, ``qwen3`` and ``gemma3_text`` (``ulysses_jax.hf_config`` translates
+their configs), and writes directories that ``transformers`` loads. Needs the optional extra
+``hf`` (``pip install 'ulysses_jax[hf]'``) for ``safetensors``; torch is never imported.
 
 Parameter mapping; ``i`` is the layer, and our layer parameters stack the L layers on axis 0
 (``layers.*`` has a leading ``[L]``). Linear kernels are the transposed ``weight``, reshaped:
@@ -22,6 +21,9 @@ Parameter mapping; ``i`` is the layer, and our layer parameters stack the L laye
   ...self_attn.o_proj.weight      [E, Hq*D]  (.T)      layers.attn.o_proj.kernel [L, Hq, D, E]
   ...self_attn.{q,k}_norm.weight  [D]                  layers.attn.{q,k}_norm.scale [L, D]
   model.layers.i.post_attention_layernorm.weight [E]   layers.mlp_norm.scale   [L, E]
+    (Gemma 3: ...pre_feedforward_layernorm.weight)
+  (Gemma 3) ...post_attention_layernorm.weight [E]     layers.attn_post_norm.scale [L, E]
+  (Gemma 3) ...post_feedforward_layernorm.weight [E]   layers.mlp_post_norm.scale [L, E]
   ...mlp.{gate,up}_proj.weight    [F, E]     (.T)      layers.mlp.{gate,up}_proj.kernel [L, E, F]
   ...mlp.down_proj.weight         [E, F]     (.T)      layers.mlp.down_proj.kernel [L, F, E]
   model.norm.weight               [E]                  final_norm.scale        [E]
@@ -45,16 +47,17 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from ulysses_jax import sharding
-from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.hf_config import (  # noqa: F401  (public here too)
+    ARCHITECTURES, config_from_hf, config_to_hf, read_config, rope_scaling_from_hf)
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import Llama, LlamaConfig
-from ulysses_jax.rope import RopeScaling
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "ministral": "MinistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 _RENAME = {"embedding": "embed_tokens", "final_norm": "norm", "attn": "self_attn",
            "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+# With post-norms (Gemma 3) "post_attention" names the norm after attention, not before the MLP.
+_RENAME_POST_NORMS = {**_RENAME, "mlp_norm": "pre_feedforward_layernorm",
+                      "attn_post_norm": "post_attention_layernorm",
+                      "mlp_post_norm": "post_feedforward_layernorm"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints store
 
 
@@ -64,130 +67,6 @@ def _safetensors():
   except ImportError as e:
     raise ImportError("ulysses_jax.hf needs safetensors: pip install 'ulysses_jax[hf]'.") from e
   return safetensors
-
-
-def config_from_hf(hf: dict) -> LlamaConfig:
-  """The ``LlamaConfig`` of a Hugging Face ``config.json`` dict; errors name what is unsupported.
-
-  Reads both the transformers 5 ``rope_parameters`` and the older ``rope_theta`` /
-  ``rope_scaling`` fields; rope types ``default``, ``linear``, ``llama3`` and ``yarn``.
-  """
-  model_type = hf.get("model_type")
-  if model_type in ("gemma3_text", "gemma3"):
-    raise ConfigError(
-        f"unsupported model_type {model_type!r}: the decoder has Gemma 3's MLP, norms and "
-        "embedding scale (LlamaConfig mlp_activation='gelu_tanh', norm_offset_one, "
-        "post_norms, embed_scale), but UlyssesAttention has no query_pre_attn_scalar "
-        "attention scale, no (1 + w) q/k norms and no per-layer RoPE base "
-        "(rope_local_base_freq) yet.")
-  if model_type not in ARCHITECTURES:
-    raise ConfigError(f"unsupported model_type {model_type!r}; supported: "
-                      f"{sorted(ARCHITECTURES)}.")
-  problems = []
-  if hf.get("hidden_act", "silu") != "silu":
-    problems.append(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
-  if hf.get("mlp_bias"):
-    problems.append("mlp_bias=true")
-  if hf.get("attention_bias"):
-    problems.append(f"attention_bias=true ({model_type} puts a bias on o_proj too)")
-  for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-    if hf.get(key):
-      problems.append(f"{key}={hf[key]} (mixture of experts)")
-  partial = _rope_fields(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-  if partial != 1.0:  # transformers 5 moves it into rope_parameters
-    problems.append(f"partial_rotary_factor={partial} (only 1.0)")
-  try:
-    scaling = rope_scaling_from_hf(hf)
-  except ConfigError as e:
-    scaling = None
-    problems.append(str(e))
-  if problems:
-    raise ConfigError(f"unsupported Hugging Face {model_type} config: " + "; ".join(problems)
-                      + ".")
-  heads = hf["num_attention_heads"]
-  return LlamaConfig(
-      vocab_size=hf["vocab_size"], hidden_dim=hf["hidden_size"],
-      num_layers=hf["num_hidden_layers"], num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-      mlp_dim=hf["intermediate_size"],
-      rope_theta=float(_rope_fields(hf).get("rope_theta", hf.get("rope_theta", 10_000.0))),
-      rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-      init_std=float(hf.get("initializer_range", 0.02)), **_attention_types_from_hf(hf))
-
-
-def _attention_types_from_hf(hf: dict) -> dict:
-  """``sliding_window`` and ``layer_types`` as transformers' configs of each model type set
-  them: Mistral slides every layer (it ignores ``layer_types``); Qwen2/3 slide only with
-  ``use_sliding_window``, the layers of ``layer_types`` (written by transformers 5) or else
-  those from ``max_window_layers`` on; Ministral slides the layers of ``layer_types``
-  (default: all); Llama never."""
-  model_type, window = hf["model_type"], hf.get("sliding_window")
-  layers = hf["num_hidden_layers"]
-  if model_type == "llama":
-    window = None
-  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
-    window = None
-  types = tuple(hf.get("layer_types") or ())
-  if model_type in ("qwen2", "qwen3") and not types:
-    first = hf.get("max_window_layers", 28)
-    types = tuple("sliding_attention" if window is not None and i >= first
-                  else "full_attention" for i in range(layers))
-  if model_type in ("llama", "mistral") or window is None:
-    types = ()
-  return dict(sliding_window=window, layer_types=types)
-
-
-def _rope_fields(hf: dict) -> dict:
-  return {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-
-
-def rope_scaling_from_hf(hf: dict) -> RopeScaling | None:
-  """The ``RopeScaling`` of a ``config.json`` dict (None for rope type ``default``);
-  ``ConfigError`` naming an unsupported rope type or field."""
-  rope = _rope_fields(hf)
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type == "default":
-    return None
-  if rope_type == "linear":
-    return RopeScaling(kind="linear", factor=float(rope["factor"]))
-  if rope_type == "llama3":
-    return RopeScaling(kind="llama3", factor=float(rope["factor"]),
-                       low_freq_factor=float(rope["low_freq_factor"]),
-                       high_freq_factor=float(rope["high_freq_factor"]),
-                       original_max_position=int(rope["original_max_position_embeddings"]))
-  if rope_type != "yarn":
-    raise ConfigError(f"rope type {rope_type!r} (supported: 'default', 'linear', 'llama3', "
-                      "'yarn')")
-  if rope.get("mscale") or rope.get("mscale_all_dim"):
-    raise ConfigError("yarn mscale / mscale_all_dim (DeepSeek's attention factor)")
-  if rope.get("factor") is None:
-    raise ConfigError("yarn without factor")
-  # transformers takes the original context from the top level first.
-  original = hf.get("original_max_position_embeddings") or rope.get(
-      "original_max_position_embeddings") or hf["max_position_embeddings"]
-  attention_factor = rope.get("attention_factor")
-  return RopeScaling(
-      kind="yarn", factor=float(rope["factor"]), original_max_position=int(original),
-      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-      attention_factor=None if attention_factor is None else float(attention_factor),
-      truncate=bool(rope.get("truncate", True)))
-
-
-def read_config(path) -> LlamaConfig:
-  """The ``LlamaConfig`` of the Hugging Face checkpoint directory ``path`` (its
-  ``config.json``); ``ConfigError`` when there is none or it is unsupported."""
-  file = pathlib.Path(path) / "config.json"
-  if not file.is_file():
-    raise ConfigError(f"{path} is not a Hugging Face checkpoint directory: it has no "
-                      "config.json (give the directory that holds config.json and the "
-                      "*.safetensors files)")
-  try:
-    return config_from_hf(json.loads(file.read_text()))
-  except ConfigError as e:
-    raise ConfigError(f"{file}: {e}") from None
 
 
 def build_llama(config: LlamaConfig, mesh: Mesh, read, *,
@@ -211,76 +90,12 @@ def build_llama(config: LlamaConfig, mesh: Mesh, read, *,
   return nnx.merge(graphdef, abstract)
 
 
-def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
-  """The ``config.json`` dict of ``config``: model type qwen2 (qkv_bias), qwen3 (qk_norm),
-  else llama, or with sliding windows mistral (every layer) / ministral (some layers). Rope
-  fields are written in the pre-v5 ``rope_theta`` / ``rope_scaling`` form, which
-  transformers 5 reads too."""
-  if config.qkv_bias and config.qk_norm:
-    raise ValueError("no Hugging Face architecture has both qkv_bias and qk_norm.")
-  gemma_options = [f"{name}={getattr(config, name)!r}" for name, plain in (
-      ("mlp_activation", "silu"), ("norm_offset_one", False), ("post_norms", False),
-      ("embed_scale", False)) if getattr(config, name) != plain]
-  if gemma_options:
-    raise ConfigError(f"no Hugging Face export for {', '.join(gemma_options)} yet (Gemma 3's "
-                      "options: gemma3_text needs attention features UlyssesAttention lacks).")
-  model_type = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
-  windows = config.layer_windows()
-  if model_type == "llama" and any(windows):
-    model_type = "mistral" if all(windows) else "ministral"
-  hf = dict(
-      architectures=[ARCHITECTURES[model_type]], model_type=model_type,
-      vocab_size=config.vocab_size, hidden_size=config.hidden_dim,
-      intermediate_size=config.mlp_dim, num_hidden_layers=config.num_layers,
-      num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-      head_dim=config.head_dim, hidden_act="silu", rms_norm_eps=config.norm_eps,
-      rope_theta=config.rope_theta, rope_scaling=None,
-      tie_word_embeddings=config.tie_embeddings, initializer_range=config.init_std,
-      torch_dtype=str(dtype))
-  s = config.rope_scaling
-  if s is not None:
-    hf["rope_scaling"] = dict(rope_type=s.kind, factor=s.factor)
-    if s.kind == "llama3":
-      hf["rope_scaling"].update(low_freq_factor=s.low_freq_factor,
-                                high_freq_factor=s.high_freq_factor)
-    if s.kind == "yarn":
-      hf["rope_scaling"].update(beta_fast=s.beta_fast, beta_slow=s.beta_slow,
-                                truncate=s.truncate)
-      if s.attention_factor is not None:
-        hf["rope_scaling"]["attention_factor"] = s.attention_factor
-    if s.kind != "linear":
-      hf["rope_scaling"]["original_max_position_embeddings"] = s.original_max_position
-      hf["max_position_embeddings"] = int(s.original_max_position * s.factor)
-  if model_type != "qwen2":
-    hf["attention_bias"] = False  # qwen2 has fixed q/k/v biases and no such field
-  if model_type in ("llama", "mistral", "ministral"):
-    hf["mlp_bias"] = False
-  hf.update(_attention_types_to_hf(config, model_type))
-  return hf
-
-
-def _attention_types_to_hf(config: LlamaConfig, model_type: str) -> dict:
-  """The sliding-window fields of ``model_type`` that make transformers slide the layers of
-  ``config.layer_windows()``."""
-  windows = config.layer_windows()
-  if model_type == "llama":
-    return {}
-  if not any(windows):  # qwen2, qwen3
-    return dict(use_sliding_window=False, sliding_window=None)
-  types = ["full_attention" if w is None else "sliding_attention" for w in windows]
-  fields = dict(sliding_window=config.sliding_window)
-  if model_type != "mistral":
-    fields["layer_types"] = types
-  if model_type in ("qwen2", "qwen3"):
-    fields.update(use_sliding_window=True, max_window_layers=types.index("sliding_attention"))
-  return fields
-
-
-def _hf_name(path: tuple[str, ...], layer: int | None) -> str:
+def _hf_name(path: tuple[str, ...], layer: int | None, config: LlamaConfig) -> str:
   """Hugging Face name of parameter ``path`` (of layer ``layer`` for stacked ones)."""
   if path[0] == "lm_head":
     return "lm_head.weight"
-  modules = [_RENAME.get(p, p) for p in path if p not in ("layers", "kernel", "scale", "bias")]
+  rename = _RENAME_POST_NORMS if config.post_norms else _RENAME
+  modules = [rename.get(p, p) for p in path if p not in ("layers", "kernel", "scale", "bias")]
   prefix = "model." if layer is None else f"model.layers.{layer}."
   return prefix + ".".join(modules) + (".bias" if path[-1] == "bias" else ".weight")
 
@@ -340,14 +155,14 @@ class _Checkpoint:
     return tensor
 
 
-def _read_param(checkpoint: _Checkpoint, path, shape, dtype) -> np.ndarray:
+def _read_param(checkpoint: _Checkpoint, config, path, shape, dtype) -> np.ndarray:
   """Host value of our parameter ``path`` (``[L, ...]`` stacked for ``layers.*``)."""
   num_in = _num_in(path)
   stacked = path[0] == "layers"
   one_shape = shape[1:] if stacked else shape
   out = np.empty(shape, dtype)
   for i in range(shape[0]) if stacked else (None,):
-    tensor = checkpoint.get(_hf_name(path, i), _hf_shape(one_shape, num_in))
+    tensor = checkpoint.get(_hf_name(path, i, config), _hf_shape(one_shape, num_in))
     value = tensor.T.reshape(one_shape) if num_in else tensor.reshape(one_shape)
     out[(i,) if stacked else ()] = value
   return out
@@ -377,7 +192,7 @@ def load_llama(path: str | os.PathLike, mesh: Mesh, *, dtype: str | None = None,
     checkpoint = _Checkpoint(pathlib.Path(path), stack)
 
     def read(key, shape):
-      host = _read_param(checkpoint, key, shape, jnp.dtype(param_dtype))
+      host = _read_param(checkpoint, config, key, shape, jnp.dtype(param_dtype))
       return lambda index: host[index]
 
     model = build_llama(config, mesh, read, rules=rules)
@@ -460,7 +275,7 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
     layer_bytes = math.prod(shape) * jnp.dtype(config.param_dtype).itemsize
     per_read = max(1, max_read_bytes // layer_bytes)
     for layer in range(config.num_layers) if stacked else [None]:
-      name = _hf_name(key, layer)
+      name = _hf_name(key, layer, config)
       hf_shape = _hf_shape(shape, _num_in(key))
       nbytes = math.prod(hf_shape) * dtype.itemsize
       if shards[-1] and size + nbytes > max_shard_bytes:

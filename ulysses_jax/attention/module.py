@@ -7,14 +7,16 @@ Drop it into any NNX model whose activations are ``[B, S, E]`` sharded ``(data, 
     y_BSE = attn(x_BSE, positions=positions_BS, segment_ids=segment_ids_BS)
 
 Inside: q/k/v projections (token-local, on the sequence shards), optional qk-norm, RoPE
-from the global ``positions``, the two Ulysses all-to-alls around exact local attention,
+from the global ``positions`` (per-call base and scaling for models whose layer types differ),
+the two Ulysses all-to-alls around exact local attention,
 and the output projection. GQA when ``num_kv_heads < num_heads``.
 
 Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
 ``q_proj.kernel [E, Hq, D]``, ``k_proj.kernel / v_proj.kernel [E, Hkv, D]`` (+ ``bias``
 ``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]``, ``q_norm.scale / k_norm.scale
-[D]`` with ``qk_norm``. Kernels are FSDP-sharded along E over every device (``rules``), from
-the moment they are created (``ulysses_jax.layers.param``).
+[D]`` with ``qk_norm`` (the ``w`` of a factor ``1 + w`` with ``norm_offset_one``). Kernels
+are FSDP-sharded along E over every device (``rules``), from the moment they are created
+(``ulysses_jax.layers.param``).
 """
 
 import functools
@@ -59,8 +61,12 @@ class UlyssesAttention(nnx.Module):
     sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the token at
       position p attends to those at p' with ``0 <= p - p' < W`` (itself and the W - 1 before
       it). ``__call__`` takes a per-call override.
-    rope_theta, rope_scaling: rotary base and optional ``rope.RopeScaling``.
+    rope_theta, rope_scaling: rotary base and optional ``rope.RopeScaling``; ``__call__``
+      takes per-call overrides (Gemma 3's sliding layers rotate with another base).
     qk_norm: RMSNorm over D on q and k before RoPE (Qwen3 / OLMo-2 style).
+    norm_offset_one: the q/k norms multiply by ``1 + scale`` (Gemma 3).
+    attention_scale: the score scale, ``softmax(scale * q.k)``; None: ``head_dim ** -0.5``
+      (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
     qkv_bias: biases on the q/k/v projections (Qwen2).
     norm_eps: epsilon of the qk-norm.
     backend: local attention backend, one of ``backends.BACKENDS``.
@@ -82,9 +88,10 @@ class UlyssesAttention(nnx.Module):
                head_dim: int | None = None, mesh: Mesh, causal: bool = True,
                sliding_window: int | None = None,
                rope_theta: float = 10_000.0, rope_scaling: rope.RopeScaling | None = None,
-               qk_norm: bool = False, qkv_bias: bool = False, norm_eps: float = 1e-6,
-               backend: str = "auto", head_chunks: int = 1, dtype=jnp.float32,
-               param_dtype=jnp.float32, init_std: float = 0.02,
+               qk_norm: bool = False, norm_offset_one: bool = False,
+               attention_scale: float | None = None, qkv_bias: bool = False,
+               norm_eps: float = 1e-6, backend: str = "auto", head_chunks: int = 1,
+               dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     check_head_chunks(head_chunks, num_kv_heads)
@@ -98,6 +105,9 @@ class UlyssesAttention(nnx.Module):
         raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads "
                          f"({num_heads}); pass head_dim explicitly.")
       head_dim = embed_dim // num_heads
+    if attention_scale is not None and not attention_scale > 0:
+      raise ValueError(f"attention_scale must be > 0 (or None for head_dim ** -0.5), got "
+                       f"{attention_scale}.")
     if backend not in backends.BACKENDS:
       raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}.")
     e, hq, hkv, d = embed_dim, num_heads, num_kv_heads, head_dim
@@ -110,12 +120,14 @@ class UlyssesAttention(nnx.Module):
     self.v_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
                         use_bias=qkv_bias, **dense)
     self.o_proj = Dense((hq, d), (e,), axes=("heads", "head_dim", "embed"), **dense)
-    norm = dict(mesh=mesh, eps=norm_eps, dtype=dtype, param_dtype=param_dtype, rules=rules)
+    norm = dict(mesh=mesh, eps=norm_eps, offset_one=norm_offset_one, dtype=dtype,
+                param_dtype=param_dtype, rules=rules)
     self.q_norm = RMSNorm(d, **norm) if qk_norm else None
     self.k_norm = RMSNorm(d, **norm) if qk_norm else None
     self.head_dim = d
     self.rope_theta = float(rope_theta)
     self.rope_scaling = rope_scaling
+    self.attention_scale = None if attention_scale is None else float(attention_scale)
     self.mesh = mesh
     self.causal = causal
     self.sliding_window = sliding_window
@@ -125,7 +137,9 @@ class UlyssesAttention(nnx.Module):
 
   def __call__(self, x_BSE: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, *, norm=None,
-               sliding_window: int | None | _Unset = _CONSTRUCTOR_VALUE) -> jax.Array:
+               sliding_window: int | None | _Unset = _CONSTRUCTOR_VALUE,
+               rope_theta: float | _Unset = _CONSTRUCTOR_VALUE,
+               rope_scaling: rope.RopeScaling | None | _Unset = _CONSTRUCTOR_VALUE) -> jax.Array:
     """``attention(norm(x))``: ``[B, S, E]`` -> ``[B, S, E]``, both sharded ``(data, seq)``.
 
     ``norm``: a pre-norm (``[B, S, E]`` -> ``[B, S, E]``) or None. With ``head_chunks`` > 1
@@ -133,13 +147,15 @@ class UlyssesAttention(nnx.Module):
 
     ``sliding_window``: this call's window (a Python int or None: it shapes the compiled
     program), e.g. per layer of a model that mixes sliding and full attention; default the
+    constructor's. ``rope_theta``, ``rope_scaling``: this call's RoPE, default the
     constructor's.
 
     ``positions``: int ``[B, S]`` global positions (default ``arange(S)``; restart them at
     each packed document). ``segment_ids``: int ``[B, S]`` >= 0, or None for one document.
     """
-    if sliding_window is _CONSTRUCTOR_VALUE:
-      sliding_window = self.sliding_window
+    given = lambda value, default: default if value is _CONSTRUCTOR_VALUE else value
+    sliding_window = given(sliding_window, self.sliding_window)
+    rotary = (float(given(rope_theta, self.rope_theta)), given(rope_scaling, self.rope_scaling))
     check_sliding_window(sliding_window, self.causal)
     b, s, _ = x_BSE.shape
     for name, ids in (("positions", positions), ("segment_ids", segment_ids)):
@@ -149,8 +165,8 @@ class UlyssesAttention(nnx.Module):
     norm = norm or (lambda x: x)
     if self.head_chunks == 1:
       return self._attend(norm(x_BSE), self._kernels(), positions, segment_ids, sliding_window,
-                          names=True)
-    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids, sliding_window)
+                          rotary, names=True)
+    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids, sliding_window, rotary)
 
   def _kernels(self) -> dict:
     """Compute-dtype, all-gathered projection kernels and q/k/v biases (None without)."""
@@ -161,8 +177,10 @@ class UlyssesAttention(nnx.Module):
       kernels[name + "_bias"] = None if bias is None else bias[...].astype(self.q_proj.dtype)
     return kernels
 
-  def _attend(self, x_BSE, kernels, positions, segment_ids, sliding_window, *, names: bool):
-    """The layer on the heads ``kernels`` hold: ``[B, S, E]`` -> ``[B, S, E]``."""
+  def _attend(self, x_BSE, kernels, positions, segment_ids, sliding_window, rotary, *,
+              names: bool):
+    """The layer on the heads ``kernels`` hold: ``[B, S, E]`` -> ``[B, S, E]``; ``rotary``:
+    (RoPE base, scaling)."""
     constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
     x_BSE = x_BSE.astype(self.q_proj.dtype)
     name = checkpoint_name if names else (lambda x, _: x)
@@ -175,20 +193,20 @@ class UlyssesAttention(nnx.Module):
     q, k, v = (project(kind) for kind in ("q_proj", "k_proj", "v_proj"))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope.inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+    inv_freq = rope.inverse_frequencies(self.head_dim, *rotary)
     # YaRN scales cos and sin, so the attention logits by its square (1 for other kinds).
-    factor = rope.attention_factor(self.rope_scaling)
+    factor = rope.attention_factor(rotary[1])
     q, k = (rope.apply_rope(t, positions, inv_freq, scale=factor) for t in (q, k))
     q, k, v = (name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
                             segment_ids=segment_ids, backend=self.backend,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, scale=self.attention_scale)
     out = name(constrain(out), ATTN_OUT)
     y_BSE = jnp.tensordot(out, kernels["o_proj"], axes=2)
     return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
                               self.rules)
 
-  def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids, sliding_window):
+  def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids, sliding_window, rotary):
     """``_attend(norm(x))`` over ``head_chunks`` chunks of heads in a ``lax.scan``, summing
     the chunks' output projections; each chunk (its norm too) is recomputed in the backward
     pass."""
@@ -205,7 +223,7 @@ class UlyssesAttention(nnx.Module):
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def one_chunk(y_BSE, chunk_kernels):
       return y_BSE + self._attend(norm(x_BSE), chunk_kernels, positions, segment_ids,
-                                  sliding_window, names=False)
+                                  sliding_window, rotary, names=False)
 
     y_BSE = jnp.zeros(x_BSE.shape, self.q_proj.dtype)
     y_BSE = sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,

@@ -65,13 +65,18 @@ class LlamaConfig:
   the W - 1 tokens before it; None = no window) applies to every layer when ``layer_types``
   is empty (Mistral), else to the layers marked ``"sliding_attention"`` (one of
   ``LAYER_TYPES`` per layer: Gemma 3, Qwen's ``max_window_layers``); ``layer_windows()``
-  gives each layer's window.
-  Family options (Gemma 3 sets all four): ``mlp_activation`` (gated MLP's activation, one of
-  ``MLP_ACTIVATIONS``: ``"silu"`` SwiGLU, ``"gelu_tanh"`` GeGLU with tanh-approximated GELU),
-  ``norm_offset_one`` (every RMSNorm multiplies by ``1 + scale``, scale stored as such),
-  ``post_norms`` (an RMSNorm on the attention output and on the MLP output, before each
-  residual add), ``embed_scale`` (embeddings multiplied by sqrt(E), rounded to the compute
-  dtype).
+  gives each layer's window. ``sliding_rope_theta`` (None: sliding layers rotate like full
+  ones) is the RoPE base of the sliding layers, with ``sliding_rope_scaling`` (Gemma 3: base
+  10,000 and no scaling locally, 1,000,000 and linear scaling on full layers);
+  ``layer_attention(type)`` gives a layer type's window and RoPE.
+  ``attention_scale``: the score scale (None: ``head_dim ** -0.5``; Gemma 3:
+  ``query_pre_attn_scalar ** -0.5``).
+  Family options (Gemma 3 sets all four, and ``qk_norm``): ``mlp_activation`` (gated MLP's
+  activation, one of ``MLP_ACTIVATIONS``: ``"silu"`` SwiGLU, ``"gelu_tanh"`` GeGLU with
+  tanh-approximated GELU), ``norm_offset_one`` (every RMSNorm, q/k norms included,
+  multiplies by ``1 + scale``, scale stored as such), ``post_norms`` (an RMSNorm on the
+  attention output and on the MLP output, before each residual add), ``embed_scale``
+  (embeddings multiplied by sqrt(E), rounded to the compute dtype).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -99,6 +104,9 @@ class LlamaConfig:
   attn_head_chunks: int = _field(1)
   sliding_window: int | None = _field()
   layer_types: tuple[str, ...] = _field()
+  sliding_rope_theta: float | None = _field()
+  sliding_rope_scaling: RopeScaling | None = _field()
+  attention_scale: float | None = _field()
   mlp_activation: Literal[MLP_ACTIVATIONS] = _field()
   norm_offset_one: bool = _field()
   post_norms: bool = _field()
@@ -127,9 +135,9 @@ class LlamaConfig:
                         f"({self.num_kv_heads}).")
     if self.head_dim % 2:
       raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}.")
-    if self.norm_offset_one and self.qk_norm:
-      raise ConfigError("norm_offset_one with qk_norm: UlyssesAttention's q/k norms have no "
-                        "(1 + scale) form yet.")
+    if self.attention_scale is not None and not self.attention_scale > 0:
+      raise ConfigError(f"attention_scale must be > 0, or None for head_dim ** -0.5, got "
+                        f"{self.attention_scale}.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
@@ -152,11 +160,31 @@ class LlamaConfig:
     if "sliding_attention" in self.layer_types and self.sliding_window is None:
       raise ConfigError("layer_types has 'sliding_attention' layers but sliding_window is "
                         "None; set sliding_window to the window length in tokens.")
+    if self.sliding_rope_scaling is not None and self.sliding_rope_theta is None:
+      raise ConfigError("sliding_rope_scaling is set but sliding_rope_theta is None; set "
+                        "sliding_rope_theta too (the sliding layers' RoPE base), or leave both "
+                        "None for one RoPE on every layer.")
+
+  def attention_types(self) -> tuple[str, ...]:
+    """Each layer's type (one of ``LAYER_TYPES``), ``[num_layers]``."""
+    every = "full_attention" if self.sliding_window is None else "sliding_attention"
+    return self.layer_types or (every,) * self.num_layers
 
   def layer_windows(self) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), ``[num_layers]``."""
-    types = self.layer_types or ("sliding_attention",) * self.num_layers
-    return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+    return tuple(self.layer_attention(t)["sliding_window"] for t in self.attention_types())
+
+  def layer_attention(self, layer_type: str) -> dict[str, Any]:
+    """The ``sliding_window``, ``rope_theta`` and ``rope_scaling`` of layers of type
+    ``layer_type`` (``UlyssesAttention``'s per-call arguments)."""
+    if layer_type == "full_attention":
+      return dict(sliding_window=None, rope_theta=self.rope_theta,
+                  rope_scaling=self.rope_scaling)
+    if self.sliding_rope_theta is None:
+      return dict(sliding_window=self.sliding_window, rope_theta=self.rope_theta,
+                  rope_scaling=self.rope_scaling)
+    return dict(sliding_window=self.sliding_window, rope_theta=self.sliding_rope_theta,
+                rope_scaling=self.sliding_rope_scaling)
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
@@ -172,8 +200,9 @@ class LlamaConfig:
       raise ConfigError(f"unknown LlamaConfig fields {sorted(unknown)} (written by another "
                         "version of ulysses_jax?)")
     d = dict(d)
-    if isinstance(d.get("rope_scaling"), dict):
-      d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    for name in ("rope_scaling", "sliding_rope_scaling"):
+      if isinstance(d.get(name), dict):
+        d[name] = RopeScaling(**d[name])
     return cls(**d)
 
 
@@ -183,7 +212,8 @@ _DEFAULTS = dict(
     tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
     param_dtype="float32", attention_backend="auto", remat_policy="full",
     remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
-    attn_head_chunks=1, sliding_window=None, layer_types=(), mlp_activation="silu",
+    attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
+    sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
     norm_offset_one=False, post_norms=False, embed_scale=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
@@ -211,6 +241,16 @@ PRESETS.update({
         vocab_size=32_000, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, rope_theta=10_000.0, norm_eps=1e-5,
         sliding_window=4096),
+    # google/gemma-3-1b-pt: five 512-token sliding layers (RoPE base 10,000) to each full one
+    # (base 1,000,000).
+    "gemma3-1b": LlamaConfig(
+        vocab_size=262_144, hidden_dim=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+        head_dim=256, mlp_dim=6912, rope_theta=1_000_000.0, norm_eps=1e-6,
+        tie_embeddings=True, qk_norm=True, sliding_window=512,
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                          for i in range(26)),
+        sliding_rope_theta=10_000.0, attention_scale=256 ** -0.5, mlp_activation="gelu_tanh",
+        norm_offset_one=True, post_norms=True, embed_scale=True),
     # ~25M parameters: CPU benchmarks.
     "small": LlamaConfig(
         vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,

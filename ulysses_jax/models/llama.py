@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2 with ``qkv_bias``, Qwen3 with ``qk_norm``,
-sliding windows per layer; Gemma-style options in ``LlamaConfig``) in NNX.
+Gemma 3 with its options in ``LlamaConfig``; sliding windows and RoPE per layer type) in NNX.
 
 Activations are ``[B, S, E]`` sharded ``(data, seq)``; attention is ``UlyssesAttention``;
 everything else is token-local. The layers are stacked (every layer parameter has a leading
@@ -132,7 +132,8 @@ class DecoderLayer(nnx.Module):
   ``config.post_norms``, ``x + post_norm(attn(norm(x)))`` and likewise for the MLP (Gemma).
 
   One module serves every layer of the scan, so the layer's attention type comes in as data:
-  ``sliding``, a bool scalar (the layer's entry of ``config.layer_windows()`` is not None).
+  ``sliding``, a bool scalar (the layer's entry of ``config.attention_types()`` is
+  ``"sliding_attention"``).
   """
 
   def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
@@ -144,6 +145,7 @@ class DecoderLayer(nnx.Module):
     self.attn = UlyssesAttention(
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
+        norm_offset_one=c.norm_offset_one, attention_scale=c.attention_scale,
         qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend,
         head_chunks=c.attn_head_chunks, dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
@@ -151,8 +153,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
     self.attn_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
     self.mlp_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
-    self.windows = frozenset(c.layer_windows())
-    self.sliding_window = c.sliding_window
+    self.config = c
     self.mesh = mesh
     self.rules = rules
 
@@ -165,14 +166,17 @@ class DecoderLayer(nnx.Module):
     return constrain(x_BSE + post(self.mlp_post_norm, self.mlp(x_BSE, norm=self.mlp_norm)))
 
   def _attention(self, x_BSE, positions_BS, segment_ids_BS, sliding):
-    """``attn(norm(x))`` with this layer's window: the window is static in the attention
-    kernels, so mixed layers choose between the windowed and the full call with
+    """``attn(norm(x))`` with this layer type's window and RoPE: both are static in the
+    compiled attention, so mixed layers choose between the sliding and the full call with
     ``lax.cond`` (both compiled once, one run per layer) and the layers stay one scan."""
-    attend = lambda window: self.attn(x_BSE, positions_BS, segment_ids_BS,
-                                      norm=self.attn_norm, sliding_window=window)
-    if len(self.windows) == 1:
-      return attend(next(iter(self.windows)))
-    return jax.lax.cond(sliding, lambda: attend(self.sliding_window), lambda: attend(None))
+    attend = lambda layer_type: self.attn(x_BSE, positions_BS, segment_ids_BS,
+                                          norm=self.attn_norm,
+                                          **self.config.layer_attention(layer_type))
+    types = set(self.config.attention_types())
+    if len(types) == 1:
+      return attend(types.pop())
+    return jax.lax.cond(sliding, lambda: attend("sliding_attention"),
+                        lambda: attend("full_attention"))
 
 
 class Llama(nnx.Module):
@@ -251,7 +255,7 @@ class Llama(nnx.Module):
         f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
     run = lambda x_BSE, layer: nnx.merge(graphdef, layer["state"])(
         x_BSE, positions_BS, segment_ids_BS, layer["sliding"])
-    sliding_L = jnp.array([w is not None for w in c.layer_windows()])
+    sliding_L = jnp.array([t == "sliding_attention" for t in c.attention_types()])
 
     if c.remat_group == 1:
       layer = remat(lambda x, layer: (run(x, dict(

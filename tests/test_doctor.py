@@ -9,6 +9,7 @@ from ulysses_jax.cli import doctor as doctor_cli
 from ulysses_jax.doctor import kernels as kernels_lib
 
 
+@pytest.mark.slow  # `make doctor` runs the same command in CI
 def test_doctor_on_cpu_runs_the_xla_kernel_and_the_step_and_says_what_needs_a_gpu(
     tmp_path, capsys):
   path = tmp_path / "runs" / "doctor.json"  # a folder not made yet, as in a fresh clone

@@ -12,7 +12,6 @@ from flax import nnx
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
                          model_on, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models import llama
 from ulysses_jax.models.llama import MLP, Llama, LlamaConfig, init_llama, preset
 from ulysses_jax.rope import RopeScaling, inverse_frequencies
@@ -141,6 +140,7 @@ def test_sequence_parallel_loss_and_grads_match_single_device(sp_reference, name
   assert_trees_close(grads, ref_grads)
 
 
+@pytest.mark.slow  # the quick suite has the mixed windows in logits and test_hf
 def test_mixed_windows_loss_and_grads_match_single_device():
   """The lax.cond between windowed and full layers, differentiated (and rematerialised), on
   a sequence-sharded mesh."""
@@ -300,8 +300,3 @@ def test_config_errors_name_expected_and_actual():
   model = nnx.eval_shape(lambda: Llama(preset("tiny"), mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match=r"labels must have the tokens' shape \(2, 8\)"):
     model.loss(jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 7), jnp.int32))
-
-
-def test_norm_offset_one_with_qk_norm_is_an_error():
-  with pytest.raises(ConfigError, match="norm_offset_one with qk_norm"):
-    preset("tiny", norm_offset_one=True, qk_norm=True)

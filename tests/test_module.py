@@ -68,7 +68,7 @@ def test_matches_dense_reference_with_gradients(mesh_shape, seq_len, features):
 
 @pytest.mark.parametrize("mesh_shape,head_chunks,call_kwargs,window", [
     ((2, 4), 1, {}, 7),
-    ((1, 8), 2, dict(sliding_window=3), 3),
+    pytest.param((1, 8), 2, dict(sliding_window=3), 3, marks=pytest.mark.slow),
     ((2, 4), 1, dict(sliding_window=None), None),
 ])
 def test_sliding_window_from_constructor_and_per_call(mesh_shape, head_chunks, call_kwargs,

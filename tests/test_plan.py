@@ -430,7 +430,7 @@ def test_model_from_a_config_json_or_a_gin_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("model,message", [
-    ("llama9", r"error: unknown model 'llama9': give a preset \(cpu-demo, llama3.1-8b, "),
+    ("llama9", r"error: unknown model 'llama9': give a preset \(cpu-demo, gemma3-1b, "),
     ("{bad_json}", r"error: .*config.json: not a usable Hugging Face config.json"),
     ("{bad_gin}", r"error: .*bad.gin: "),
 ])

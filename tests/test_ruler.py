@@ -128,6 +128,7 @@ def _tiny_run(*params):
       "TrainConfig.progress_bar = False", *params])
 
 
+@pytest.mark.slow
 def test_training_logs_ruler_scores_at_eval_steps(tmp_path):
   config = _tiny_run("TrainConfig.ruler_tasks = 'niah_single_1'", "TrainConfig.ruler_samples = 2")
   train.train(str(tmp_path), config)

@@ -135,6 +135,7 @@ def test_evaluate_reads_token_files_of_unusual_dtypes(hf_dir, tmp_path):
   assert alone["tokens"] == 19 and as_uint16["tokens"] == 39
 
 
+@pytest.mark.slow
 def test_training_from_an_int64_token_file(tmp_path):
   np.save(tmp_path / "doc.npy", _tokens(2000, 256).astype(np.int64))
   config = gin_config.read(["configs/tiny_cpu.gin"], [

@@ -139,6 +139,7 @@ def test_host_offloaded_master_weights_take_the_float32_update(three_steps_singl
   assert np.mean(kernel != kernel.astype(jnp.bfloat16).astype(np.float32)) > 0.9
 
 
+@pytest.mark.slow
 def test_micro_batch_gradients_of_bfloat16_parameters_are_summed_in_float32():
   """bfloat16 parameters, float32 master weights, 4 micro-batches: Adam's first moment after
   one step is (1 - b1) x the float32 sum of the 4 bfloat16 micro-batch gradients. A bfloat16

@@ -49,6 +49,7 @@ def test_stderr_comes_back_after_an_exception(capfd):
   assert capfd.readouterr().err == OTHER.decode() + "after\n"
 
 
+@pytest.mark.slow
 def test_the_trainer_explains_it_when_its_first_step_compiles(tmp_path, capfd, caplog,
                                                               monkeypatch):
   """XLA's CPU compiler does not rematerialise, so the step's first call (the one that

@@ -30,7 +30,7 @@ does), e.g. Mistral-7B-v0.1's windowed layers beside the same model with full at
         --init-from-preset=mistral-7b-v0.1 \\
         --case=1x1x8:configs/finetune_mistral7b_8gpu_8m.gin \\
         --case=1x1x8:configs/finetune_mistral7b_8gpu_8m.gin:LlamaConfig.sliding_window=None \\
-        --json=benchmarks/results/max_seqlen_gpu_window.json
+        --granularity=65536 --json=benchmarks/results/max_seqlen_gpu_window.json
 """
 
 import argparse

@@ -42,6 +42,7 @@ from ulysses_jax.attention import backends
 from ulysses_jax.kernels import target as target_lib
 
 TOLERANCES = {"float32": 1e-2, "bfloat16": 6e-2, "float16": 1e-2}
+CHECK_LEN = 256  # tokens of a check of full attention
 WINDOW_CHECK_LEN = 1024  # tokens of a windowed check: 8 blocks of 128
 WINDOW_STAND_IN = 200  # the window checked for W > WINDOW_CHECK_LEN / 2
 _log = logging.getLogger("ulysses_jax.kernel_check")
@@ -71,7 +72,7 @@ class KernelCheck:
 
 def check_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                   causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
-                  seq_len: int = 256, sliding_window: int | None = None) -> KernelCheck:
+                  seq_len: int = CHECK_LEN, sliding_window: int | None = None) -> KernelCheck:
   """Runs ``backend`` forward and backward on one device of ``mesh`` (default: JAX's first
   device) on a ``[1, seq_len]`` problem of these shapes (with ``segment_ids_given``: three
   packed documents of uneven length; with ``sliding_window``: that window, ``causal``) and
@@ -166,7 +167,7 @@ def _case(window, shapes: dict, mesh: Mesh, attention_backend: str) -> _Case:
     choice = backends.BackendChoice(chain[0], f"{chain[0]}: set by LlamaConfig.attention_backend "
                                     f"(auto would pick {choice.reason})", chain[1:])
   if window is None:
-    return _Case(None, choice, None, 256)
+    return _Case(None, choice, None, CHECK_LEN)
   check_window = window if window <= WINDOW_CHECK_LEN // 2 else WINDOW_STAND_IN
   return _Case(window, choice, check_window, WINDOW_CHECK_LEN)
 

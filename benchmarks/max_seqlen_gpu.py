@@ -20,11 +20,24 @@ roofline prediction of ``ulysses_jax.aot.roofline``. Arctic Long Sequence Traini
 published Llama-3.1-8B lengths and iteration times on H100s (arXiv 2506.13996) stand beside
 each row of the same GPU count, with our predicted step at ALST's length (rounded up to the
 granularity).
+
+A fine-tuning config takes its model from ``TrainConfig.init_from``; compiling needs only the
+checkpoint's shapes, so ``--init-from-preset=NAME`` stands a directory holding only preset
+NAME's Hugging Face ``config.json`` in for it, on every case (as ``tests/test_gpu_compile.py``
+does), e.g. Mistral-7B-v0.1's windowed layers beside the same model with full attention:
+
+    .venv-gpu-compile/bin/python -m benchmarks.max_seqlen --gpu=h100 \\
+        --init-from-preset=mistral-7b-v0.1 \\
+        --case=1x1x8:configs/finetune_mistral7b_8gpu_8m.gin \\
+        --case=1x1x8:configs/finetune_mistral7b_8gpu_8m.gin:LlamaConfig.sliding_window=None \\
+        --granularity=65536 --json=benchmarks/results/max_seqlen_gpu_window.json
 """
 
 import argparse
 import dataclasses
+import json
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
@@ -33,6 +46,7 @@ from benchmarks.max_seqlen import search  # noqa: E402
 from ulysses_jax.aot import gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_config  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
+from ulysses_jax.models.config import preset  # noqa: E402
 
 GIB = 2**30
 # Arctic Long Sequence Training, Llama-3.1-8B on H100s (arXiv 2506.13996): the longest sequence
@@ -51,15 +65,26 @@ def parse_case(spec: str) -> tuple[str, str, list[str]]:
   return parts[0], parts[1], parts[2:]
 
 
+def preset_checkpoint(name: str, directory: str) -> str:
+  """Writes preset ``name``'s Hugging Face ``config.json`` into ``directory`` (a checkpoint with
+  no weights: enough for a fine-tuning config's ``init_from`` when compiling); returns it."""
+  from ulysses_jax import hf
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf.config_to_hf(preset(name)), f)
+  return directory
+
+
 def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
             granularity: int, host_gb: float, max_len: int,
-            reserve_gib: float | None = None) -> dict:
+            reserve_gib: float | None = None, init_from: str = "") -> dict:
   """The row of one case: the longest fitting length and the compiled figures there; on
-  H100s also the predicted step at ALST's length for the GPU count."""
+  H100s also the predicted step at ALST's length for the GPU count. ``init_from``: the
+  checkpoint directory of a fine-tuning config (its model's shapes)."""
   slices, hosts, per_host = parse_topology(topology)
   num_gpus = slices * hosts * per_host
   reports = {}
-  config = gin_config.read([gin_file], gin_params)
+  bind = [f"TrainConfig.init_from = '{init_from}'"] if init_from else []
+  config = gin_config.read([gin_file], bind + gin_params)
 
   def compile_at(seq_len: int) -> dict:
     data = dataclasses.replace(config.data, seq_len=seq_len)
@@ -80,7 +105,9 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
   alst = ALST_H100.get(num_gpus) if gpu == "h100" else None
   row = {
       "gpu": gpu, "gpus": num_gpus, "topology": topology,
-      "config": " ".join([gin_file] + gin_params), "max_tokens": best,
+      "config": " ".join([gin_file] + gin_params),
+      "layer_windows": list(dict.fromkeys(config.model.layer_windows())),  # None: full
+      "max_tokens": best,
       "tokens_per_gpu": best // num_gpus, "first_failure": first_failure,
       "device_gib": r and r["device_bytes"] / GIB, "host_gib_per_gpu": r and r["host_bytes"] / GIB,
       "capacity_gib": r and r["device_capacity_bytes"] / GIB,
@@ -130,6 +157,9 @@ def main(argv=None) -> list[dict]:
   parser.add_argument("--reserve-gib", type=float, help="GPU memory left to the runtime, GiB "
                       "per GPU (default: the GPU table's, a tenth of the memory)")
   parser.add_argument("--max-len", type=int, default=2**31)
+  parser.add_argument("--init-from-preset", default="",
+                      help="for fine-tuning configs: their checkpoint (TrainConfig.init_from) "
+                           "is a directory holding only this preset's config.json, every case")
   parser.add_argument("--json", default="")
   parser.add_argument("--plot", default="", help="PNG path")
   args = parser.parse_args(argv)
@@ -139,21 +169,26 @@ def main(argv=None) -> list[dict]:
     gpus = args.gpu.split(",")
     for gpu in gpus:
       gpu_spec(gpu).with_reserve(args.reserve_gib)  # errors before any compile
+    if args.init_from_preset:
+      preset(args.init_from_preset)
   except ValueError as e:
     parser.error(str(e))
-  rows = [longest(gpu, *case, granularity=args.granularity, host_gb=args.host_gb,
-                  max_len=args.max_len, reserve_gib=args.reserve_gib)
-          for gpu in gpus for case in cases]
+  with tempfile.TemporaryDirectory() as checkpoint:
+    init_from = args.init_from_preset and preset_checkpoint(args.init_from_preset, checkpoint)
+    rows = [longest(gpu, *case, granularity=args.granularity, host_gb=args.host_gb,
+                    max_len=args.max_len, reserve_gib=args.reserve_gib, init_from=init_from)
+            for gpu in gpus for case in cases]
   criterion = (f"compiled for the GPUs (not run): device bytes <= the budget (the GPU's "
                f"memory less the runtime reserve), host bytes <= {args.host_gb:g} GB per GPU")
   print(f"fits = {criterion}; granularity {args.granularity:,} tokens per GPU; step times "
         "are roofline predictions, ALST's are measured")
-  common.print_table(rows, ["gpu", "gpus", "max_tokens", "tokens_per_gpu", "device_gib",
-                            "budget_gib", "host_gib_per_gpu", "predicted_step_s",
+  common.print_table(rows, ["gpu", "gpus", "layer_windows", "max_tokens", "tokens_per_gpu",
+                            "device_gib", "budget_gib", "host_gib_per_gpu", "predicted_step_s",
                             "alst_h100_tokens", "vs_alst", "alst_h100_step_s",
                             "predicted_step_s_at_alst"])
   if args.json:
-    common.write_json(args.json, rows, criterion=criterion)
+    common.write_json(args.json, rows, criterion=criterion,
+                      init_from_preset=args.init_from_preset or None)
   if args.plot:
     plot(rows, args.plot)
   return rows

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import comm_volume, kernel_resources, max_seqlen
-from ulysses_jax import hlo, make_mesh
+from ulysses_jax import aot, hlo, make_mesh
 from ulysses_jax.attention.baselines import ring_attention
 from ulysses_jax.kernels import flash_kernels
 
@@ -210,3 +210,41 @@ def test_sliding_window_benchmark_times_each_window_beside_full_causal(tmp_path)
   assert rows[1]["forward_ratio"] == rows[1]["flop_ratio"] == 1.0
   assert rows[0]["flop_ratio"] < 0.15 and rows[0]["forward_s"] > 0
   assert json.loads((tmp_path / "window.json").read_text())["seq_len"] == 1024
+
+
+def test_a_preset_checkpoint_gives_a_fine_tuning_case_its_model(tmp_path):
+  """``max_seqlen --gpu --init-from-preset``: configs/finetune_mistral7b_8gpu_8m.gin reads
+  Mistral-7B-v0.1's shapes and window from the preset's config.json; a case's gin param still
+  overrides a field (full attention, same shapes)."""
+  from benchmarks import max_seqlen_gpu
+  from ulysses_jax.cli import gin_config
+  checkpoint = max_seqlen_gpu.preset_checkpoint("mistral-7b-v0.1", str(tmp_path))
+  bind = [f"TrainConfig.init_from = '{checkpoint}'"]
+  gin_file = ["configs/finetune_mistral7b_8gpu_8m.gin"]
+  windowed = gin_config.read(gin_file, bind).model
+  full = gin_config.read(gin_file, bind + ["LlamaConfig.sliding_window = None"]).model
+  assert windowed.layer_windows() == (4096,) * 32 and full.layer_windows() == (None,) * 32
+  assert (windowed.hidden_dim, windowed.num_kv_heads) == (full.hidden_dim, full.num_kv_heads)
+  assert windowed.replace(sliding_window=None) == full
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not aot.cuda_plugin_installed(),
+                    reason="needs JAX's CUDA plugin (make test-gpu-compile)")
+def test_sliding_window_benchmark_counts_the_flops_compiled_for_an_h100():
+  """``--gpu=h100``: the windowed program runs the windowed Triton kernels, whose FLOPs the
+  cost walk counts by the window; the full one the causal kernels."""
+  from benchmarks import sliding_window
+  # The command line's precision: under conftest's "highest" the float32 Triton kernels take
+  # minutes to compile here (138 s against 13 s).
+  with jax.default_matmul_precision("default"):
+    rows = sliding_window.main(["--gpu=h100", "--seq_len", "2048", "--windows", "128"])
+  assert [(r["window"], r["backend"]) for r in rows] == [(128, "pallas"), ("full", "pallas")]
+  assert rows[0]["kernels"] == ("flash_attention_dkv_causal_window128 flash_attention_dq_causal"
+                                "_window128 flash_attention_forward_causal_window128")
+  assert "window" not in rows[1]["kernels"]
+  full_forward = 4 * 4 * 2048 * 2048 / 2 * 64  # 4 B Hq Sq Skv D, halved (causal)
+  assert rows[1]["forward_gflop"] * 1e9 == pytest.approx(full_forward)
+  # forward, dq and dk/dv kernels: 4 + 6 + 8 times B Hq Sq Skv D / 2, nothing else counted
+  assert rows[1]["fwd_bwd_gflop"] == pytest.approx((4 + 6 + 8) / 4 * rows[1]["forward_gflop"])
+  assert rows[0]["fwd_bwd_ratio"] == pytest.approx(rows[0]["flop_ratio"], rel=1e-3)

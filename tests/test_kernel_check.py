@@ -1,17 +1,20 @@
 """The attention kernel's self-check (``ulysses_jax.kernel_check``) and the first step's memory
 line, on CPU: our Pallas kernels in interpret mode must pass; a kernel made faulty here (its
-output perturbed, or raising) must fail, and the trainer must fall back and say so."""
+output perturbed, raising, or ignoring the sliding window) must fail, and the trainer must fall
+back and say so."""
 
 import json
 import logging
 import os
 
+import jax
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import kernel_check, metrics, train
+from ulysses_jax import kernel_check, make_mesh, metrics, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.attention import backends
+from ulysses_jax.models.config import LlamaConfig
 
 CASE = dict(head_dim=64, num_q_heads=4, num_kv_heads=2, causal=True, segment_ids_given=True)
 TINY = ["LlamaConfig.preset = 'tiny'", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
@@ -29,6 +32,27 @@ def faulty_pallas(monkeypatch):
     out = real(backend, *args, **kwargs)
     return out + jnp.asarray(0.25, out.dtype) if backend == "pallas" else out
   monkeypatch.setattr(backends, "local_attention", perturbed)
+
+
+@pytest.fixture
+def windowless_pallas(monkeypatch):
+  """The "pallas" backend ignoring the sliding window (full causal attention instead): wrong
+  only for windowed layers, and only where the window hides keys."""
+  real = backends.local_attention
+
+  def windowless(backend, *args, sliding_window=None, **kwargs):
+    return real(backend, *args, **kwargs,
+                sliding_window=None if backend == "pallas" else sliding_window)
+  monkeypatch.setattr(backends, "local_attention", windowless)
+
+
+def _mesh():
+  return make_mesh(data=1, seq=1, devices=jax.devices()[:1])
+
+
+def _tiny(**fields) -> LlamaConfig:
+  """The tiny preset (2 layers, head dim 16, 4 heads) with ``fields``."""
+  return LlamaConfig(preset="tiny", **fields)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -63,6 +87,83 @@ def test_a_kernel_that_raises_fails_with_its_error(monkeypatch):
   check = kernel_check.check_backend("pallas", dtype="bfloat16", **CASE)
   assert not check.passed and check.max_abs_diff is None
   assert check.error == "RuntimeError: Mosaic GPU lowering failed"
+
+
+def test_the_interpret_mode_kernels_pass_with_a_window():
+  check = kernel_check.check_backend("pallas", dtype="bfloat16", **CASE,
+                                     seq_len=kernel_check.WINDOW_CHECK_LEN,
+                                     sliding_window=kernel_check.WINDOW_STAND_IN)
+  assert check.passed and 0 < check.max_abs_diff < check.tolerance / 2, check
+
+
+def test_a_kernel_that_ignores_a_long_window_fails_the_stand_in_window(windowless_pallas,
+                                                                        caplog):
+  """Mistral's window (4,096) hides nothing from a check on 256 tokens, so a kernel ignoring it
+  passes there; the windowed check (a window of 200 on 1,024 tokens) catches it and the layers
+  fall back to XLA."""
+  assert kernel_check.check_backend("pallas", dtype="float32", **CASE,
+                                    sliding_window=4096).passed
+  with caplog.at_level(logging.INFO, logger="ulysses_jax"):
+    settled = kernel_check.settle(_tiny(sliding_window=4096, attention_backend="pallas"),
+                                  _mesh())
+  [check] = settled.checks
+  assert check.case == "sliding window 4096 (checked with window 200 on 1,024 tokens)"
+  assert not check.passed and check.max_abs_diff > 10 * check.tolerance
+  assert settled.backend == "xla" and settled.by_case == (("sliding window 4096", "xla"),)
+  assert settled.record()["kernel_check"].startswith(
+      "sliding window 4096 (checked with window 200 on 1,024 tokens): pallas FAILED")
+  assert "sliding window 4096" in settled.choice.reason
+  warning = next(r.message for r in caplog.records if "self-check" in r.message)
+  assert warning.startswith("attention kernel self-check: sliding window 4096 (checked with "
+                            "window 200 on 1,024 tokens): pallas FAILED")
+  assert warning.endswith("falling back to xla")
+
+
+def test_mixed_layers_check_both_attentions_and_run_one_backend_that_passes_both(
+    windowless_pallas, caplog):
+  """Full and windowed layers (window 64: checked as it is): pallas passes the full attention,
+  fails the windowed one; the model runs one backend, so both run XLA."""
+  config = _tiny(sliding_window=64, layer_types=("sliding_attention", "full_attention"),
+                 attention_backend="pallas")
+  with caplog.at_level(logging.INFO, logger="ulysses_jax"):
+    settled = kernel_check.settle(config, _mesh())
+  assert [(c.case, c.backend, c.passed) for c in settled.checks] == [
+      ("sliding window 64 (checked on 1,024 tokens)", "pallas", False),
+      ("full attention", "pallas", True)]
+  assert settled.backend == "xla"
+  assert settled.by_case == (("sliding window 64", "xla"), ("full attention", "xla"))
+  assert settled.model_config(config).attention_backend == "xla"
+  assert ("the layers run one backend, xla, the first that passes sliding window 64 and full "
+          "attention (each alone: xla for sliding window 64, pallas for full attention)"
+          in caplog.text)
+  record = settled.record()
+  assert record["attention_backends"] == "sliding window 64: xla; full attention: xla"
+  assert record["kernel_check"].startswith(
+      "sliding window 64 (checked on 1,024 tokens): pallas FAILED: max |difference|")
+  assert "; full attention: pallas passed" in record["kernel_check"]
+
+
+def test_mixed_layers_run_auto_when_each_attention_passes_its_own_pick(monkeypatch):
+  """Where "auto" picks one kernel for the full layers and another for the windowed ones (as
+  on Hopper: Mosaic, and Triton for windows; here XLA and pallas), and each passes, every layer
+  keeps its pick: the model runs "auto"."""
+  real = backends.choose_backend
+
+  def triton_for_windows(**kwargs):
+    if kwargs.get("sliding_window") is None:
+      return real(**kwargs)
+    return backends.BackendChoice("pallas", "pallas for windows (this test)", ("xla",))
+  monkeypatch.setattr(backends, "choose_backend", triton_for_windows)
+  config = _tiny(sliding_window=300, layer_types=("full_attention", "sliding_attention"))
+  settled = kernel_check.settle(config, _mesh())
+  assert settled.backend == "auto" and settled.model_config(config).attention_backend == "auto"
+  assert settled.by_case == (("full attention", "xla"), ("sliding window 300", "pallas"))
+  [check] = settled.checks  # XLA, the reference, is not checked
+  assert check.passed and check.case == "sliding window 300 (checked on 1,024 tokens)"
+  assert settled.record()["attention_backends"] == (
+      "full attention: xla; sliding window 300: pallas")
+  assert settled.choice.reason.startswith("full attention layers: the XLA chunked attention")
+  assert "; sliding window 300 layers: pallas for windows (this test)" in settled.choice.reason
 
 
 def _first_record(workdir):

@@ -217,6 +217,14 @@ def test_cost_counts_ops_per_launch_and_loop_trips():
   assert ops["q"].flops == 0
 
 
+def test_cost_reads_a_windowed_kernel_also_as_the_outermost_transformed_call():
+  hlo = _HLO.replace('op_name="jit(f)/flash_attention_forward_causal/pallas_call"',
+                     'op_name="jit(f)/jvp(flash_attention_forward_causal_window64)/pallas_call"')
+  (att,) = [op for op in aot.cost.operations(hlo) if op.name == "att"]
+  keys = 64 - 64 ** 2 / (2 * 256)  # reference.mean_visible_keys(256, 64)
+  assert att.flops == 4 * 1 * 4 * 256 * keys * 64
+
+
 _HLO_CONDITIONAL = """\
 %small (p: bf16[64,128]) -> bf16[64,32] {
   %p = bf16[64,128]{1,0} parameter(0)

@@ -37,7 +37,8 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "afte
 _COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(-start|-done)?$|-done$")
 # Our kernels' names (a Triton pallas_call's name; a Mosaic kernel's enclosing scope).
-_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?(?:_window(\d+))?/")
+# The kernel's name scope ends in "/" (or in ")" when a transform such as jvp wraps it).
+_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?(?:_window(\d+))?[/)]")
 _FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
 
 

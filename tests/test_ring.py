@@ -78,6 +78,25 @@ def test_pallas_backend_matches_dense_reference(attention, mesh_shape, shape, ca
                            tol=F32_TOL)
 
 
+# The Pallas kernels in a windowed ring (W <= S/R, natural layout): the own block under the
+# window, and the previous device's tail reversed into a causal attention. Windows of 2 (one
+# tail key), across device boundaries, and exactly S/R; padded lengths, packed segments.
+@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window", [
+    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 16), 3, 5),       # S/R = 8, GQA, packed
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), 4, 10),   # hybrid, MQA, S/R = 40/4 = W
+    (ring_attention, (1, 4, 1), (1, 44, 2, 2, 16), 0, 2),       # one key of the previous tail
+])
+def test_pallas_backend_in_a_windowed_ring_matches_dense_reference(attention, mesh_shape, shape,
+                                                                   num_segments, window):
+  mesh = _mesh(*mesh_shape)
+  q, k, v, d_out, segment_ids = random_inputs(8, *shape, num_segments=num_segments)
+  fn = lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=segment_ids, backend="pallas",
+                                 sliding_window=window)
+  assert f"flash_attention_forward_causal_window{window}" in str(jax.make_jaxpr(fn)(q, k, v))
+  assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           tol=F32_TOL, sliding_window=window)
+
+
 def test_the_mosaic_backend_runs_its_kernels_in_every_ring_step():
   """The wiring only, as for plain Ulysses (tests/test_flash_attention.py: GPU interpret mode
   deadlocks when eight devices each simulate three warpgroups): each step case of the forward
@@ -231,9 +250,9 @@ def test_mesh_axes():
     (lambda q, m: ulysses.ulysses_attention(q, q, q, mesh=m),
      r"is plain Ulysses and takes no ring, got a mesh with ring=4; call "
      r"ulysses_jax.ulysses_attention"),
-    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="pallas", sliding_window=4),
-     r"sliding_window \(4\) inside ring attention needs backend='xla' or 'auto', got "
-     r"'pallas'"),
+    (lambda q, m: ulysses_attention(q, q, q, mesh=m, backend="pallas", sliding_window=5),
+     r"sliding_window \(5\) inside ring attention needs backend='xla' or 'auto', got "
+     r"'pallas': with a window over a ring device's 4 tokens"),
     (lambda q, m: ring_attention(q, q, q, mesh=m, causal=False, sliding_window=4),
      r"sliding_window \(4\) needs causal=True"),
 ])

@@ -101,6 +101,8 @@ def test_auto_backend_with_a_window_on_gpus(monkeypatch):
   with jax.sharding.use_abstract_mesh(AbstractMesh((1, 8), (DATA, SEQ), abstract_device=device)):
     plain = backends.choose_backend(**case, ring_attention=False)
     ring = backends.choose_backend(**case, ring_attention=True)
+    two_steps = backends.choose_backend(**case, ring_attention=True,
+                                        ring_window_in_two_steps=True)
     monkeypatch.setattr(fa, "SLIDING_WINDOW_KERNELS", ("triton", "mosaic"))
     both = backends.choose_backend(**case, ring_attention=False)
   assert (plain.backend, plain.fallbacks) == ("pallas", ("cudnn", "xla"))
@@ -108,6 +110,7 @@ def test_auto_backend_with_a_window_on_gpus(monkeypatch):
   assert "does not support sliding_window (256)" in plain.reason
   assert (ring.backend, ring.fallbacks) == ("xla", ())
   assert "ring attention cannot use it with sliding_window" in ring.reason
+  assert (two_steps.backend, two_steps.fallbacks) == ("pallas", ("xla",))  # cudnn: no ring
   assert (both.backend, both.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
 
 

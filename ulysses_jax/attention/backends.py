@@ -46,8 +46,9 @@ NOT_IN_RING = {"cudnn": "it merges partial results by log-sum-exp, which cuDNN's
 _HALF_DTYPES = ("bfloat16", "float16")
 # The kernel (``flash_attention``'s forward_kernel/backward_kernel) each Pallas backend runs.
 _KERNEL_OF = {"pallas": "triton", "pallas_mosaic": "mosaic"}
-# Why ring attention cannot use a backend with a sliding window.
-NOT_IN_RING_WITH_WINDOW = "its kernels take no positions, which a window across ring steps needs"
+# Why ring attention cannot use a backend with a sliding window over more than one ring step.
+NOT_IN_RING_WITH_WINDOW = ("its kernels take no positions, which a window reaching further "
+                           "than the previous ring device needs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,8 @@ class BackendChoice:
 def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int, causal: bool,
                    segment_ids_given: bool, mesh: Mesh | None = None,
                    ring_attention: bool | None = None,
-                   sliding_window: int | None = None) -> BackendChoice:
+                   sliding_window: int | None = None,
+                   ring_window_in_two_steps: bool = False) -> BackendChoice:
   """The backend ``"auto"`` runs for these inputs on ``mesh``'s devices (default: the enclosing
   mesh context, else JAX's first device), and why.
 
@@ -70,7 +72,9 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
   Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
   named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``)
-  skips the backends that cannot apply the window.
+  skips the backends that cannot apply the window; inside ring attention that is every kernel
+  unless ``ring_window_in_two_steps`` (``ring.window_in_two_steps``: W within a ring device's
+  tokens, natural layout), which the caller knows from the sequence length.
   """
   check_sliding_window(sliding_window, causal)
   if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -95,7 +99,8 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
       why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
     if ring_attention and backend in NOT_IN_RING:
       why = f"ring attention cannot use it: {NOT_IN_RING[backend]}"
-    if ring_attention and sliding_window is not None and backend in _KERNEL_OF:
+    if (ring_attention and sliding_window is not None and backend in _KERNEL_OF
+        and not ring_window_in_two_steps):
       why = f"ring attention cannot use it with sliding_window: {NOT_IN_RING_WITH_WINDOW}"
     if why:
       skipped.append(f"not {KERNEL_NAMES[backend]}: {why}")

@@ -58,10 +58,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                                      sliding_window=sliding_window, **args)
   validate_inputs(q, k, v, **args)
   zigzag.check_layout(layout, q.shape[1], ring_size(mesh), mesh.shape[SEQ])
+  padded = (zigzag.padded_length(q.shape[1], ring_size(mesh), mesh.shape[SEQ])
+            if layout == "natural" else q.shape[1])
   backend = ring.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,
                                  segment_ids_given=segment_ids is not None, mesh=mesh,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, layout=layout,
+                                 local_len=padded // ring_size(mesh))
   return _hybrid_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
                            scale=None if scale is None else float(scale), layout=layout,
                            sliding_window=sliding_window)

@@ -36,12 +36,16 @@ layout, so the attention itself is layout-agnostic:
 
 Without a causal mask the ring is balanced as is and the layout does not matter.
 
-**Sliding window** (``sliding_window=W``, causal, ``"xla"`` only: the flash kernels take no
-positions). The ring distances some query's window reaches are known statically from W, S/R,
-R and the layout (``_Ring.window_sources``); each device fetches those K/V blocks directly,
-one ``ppermute`` of that shift from the owner's own K/V, and no other step runs or moves data
-(the backward fetches them again and sends their dK/dV back the same way). With W <= S/R the
-natural layout is kept (the window balances the work) and needs shifts 0 and 1 only.
+**Sliding window** (``sliding_window=W``, causal). The ring distances some query's window
+reaches are known statically from W, S/R, R and the layout (``_Ring.window_sources``); each
+device fetches those K/V blocks directly, one ``ppermute`` of that shift from the owner's own
+K/V, and no other step runs or moves data (the backward fetches them again and sends their
+dK/dV back the same way). With W <= S/R the natural layout is kept (the window balances the
+work) and needs shifts 0 and 1 only; there the flash kernels run too (``window_in_two_steps``):
+shift 0 is the own block under the window, and of the previous device's block only the last
+W - 1 keys are seen, by the first W - 1 queries, query i the tail keys j >= i: reversing both
+makes that a plain causal attention. With W > S/R (zigzag, every distance a window reaches)
+the kernels would need positions they do not take, so only ``"xla"`` runs.
 
 **Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
 whole block, masking by global positions. ``"pallas"`` (``"pallas_mosaic"``) runs the Triton
@@ -74,26 +78,41 @@ from ulysses_jax.mesh import DATA, sequence_axes
 
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                     causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
-                    sliding_window: int | None = None) -> str:
+                    sliding_window: int | None = None, layout: Layout = "natural",
+                    local_len: int | None = None) -> str:
   """The ring's local attention: ``"xla"``, ``"pallas"`` or ``"pallas_mosaic"`` (``"auto"``:
   ``choose_backend``'s pick for ring attention: our Mosaic kernels on Hopper GPUs, the Triton
-  ones on other GPUs; ``"xla"`` with a ``sliding_window``)."""
+  ones on other GPUs; ``"xla"`` for a ``sliding_window`` the kernels cannot run in a ring,
+  see ``window_in_two_steps`` with ``layout`` and ``local_len``, the tokens per ring device)."""
   check_sliding_window(sliding_window, causal)
   if backend in backends.NOT_IN_RING:
     raise ValueError(f"ring attention supports backend 'auto', 'xla', 'pallas' or "
                      f"'pallas_mosaic', got {backend!r}: {backends.NOT_IN_RING[backend]}.")
-  if sliding_window is not None and backend not in ("auto", "xla"):
-    raise ValueError(f"sliding_window ({sliding_window}) inside ring attention needs "
-                     f"backend='xla' or 'auto', got {backend!r}: "
-                     f"{backends.NOT_IN_RING_WITH_WINDOW}.")
+  in_two_steps = window_in_two_steps(sliding_window, layout, local_len)
+  if sliding_window is not None and not in_two_steps and backend not in ("auto", "xla"):
+    raise ValueError(
+        f"sliding_window ({sliding_window}) inside ring attention needs backend='xla' or "
+        f"'auto', got {backend!r}: with a window over a ring device's {local_len} tokens or "
+        f"the zigzag layout (here {layout!r}) {backends.NOT_IN_RING_WITH_WINDOW}. The kernels "
+        f"run a window of at most {local_len} tokens in the natural layout.")
   if backend == "auto":
-    return backends.choose_backend(dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads,
-                                   num_kv_heads=num_kv_heads, causal=causal,
-                                   segment_ids_given=segment_ids_given, mesh=mesh,
-                                   ring_attention=True, sliding_window=sliding_window).backend
+    return backends.choose_backend(
+        dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        causal=causal, segment_ids_given=segment_ids_given, mesh=mesh, ring_attention=True,
+        sliding_window=sliding_window, ring_window_in_two_steps=in_two_steps).backend
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
                                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                                  causal=causal, segment_ids_given=segment_ids_given, mesh=mesh)
+                                  causal=causal, segment_ids_given=segment_ids_given, mesh=mesh,
+                                  sliding_window=sliding_window)
+
+
+def window_in_two_steps(sliding_window: int | None, layout: Layout,
+                        local_len: int | None) -> bool:
+  """Whether a ring with ``sliding_window`` keeps the natural layout and needs only each
+  device's own and previous block (W <= S/R = ``local_len``, inputs in natural order): the
+  windowed rings the flash kernels run (module docstring)."""
+  return (sliding_window is not None and layout == "natural" and local_len is not None
+          and sliding_window <= local_len)
 
 
 # --- The ring -------------------------------------------------------------------------------
@@ -107,7 +126,7 @@ class _Ring:
   scale: float | None
   block: int
   backend: str  # "xla", "pallas" or "pallas_mosaic"
-  window: int | None = None  # sliding_window (xla only)
+  window: int | None = None  # sliding_window
   zigzag: bool = True  # the blocks are in zigzag layout (causal rings only)
 
   @property
@@ -167,7 +186,8 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
 
   The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
   ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None. ``backend``
-  is resolved (``resolve_backend``, ``"xla"`` with a ``sliding_window``).
+  is resolved (``resolve_backend``: ``"xla"`` for a ``sliding_window`` unless
+  ``window_in_two_steps``).
 
   With a ``sliding_window`` W each device fetches only the K/V blocks some of its queries
   see, each by one ``ppermute`` from its owner (``_Ring.window_sources``), and the natural
@@ -176,9 +196,13 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
   local_len = q_BsHD.shape[1]
   chunk = local_len // 2
   block = max(b for b in range(1, min(chunk, zigzag.MAX_BLOCK) + 1) if chunk % b == 0)
-  natural_window = sliding_window is not None and sliding_window <= local_len
+  natural = window_in_two_steps(sliding_window, layout, local_len)
+  if sliding_window is not None and backend != "xla" and not natural:
+    raise ValueError(f"ring attention with sliding_window ({sliding_window}) over "
+                     f"{local_len} tokens per device in the {layout} layout needs backend "
+                     f"'xla', got {backend!r} (resolve_backend).")
   ring = _Ring(axis_name, ring_size, causal, scale, block, backend, sliding_window,
-               zigzag=layout == "zigzag" or not natural_window)
+               zigzag=not natural)
   exchange = causal and layout == "natural" and ring_size > 1 and ring.zigzag
   if exchange:
     q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
@@ -191,6 +215,8 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
 def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
   """Local attention of this device's queries to the K/V block held at ``step``: the partial
   output ``[B, S/R, H, D]`` and its lse ``[B, H, S/R]``."""
+  if ring.backend != "xla" and ring.window is not None:
+    return _flash_window_step(ring, q, k, v, q_seg, kv_seg, step)
   if ring.backend != "xla":
     return _flash_step(ring, q, k, v, q_seg, kv_seg, step)
   local_len = q.shape[1]
@@ -280,6 +306,68 @@ def _flash_step(ring, q, k, v, q_seg, kv_seg, step):
                                              from_later])
 
 
+# A windowed ring in the natural layout with the flash kernels (module docstring): at shift 1
+# the first W - 1 queries and the previous block's last W - 1 keys, both reversed, are a causal
+# attention. None (no segment ids) passes through.
+
+def _head(x, n, axis=1):
+  return None if x is None else lax.slice_in_dim(x, 0, n, axis=axis)
+
+
+def _tail(x, n, axis=1):
+  return None if x is None else lax.slice_in_dim(x, x.shape[axis] - n, x.shape[axis], axis=axis)
+
+
+def _reversed(x, axis=1):
+  return None if x is None else jnp.flip(x, axis)
+
+
+def _padded_to(x, length, fill=0.0, at_start=False, axis=1):
+  """``x`` padded with ``fill`` along ``axis`` to ``length`` (at its end, or its start)."""
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (length - x.shape[axis], 0) if at_start else (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=fill)
+
+
+def _has_previous_block(ring):
+  """Device 0 of a natural-layout ring has no previous block (its shift-1 fetch is zeros)."""
+  return lax.axis_index(ring.axis_name) > 0
+
+
+def _flash_window_step(ring, q, k, v, q_seg, kv_seg, shift):
+  """Partial output and lse of a windowed ring step (``shift`` 0 or 1) with the kernels."""
+  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True,
+                            forward_kernel=ring.kernel, backward_kernel=ring.kernel)
+  if shift == 0:
+    return flash(q, k, v, causal=True, segment_ids=q_seg, kv_segment_ids=kv_seg,
+                 sliding_window=ring.window)
+  n, s = ring.window - 1, q.shape[1]
+  out, lse = flash(_reversed(_head(q, n)), _reversed(_tail(k, n)),
+                   _reversed(_tail(v, n)), causal=True, segment_ids=_reversed(_head(q_seg, n)),
+                   kv_segment_ids=_reversed(_tail(kv_seg, n)))
+  seen = _has_previous_block(ring)
+  out = jnp.where(seen, _padded_to(_reversed(out), s), 0).astype(q.dtype)
+  lse = jnp.where(seen, _padded_to(_reversed(lse, 2), s, -jnp.inf, axis=2), -jnp.inf)
+  return out, lse
+
+
+def _flash_window_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, shift):
+  """``_flash_window_step``'s (dq, dk, dv), given the global out and lse."""
+  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype,
+                            kernel=ring.kernel)
+  if shift == 0:
+    return grads(q, k, v, out, lse, d_out, causal=True, segment_ids=q_seg,
+                 kv_segment_ids=kv_seg, sliding_window=ring.window)
+  n, s = ring.window - 1, q.shape[1]
+  head = lambda x, axis=1: _reversed(_head(x, n, axis), axis)
+  dq, dk, dv = grads(head(q), _reversed(_tail(k, n)), _reversed(_tail(v, n)), head(out),
+                     head(lse, 2), head(d_out), causal=True, segment_ids=head(q_seg),
+                     kv_segment_ids=_reversed(_tail(kv_seg, n)))
+  seen = _has_previous_block(ring)
+  return (jnp.where(seen, _padded_to(_reversed(dq), s), 0),
+          *(jnp.where(seen, _padded_to(_reversed(g), s, at_start=True), 0) for g in (dk, dv)))
+
+
 def _merge(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS):
   """Combines two partial softmax results by their log-sum-exps (float32)."""
   lse = jnp.logaddexp(lse_BHS, part_lse_BHS)
@@ -329,6 +417,8 @@ def _forward_rule(ring, q, k, v, segment_ids):
 
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
   """(dq, dk, dv) of one step's tile given the GLOBAL out and lse (summed over steps: exact)."""
+  if ring.backend != "xla" and ring.window is not None:
+    return _flash_window_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   if ring.backend != "xla":
     return _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   b, s = q.shape[:2]
@@ -439,20 +529,24 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     layout: ``"natural"`` or ``"zigzag"`` (see the module docstring); with ``"zigzag"`` the
       inputs and output are in ``zigzag.to_zigzag(., R)`` order and S must be a multiple of 2R.
     sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
-      global position p sees the keys at p' with ``0 <= p - p' < W``. Needs backend ``"xla"``
-      (``"auto"`` picks it); the ring then moves only the K/V blocks some window reaches.
+      global position p sees the keys at p' with ``0 <= p - p' < W``; the ring then moves only
+      the K/V blocks some window reaches. The flash kernels run it for W <= S/R in the natural
+      layout (``window_in_two_steps``), else it needs ``"xla"`` (``"auto"`` picks it).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
     ``zigzag.padded_length(S, R)`` (natural layout) and the padding masked.
   """
   validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
+  axes = sequence_axes(mesh)
+  ring_size = math.prod(mesh.shape[a] for a in axes)
+  zigzag.check_layout(layout, q.shape[1], ring_size)
+  padded = zigzag.padded_length(q.shape[1], ring_size) if layout == "natural" else q.shape[1]
   backend = resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3], num_q_heads=q.shape[2],
                             num_kv_heads=k.shape[2], causal=causal,
                             segment_ids_given=segment_ids is not None, mesh=mesh,
-                            sliding_window=sliding_window)
-  axes = sequence_axes(mesh)
-  zigzag.check_layout(layout, q.shape[1], math.prod(mesh.shape[a] for a in axes))
+                            sliding_window=sliding_window, layout=layout,
+                            local_len=padded // ring_size)
   return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
                          scale=None if scale is None else float(scale), layout=layout,
                          backend=backend, sliding_window=sliding_window)

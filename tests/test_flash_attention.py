@@ -223,6 +223,32 @@ def test_sliding_window_ranges_skip_only_hidden_blocks(seq_len, block_q, block_k
       assert int(n_visible) - int(first) <= -(-(block_q + window) // block_kv) + 1, qb
 
 
+@pytest.mark.parametrize("seq_len,block_q,block_kv,window",
+                         [(200, 16, 32, 7), (200, 32, 16, 40), (256, 64, 64, 1),
+                          (100, 16, 16, 300), (456, 64, 128, 130), (200, 16, 32, None)])
+def test_query_block_ranges_skip_only_hidden_blocks(seq_len, block_q, block_kv, window):
+  """The dk/dv kernels' ranges (Triton and Mosaic), per key block: query blocks outside [lo,
+  end) see none of its keys (or are padding), those in [mid, plain_end) all of them; with a
+  window a key block is seen by about (block_kv + W) / block_q query blocks, not all after it."""
+  plan = choose_tiles(seq_len, 64, causal=True, scale=1.0, interpret=True, block_q=block_q,
+                      block_kv=block_kv, sliding_window=window)
+  mask = np.array(attention_mask(plan.padded_len, plan.padded_len, causal=True,
+                                  sliding_window=window))[0]
+  mask[seq_len:] = False  # padded queries add nothing
+  for kb in range(plan.padded_len // block_kv):
+    lo, mid, plain_end, end = (int(x) for x in flash_kernels.q_block_ranges(
+        plan, kb * block_kv, block_kv, block_q))
+    assert lo <= mid <= plain_end <= end, (kb, lo, mid, plain_end, end)
+    tiles = mask[:, kb * block_kv:(kb + 1) * block_kv].reshape(-1, block_q, block_kv)
+    seen = tiles.any(axis=(1, 2)).nonzero()[0]
+    if seen.size:
+      assert lo <= seen.min() and seen.max() < end, kb
+    real = (np.arange(len(tiles)) + 1) * block_q <= seq_len  # query blocks without padding
+    assert tiles[mid:plain_end][real[mid:plain_end]].all(), kb
+    if window is not None:
+      assert end - lo <= -(-(block_kv + window) // block_q) + 1, kb
+
+
 # A window of 11 crosses the 16-token shards and the kernels' blocks.
 @pytest.mark.parametrize("window", [None, 11])
 def test_through_ulysses_attention_on_8_devices(window):
@@ -278,9 +304,6 @@ def test_block_plan_per_head_dim_and_generation():
           v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), backward_kernel="mosaic", block_kv=64),
      r"backward_kernel='mosaic' needs block_q a multiple of 128 and block_kv a multiple of 128, "
      r"got None and 64"),
-    (dict(q=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), k=jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
-          v=jnp.zeros((1, 8, 2, 64), jnp.bfloat16), forward_kernel="mosaic", sliding_window=4),
-     r"forward_kernel='mosaic' does not take a sliding_window \(got 4\) yet"),
     (dict(sliding_window=4, causal=False), r"sliding_window \(4\) needs causal=True"),
     (dict(sliding_window=0), "sliding_window must be a positive int"),
 ])
@@ -313,6 +336,51 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
   _check_against_reference(q, k, v, d_out, causal=causal,
                            segment_ids=segment_ids if segments else None, tol=BF16_TOL,
                            forward_kernel="mosaic", backward_kernel="mosaic")
+
+
+# The Hopper kernels with a sliding window, against the dense reference: 400 tokens (four
+# 128-row tiles, the last partly padding), GQA, packed segments crossing tiles; windows of one
+# key, inside a key block (50), across block edges and not a block multiple (200), and longer
+# than the sequence (as causal). Forward blocks: 128 keys; dq: 64 keys; dk/dv: 64 queries.
+# Slow like the Mosaic tests above (about 10 s each on jax 0.12, 60 s on jax 0.10).
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [1, 50, 200, 1000])
+def test_mosaic_kernels_with_a_sliding_window_match_reference(window):
+  q, k, v, d_out, segment_ids = random_inputs(13, 1, 400, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=3)
+  _check_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           sliding_window=window, tol=BF16_TOL, forward_kernel="mosaic",
+                           backward_kernel="mosaic")
+
+
+@pytest.mark.slow
+def test_mosaic_kernels_skip_the_blocks_outside_the_window():
+  """Blocks no query of a CTA sees through the window are neither copied nor computed: NaN
+  there (where 0 * NaN would poison the result) cannot leak into that CTA's rows."""
+  q, k, v, d_out, _ = random_inputs(14, 1, 512, 1, 1, 64, dtype=jnp.bfloat16)
+  d_lse = jnp.zeros((1, 1, 512))
+  window = 64
+  flash = lambda q, k, v: flash_attention(q, k, v, causal=True, sliding_window=window,
+                                          return_lse=True, forward_kernel="mosaic",
+                                          backward_kernel="mosaic")
+  f32 = lambda x: x.astype(jnp.float32)
+  dense = lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=window,
+                                          return_lse=True)
+  expected = _outputs_and_grads(dense, f32(q), f32(k), f32(v), f32(d_out), d_lse)
+  # Query rows from 384 on (the last 128-row tile) see keys from 321 on: the forward (blocks of
+  # 128 keys) and dq (blocks of 64) must not touch keys before 256.
+  poisoned = lambda x: x.at[:, :256].set(jnp.nan)
+  out, lse, dq, _, _ = _outputs_and_grads(flash, q, poisoned(k), poisoned(v), d_out, d_lse)
+  for name, actual, wanted in (("out", out[:, 384:], expected[0][:, 384:]),
+                               ("lse", lse[:, :, 384:], expected[1][:, :, 384:]),
+                               ("dq", dq[:, 384:], expected[2][:, 384:])):
+    assert relative_error(actual, wanted) < BF16_TOL, name
+  # Keys 0-127 (the first dk/dv CTA) are seen by queries up to 190 only: query blocks of 64
+  # rows from 192 on must not be streamed.
+  _, _, _, dk, dv = _outputs_and_grads(flash, q.at[:, 192:].set(jnp.nan), k, v, d_out, d_lse)
+  for name, actual, wanted in (("dk", dk[:, :128], expected[3][:, :128]),
+                               ("dv", dv[:, :128], expected[4][:, :128])):
+    assert relative_error(actual, wanted) < BF16_TOL, name
 
 
 # Rows that see no key (lse -inf) through either backward after the Mosaic forward.
@@ -391,12 +459,14 @@ def test_gpu_interpret_mode_runs_the_hardware_forms_the_interpreter_can():
   assert ("layout_cast" in trace) == flash_hopper.interpreter_runs("layout_cast")
 
 
-@pytest.mark.parametrize("head_dim,causal,segments", [
-    (64, True, True), (128, True, False), (128, False, True), (256, False, False)])
-def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):
+@pytest.mark.parametrize("head_dim,causal,segments,window", [
+    (64, True, True, None), (128, True, False, None), (128, False, True, None),
+    (256, False, False, None), (128, True, True, 300)])
+def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
   """The hardware path (wgmma from registers, register layouts) of the forward and (head dims
   64, 128) both backward kernels through Mosaic GPU's lowering, which rejects layouts it cannot
-  realise; compiling and running it needs an H100/H200."""
+  realise; compiling and running it needs an H100/H200. With a window the block ranges and
+  the masks are traced values too."""
   backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
   q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.bfloat16)
@@ -404,7 +474,8 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments):
 
   def loss(q, k, v, ids):
     out = flash_attention(q, k, v, causal=causal, segment_ids=ids, interpret=False,
-                          forward_kernel="mosaic", backward_kernel=backward)
+                          forward_kernel="mosaic", backward_kernel=backward,
+                          sliding_window=window)
     return out.astype(jnp.float32).sum()
   with lowering_target(90):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(

@@ -35,7 +35,7 @@ B, HQ, HKV, D = 1, 32, 8, 128  # Llama-3.1-8B's attention
 GIB = 2**30
 
 
-def _compile_attention(mesh, seq_len, grad, packed=False):
+def _compile_attention(mesh, seq_len, grad, packed=False, sliding_window=None):
   """The compiled GPU program of ``ulysses_attention`` with the default backend on bfloat16
   ``[B, S, Hq | Hkv, D]`` inputs sharded over the mesh's sequence axes: the output, and with
   ``grad`` also the input cotangents of an output cotangent (a training step's use); with
@@ -45,7 +45,8 @@ def _compile_attention(mesh, seq_len, grad, packed=False):
   kv = jax.ShapeDtypeStruct((B, seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
   ids = jax.ShapeDtypeStruct((B, seq_len), jnp.int32,
                              sharding=NamedSharding(mesh, P(None, sequence_axes(mesh))))
-  attend = lambda q, k, v, ids=None: ulysses_attention(q, k, v, mesh=mesh, segment_ids=ids)
+  attend = lambda q, k, v, ids=None: ulysses_attention(q, k, v, mesh=mesh, segment_ids=ids,
+                                                       sliding_window=sliding_window)
   args = (q, kv, kv) + ((ids,) if packed else ())
   if not grad:
     return jax.jit(attend).lower(*args).compile()
@@ -85,6 +86,22 @@ def test_default_backend_compiles_gqa_causal_packed_attention_to_mosaic_kernels_
   text = _compile_attention(mesh, 8192, grad=True, packed=True).as_text()
   assert text.count(MOSAIC) >= 3, text.count(MOSAIC)  # forward, dq, dk/dv
   assert TRITON not in text and "__cudnn$" not in text
+
+
+def test_windowed_attention_compiles_to_mosaic_kernels_whose_flops_the_cost_model_reads():
+  """A sliding window: "auto" still picks the Mosaic kernels on Hopper, and ``aot.cost`` reads
+  each one's windowed FLOPs from its name (``flash_attention_dq_causal_window1000``)."""
+  from ulysses_jax.aot import cost
+  from ulysses_jax.attention.reference import mean_visible_keys
+  s, window = 8192, 1000
+  mesh = make_mesh(seq=8, devices=aot.gpu_devices("h100", "1x1x8"))
+  text = _compile_attention(mesh, s, grad=True, packed=True, sliding_window=window).as_text()
+  assert text.count(MOSAIC) >= 3 and TRITON not in text
+  assert "flash_attention_dkv_causal_window1000/" in text
+  kernels = [op for op in cost.operations(text) if op.kind == "custom-call" and op.flops]
+  # forward 4, dq 6, dk/dv 8 x B x (Hq / 8 per device) x S x (keys seen) x D
+  wanted = (4 + 6 + 8) * B * (HQ // 8) * s * mean_visible_keys(s, window) * D
+  assert sum(op.count * op.flops for op in kernels) == pytest.approx(wanted)
 
 
 def test_ulysses_attention_compiles_for_b200():
@@ -266,11 +283,11 @@ def test_every_shipped_gpu_config_fits_the_cluster_its_header_names(tmp_path, co
 
 
 @pytest.mark.slow
-def test_sliding_window_finetune_config_fits_and_runs_windowed_triton_kernels(tmp_path):
+def test_sliding_window_finetune_config_fits_and_runs_windowed_mosaic_kernels(tmp_path):
   """configs/finetune_mistral7b_8gpu_8m.gin on one 8-H100 node, the model from Mistral-7B-v0.1's
   config.json (a 4,096-token window on every layer): it fits the budget, every attention call
-  is a windowed Triton kernel (the Mosaic kernels take no window yet), and the step's compiled
-  FLOPs are a fraction of what full causal attention over 8M tokens would take."""
+  is a windowed Mosaic kernel ("auto" on Hopper), and the step's compiled FLOPs are a fraction
+  of what full causal attention over 8M tokens would take."""
   from ulysses_jax import hf, metrics
   from ulysses_jax.models.config import preset
   checkpoint = tmp_path / "mistral7b"
@@ -281,7 +298,7 @@ def test_sliding_window_finetune_config_fits_and_runs_windowed_triton_kernels(tm
                    "--gin_file=configs/finetune_mistral7b_8gpu_8m.gin",
                    f"--gin_param=TrainConfig.init_from='{checkpoint}'")
   assert status == 0 and r["fits"]
-  assert r["kernels"]["triton"] > 0 and r["kernels"]["mosaic"] == 0
+  assert r["kernels"]["mosaic"] >= 3 and not r["kernels"]["triton"]
   seq_len = 8 * 2**20
   full = metrics.flops_per_token(config.replace(sliding_window=None), seq_len) * seq_len / 8
   assert r["flops"] < full / 5

@@ -3,7 +3,8 @@
 The detector checks every shared-memory access of the simulated warpgroups and TMA copies
 against the barriers, telling the generic proxy from the async one (``hopper_interpret``); it
 raises on the first race. Each case streams enough blocks that every kernel's ring of slots
-wraps more than twice (checked against the plan), and compares with the dense reference.
+wraps more than twice (checked against the plan's block ranges), and compares with the dense
+reference.
 """
 
 import jax
@@ -16,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_cases import BF16_TOL, output_and_grads, random_inputs, relative_error
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper, hopper_interpret
+from ulysses_jax.kernels import flash_hopper, flash_kernels, hopper_interpret
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 
 pytestmark = pytest.mark.skipif(
@@ -75,40 +76,54 @@ def test_detector_reports_a_ring_refill_without_the_proxy_fence():
   np.testing.assert_array_equal(_ring_sum(x_TN, fence=True), np.tile(x_TN.sum(0), (2, 1)))
 
 
-# (S, causal, (query heads, KV heads), head dim, segment ids). No S is a multiple of a block
-# (64, 128); the least that wraps every ring twice (D = 64: 3 slots, D = 128: 2); segment ids
-# are sorted random documents, so they cross tiles.
-CASES = [pytest.param(800, True, (2, 1), 64, True, id="causal-gqa-d64-packed"),
-         pytest.param(600, False, (2, 1), 128, True, id="full-gqa-d128-packed"),
-         pytest.param(600, True, (2, 2), 128, False, id="causal-mha-d128")]
+# (S, causal, (query heads, KV heads), head dim, segment ids, sliding window). No S is a
+# multiple of a block (64, 128); the least that wraps every ring twice (D = 64: 3 slots, D =
+# 128: 2); segment ids are sorted random documents, so they cross tiles. The window of 600
+# starts the later CTAs' streams past block 0 and cuts blocks at its lower edge (masked), yet
+# still wraps every ring twice (slow: 13 s forward, 48 s backward on 2 cores).
+CASES = [pytest.param(800, True, (2, 1), 64, True, None, id="causal-gqa-d64-packed"),
+         pytest.param(600, False, (2, 1), 128, True, None, id="full-gqa-d128-packed"),
+         pytest.param(600, True, (2, 2), 128, False, None, id="causal-mha-d128"),
+         pytest.param(800, True, (2, 1), 128, True, 600, id="window600-gqa-d128-packed",
+                      marks=pytest.mark.slow)]
 
 
-def _inputs_and_plan(seq_len, causal, heads, head_dim, segments):
+def _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window):
   q, k, v, d_out, segment_ids = random_inputs(5, 1, seq_len, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
-                      forward_kernel="mosaic", backward_kernel="mosaic")
+                      forward_kernel="mosaic", backward_kernel="mosaic", sliding_window=window)
   groups = heads[0] // heads[1]
-  # The CTA that streams the most blocks, per kernel: the last query tile (causal) or any
-  # (forward, dq: key blocks); the first key tile (dk/dv: query blocks of every grouped head).
-  streamed = {"forward": (-(-seq_len // plan.forward.block_kv), plan.forward.num_stages),
-              "dq": (-(-seq_len // plan.dq.block_kv), plan.dq.num_stages),
-              "dkv": (groups * -(-seq_len // plan.dkv.block_q), plan.dkv.num_stages)}
+  # The most blocks a CTA streams, per kernel: key blocks of a query tile (forward, dq), query
+  # blocks of every grouped head for a key tile (dk/dv).
+  def most_key_blocks(tile):
+    ranges = (flash_kernels.kv_block_ranges(plan, i, tile.block_q, tile.block_kv)
+              for i in range(plan.padded_len // tile.block_q))
+    return max(int(n_visible) - int(first) for first, _, _, n_visible in ranges)
+  dkv = plan.dkv
+  most_query_blocks = max(
+      int(end) - int(lo) for lo, _, _, end in (
+          flash_kernels.q_block_ranges(plan, j * dkv.block_kv, dkv.block_kv, dkv.block_q)
+          for j in range(plan.padded_len // dkv.block_kv)))
+  streamed = {"forward": (most_key_blocks(plan.forward), plan.forward.num_stages),
+              "dq": (most_key_blocks(plan.dq), plan.dq.num_stages),
+              "dkv": (groups * most_query_blocks, dkv.num_stages)}
   for kernel, (blocks, stages) in streamed.items():
     assert blocks > 2 * stages, f"{kernel}: {blocks} blocks through {stages} slots"
   return q, k, v, d_out, segment_ids if segments else None
 
 
-def _attention(causal, segment_ids):
+def _attention(causal, segment_ids, window):
   return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
                                          interpret=True, forward_kernel="mosaic",
-                                         backward_kernel="mosaic")
+                                         backward_kernel="mosaic", sliding_window=window)
 
 
-def _reference(causal, segment_ids, *arrays):
+def _reference(causal, segment_ids, window, *arrays):
   """``dense_attention``'s output (and with ``d_out``, dq, dk, dv) in float32."""
   attention = lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                              kv_segment_ids=segment_ids)
+                                              kv_segment_ids=segment_ids,
+                                              sliding_window=window)
   upcast = [x.astype(jnp.float32) for x in arrays]
   return attention(*upcast) if len(arrays) == 3 else output_and_grads(attention, *upcast)
 
@@ -119,21 +134,23 @@ def _assert_close(name, actual, expected):
   assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
-def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments):
-  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window", CASES)
+def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, window):
+  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window)
   with _race_checked():
-    out = jax.jit(_attention(causal, segment_ids))(q, k, v)
-  _assert_close("out", out, _reference(causal, segment_ids, q, k, v))
+    out = jax.jit(_attention(causal, segment_ids, window))(q, k, v)
+  _assert_close("out", out, _reference(causal, segment_ids, window, q, k, v))
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", CASES)
-def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments):
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window", CASES)
+def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window):
   """One backward pass runs both kernels; a race names the kernel's source line."""
-  q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments)
-  _, backward = jax.vjp(_attention(causal, segment_ids), q, k, v)  # the forward, unchecked
+  q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments,
+                                                 window)
+  # The forward, unchecked
+  _, backward = jax.vjp(_attention(causal, segment_ids, window), q, k, v)
   with _race_checked():
     grads = jax.jit(backward)(d_out)
-  _, *expected = _reference(causal, segment_ids, q, k, v, d_out)
+  _, *expected = _reference(causal, segment_ids, window, q, k, v, d_out)
   for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
     _assert_close(name, actual, wanted)

@@ -91,8 +91,9 @@ def test_kernel_backends_get_the_window(monkeypatch):
 
 
 def test_auto_backend_with_a_window_on_gpus(monkeypatch):
-  """On (simulated) Hopper GPUs a window skips the kernels that do not take one (today the
-  Mosaic ones) and, inside ring attention, every Pallas kernel: "auto" says why."""
+  """On (simulated) Hopper GPUs a windowed layer gets the Mosaic kernels as an unwindowed one
+  does (every Pallas kernel takes the window); inside ring attention no Pallas kernel does,
+  and "auto" says why."""
   from ulysses_jax.kernels import target as target_lib
   monkeypatch.setitem(target_lib._CAPABILITIES, H100, 9.0)
   device = AbstractDevice(device_kind=H100, num_cores=132, platform="gpu")
@@ -103,15 +104,16 @@ def test_auto_backend_with_a_window_on_gpus(monkeypatch):
     ring = backends.choose_backend(**case, ring_attention=True)
     two_steps = backends.choose_backend(**case, ring_attention=True,
                                         ring_window_in_two_steps=True)
-    monkeypatch.setattr(fa, "SLIDING_WINDOW_KERNELS", ("triton", "mosaic"))
-    both = backends.choose_backend(**case, ring_attention=False)
-  assert (plain.backend, plain.fallbacks) == ("pallas", ("cudnn", "xla"))
-  assert "sliding window 256" in plain.reason
-  assert "does not support sliding_window (256)" in plain.reason
+    resolved = backends.resolve_backend("pallas_mosaic", **case)
+  assert (plain.backend, plain.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
+  assert plain.reason.startswith("our Mosaic GPU (Hopper) kernels for bfloat16, head dim 128, "
+                                 "32 query / 8 KV heads, causal mask, no segment ids, sliding "
+                                 "window 256 on NVIDIA H100")
   assert (ring.backend, ring.fallbacks) == ("xla", ())
   assert "ring attention cannot use it with sliding_window" in ring.reason
-  assert (two_steps.backend, two_steps.fallbacks) == ("pallas", ("xla",))  # cudnn: no ring
-  assert (both.backend, both.fallbacks) == ("pallas_mosaic", ("pallas", "cudnn", "xla"))
+  # A window within a ring device's tokens (natural layout): the kernels run it (not cuDNN).
+  assert (two_steps.backend, two_steps.fallbacks) == ("pallas_mosaic", ("pallas", "xla"))
+  assert resolved == "pallas_mosaic"
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -16,9 +16,9 @@ runs ordinary self-attention on it. Which implementation does that is the ``back
   that covers the inputs, the devices and the mesh (``choose_backend`` says which and why);
   ``"xla"`` elsewhere (the kernels would run interpreted).
 
-Every backend takes a ``sliding_window`` (the Pallas ones through their kernels, those in
-``kernels.flash_attention.SLIDING_WINDOW_KERNELS``; cuDNN as ``local_window_size=(W - 1, 0)``),
-except that ring attention with a window needs ``"xla"`` (the kernels take no positions).
+Every backend takes a ``sliding_window`` (the Pallas ones through their kernels, Triton and
+Mosaic alike; cuDNN as ``local_window_size=(W - 1, 0)``), except that ring attention with a
+window needs ``"xla"`` (the kernels take no positions).
 
 "On GPU" means the devices the attention is built for: those of ``mesh`` when given (a mesh
 of compile-only GPU devices from ``ulysses_jax.aot`` included), else those of the enclosing
@@ -71,10 +71,10 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   ``ring_attention``: whether the local attention runs inside ring attention (which takes only
   ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
   Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
-  named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``)
-  skips the backends that cannot apply the window; inside ring attention that is every kernel
-  unless ``ring_window_in_two_steps`` (``ring.window_in_two_steps``: W within a ring device's
-  tokens, natural layout), which the caller knows from the sequence length.
+  named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``):
+  every backend applies it, but inside ring attention the kernels run it only when
+  ``ring_window_in_two_steps`` (``ring.window_in_two_steps``: W within a ring device's tokens,
+  natural layout, which the caller knows from the sequence length); else only ``"xla"`` does.
   """
   check_sliding_window(sliding_window, causal)
   if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
@@ -94,7 +94,7 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                          "would run interpreted (slow)")
   chain, skipped = [], []
   for backend in PREFERENCE:
-    why = _why_not(backend, target, dtype, head_dim, segment_ids_given, sliding_window)
+    why = _why_not(backend, target, dtype, head_dim, segment_ids_given)
     if backend == "pallas_mosaic" and not why and target.compute_capability is None:
       why = f"the compute capability of {target.device_kind} is unknown (they need Hopper)"
     if ring_attention and backend in NOT_IN_RING:
@@ -111,16 +111,12 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   return BackendChoice(chain[0], "; ".join([reason, *skipped]), tuple(chain[1:]))
 
 
-def _why_not(backend, target, dtype, head_dim, segment_ids_given,
-             sliding_window=None) -> str | None:
+def _why_not(backend, target, dtype, head_dim, segment_ids_given) -> str | None:
   """Why ``backend`` cannot run these inputs on GPUs like ``target``, as the end of a
   sentence starting "backend=... "; None when it can."""
   from ulysses_jax.kernels import flash_attention, flash_hopper_backward
   dtype = jax.numpy.dtype(dtype).name
   capability = target.compute_capability
-  if sliding_window is not None and backend in _KERNEL_OF:
-    if _KERNEL_OF[backend] not in flash_attention.SLIDING_WINDOW_KERNELS:
-      return f"does not support sliding_window ({sliding_window}) in its kernels yet"
   if backend == "pallas_mosaic":
     # Both Mosaic kernels (forward and backward) must cover the head dim.
     if dtype not in _HALF_DTYPES or head_dim not in flash_hopper_backward.HEAD_DIMS:
@@ -157,13 +153,10 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num
                           segment_ids_given=segment_ids_given, mesh=mesh,
                           ring_attention=False, sliding_window=sliding_window).backend
   instead = {"cudnn": "use backend='pallas' or 'xla'", "pallas_mosaic": "use backend='pallas'"}
-  if sliding_window is not None and backend in _KERNEL_OF:
-    instead[backend] = "use backend='xla' or 'auto'"
   if backend in instead:
     # Off GPUs the Mosaic kernels run in GPU interpret mode (for tests): only dtype and head
     # dim are checked there; a GPU of unknown compute capability is given the benefit.
-    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given,
-                   sliding_window)
+    why = _why_not(backend, target_lib.current(mesh), dtype, head_dim, segment_ids_given)
     if why:
       raise ValueError(f"backend={backend!r} {why}; {instead[backend]}.")
   return backend

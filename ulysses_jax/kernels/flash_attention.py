@@ -36,7 +36,6 @@ from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
-SLIDING_WINDOW_KERNELS = ("triton",)  # kernels that take sliding_window
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _MIN_BLOCK = 16  # smallest tile a Triton dot accepts
@@ -104,8 +103,8 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
       ``flash_hopper_backward`` (bfloat16 / float16, head dims 64 / 128; ``block_q`` and
       ``block_kv`` multiples of 128 when given).
     sliding_window: with ``causal``, query i sees only keys i - W < j <= i (transformers'
-      window; ``reference.dense_attention``); the kernels skip the blocks it hides. Kernels in
-      ``SLIDING_WINDOW_KERNELS`` only.
+      window; ``reference.dense_attention``); every kernel (Triton and Mosaic, forward and
+      backward) skips the blocks it hides.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
@@ -278,10 +277,6 @@ def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv, sli
   for name, kernel in (("forward_kernel", forward_kernel), ("backward_kernel", backward_kernel)):
     if kernel not in KERNELS:
       raise ValueError(f"flash_attention: {name} must be one of {KERNELS}, got {kernel!r}.")
-    if sliding_window is not None and kernel not in SLIDING_WINDOW_KERNELS:
-      raise ValueError(f"flash_attention: {name}={kernel!r} does not take a sliding_window "
-                       f"(got {sliding_window}) yet; use {name}='triton', or "
-                       "attention_backend='xla' or 'auto'.")
   d = q.shape[3]
   # (argument, head dims, required multiple of block_q, of block_kv) of each Mosaic kernel
   mosaic = [("forward_kernel", flash_hopper.HEAD_DIMS, _MOSAIC_MIN_ROWS, 64)] * (

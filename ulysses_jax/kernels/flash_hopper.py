@@ -31,9 +31,11 @@ What of all this GPU interpret mode executes on the CPU, and what is only lowere
 
 The forward: one CTA computes ``Tile.block_q`` query rows of one (batch, query head) with an
 online softmax, against the key blocks visible to some row of the tile
-(``flash_kernels.kv_ranges`` of the whole tile). The price under a causal mask is at most one
-fully masked block for the first warpgroup's rows (none when ``block_kv`` equals the tile's
-rows, the default for head dims 64 and 128).
+(``flash_kernels.kv_block_ranges`` of the whole tile: under a sliding window W from the first
+block the window reaches, about (block_q + W) / block_kv blocks; the others are never copied).
+The price under a causal mask is at most one fully masked block for the first warpgroup's rows
+(none when ``block_kv`` equals the tile's rows, the default for head dims 64 and 128); a window
+adds at most one for the second warpgroup's rows at its lower edge.
 
 Inputs and outputs follow ``flash_kernels.forward`` (padded ``[B, Sp, H, D]`` arrays read in
 place by strided TMA windows; lse ``[B, Hq, Sp]`` natural log, ``-inf`` for a row that sees no
@@ -50,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import hopper_interpret
-from ulysses_jax.kernels.flash_kernels import LOG2E, dot, kv_ranges, visible
+from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, dot, kv_block_ranges, visible,
+                                                visit_blocks)
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -281,16 +284,16 @@ def key_ring(tile, head_dim, dtype, has_segments):
   return ring_buffers(tile.num_stages, operands, ("k", "v"))
 
 
-def stream_keys(tile, gmem, smem, batch, kv_head, num_blocks):
-  """Producer of key blocks ``[0, num_blocks)``. Consumers free K, then V; they read the keys'
-  segment ids before they free V."""
-  def groups_of_step(j):
-    keys = pl.ds(pl.multiple_of(j * tile.block_kv, tile.block_kv), tile.block_kv)
+def stream_keys(tile, gmem, smem, batch, kv_head, first, end):
+  """Producer of key blocks ``[first, end)``, block ``first + t`` at step ``t``. Consumers free
+  K, then V; they read the keys' segment ids before they free V."""
+  def groups_of_step(t):
+    keys = pl.ds(pl.multiple_of((first + t) * tile.block_kv, tile.block_kv), tile.block_kv)
     v_group = dict(v=gmem["v"].at[batch, keys, kv_head])
     if gmem["kv_seg"] is not None:
       v_group["kv_seg"] = gmem["kv_seg"].at[batch, keys]
     return [("k", dict(k=gmem["k"].at[batch, keys, kv_head])), ("v", v_group)]
-  produce(smem, tile.num_stages, num_blocks, groups_of_step)
+  produce(smem, tile.num_stages, end - first, groups_of_step)
 
 
 def _forward_kernel(*refs, plan, groups, has_segments):
@@ -313,31 +316,31 @@ def _forward_kernel(*refs, plan, groups, has_segments):
 def run_query_tile(plan, tile, buffers, gmem, groups, compute):
   """A CTA that owns ``tile.block_q`` query rows of one (batch, query head) and streams the
   key blocks some row of them sees: each compute warpgroup ``w`` runs ``compute(smem, w, batch,
-  head, first_row, n_plain, n_visible)`` on its rows, the copy warpgroup ``stream_keys``."""
+  head, first_row, ranges)`` on its rows (``ranges``: ``flash_kernels.kv_block_ranges`` of the
+  whole tile, for ``visit_blocks``; its step ``t`` is block ``ranges[0] + t``), the copy
+  warpgroup ``stream_keys`` of the same blocks."""
   def body(smem):
     num_tiles = plan.padded_len // tile.block_q
     tile_index = lax.axis_index("tile")
     # Causal: the last tiles do the most work, so they are launched first.
     tile_index = num_tiles - 1 - tile_index if plan.causal else tile_index
-    n_plain, n_visible = kv_ranges(plan, tile_index, tile.block_q, tile.block_kv,
-                                   plan.padded_len // tile.block_kv)
+    ranges = kv_block_ranges(plan, tile_index, tile.block_q, tile.block_kv)
     if gmem["q_seg"] is not None:
-      n_plain = 0  # every block needs the segment mask
+      ranges = all_masked(ranges)  # every block needs the segment mask
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     rows = tile.block_q // COMPUTE_WARPGROUPS
     for w in range(COMPUTE_WARPGROUPS):
       first_row = tile_index * tile.block_q + w * rows
-      pl.when(wg == w)(functools.partial(compute, smem, w, batch, head, first_row, n_plain,
-                                         n_visible))
+      pl.when(wg == w)(functools.partial(compute, smem, w, batch, head, first_row, ranges))
     pl.when(wg == COMPUTE_WARPGROUPS)(functools.partial(
-        stream_keys, tile, gmem, smem, batch, lax.div(head, groups), n_visible))
+        stream_keys, tile, gmem, smem, batch, lax.div(head, groups), ranges[0], ranges[3]))
 
   with_shared_memory(buffers, body)
 
 
-def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
-  """One compute warpgroup: ``rows`` query rows against key blocks ``[0, n_visible)``."""
+def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
+  """One compute warpgroup: ``rows`` query rows against the key blocks of ``ranges``."""
   plgpu.set_max_registers(232, action="increase")
   tile = plan.forward
   rows, block_kv, stages = tile.block_q // COMPUTE_WARPGROUPS, tile.block_kv, tile.num_stages
@@ -356,14 +359,15 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_vis
 
   def visit(masked, j, carry):
     acc, row_max, denom = carry
-    slot = lax.rem(j, stages)
+    slot = lax.rem(j - ranges[0], stages)  # the producer's step
     scores = matmul(own["q"], wait_ready(smem, "k", slot)) * qk_scale
     # On hardware only wgmma reads K, and V too without segment ids: no fence (module docstring).
     release(smem, "k", slot, fence=stand_in_reads(plan.interpret, "a_times_bt"))
     kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", slot)) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
                    causal=masked and plan.causal,
-                   kv_len=plan.seq_len if masked and plan.ragged else None)
+                   kv_len=plan.seq_len if masked and plan.ragged else None,
+                   window=plan.sliding_window if masked else None)
     if mask is not None:
       scores = jnp.where(mask, scores, -jnp.inf)
     new_max = jnp.maximum(row_max, scores.max(axis=1))
@@ -382,8 +386,7 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_vis
   init = (scores_tile.zeros((rows, own["q"].shape[-1])),
           scores_tile.cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
           scores_tile.cast(jnp.zeros((rows,), jnp.float32), row_layout))
-  carry = lax.fori_loop(0, n_plain, functools.partial(visit, False), init)
-  acc, row_max, denom = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
+  acc, row_max, denom = visit_blocks(ranges, visit, init)
 
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)

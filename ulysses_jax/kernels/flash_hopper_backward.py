@@ -16,10 +16,14 @@ copy warpgroup streaming blocks of the other side through a ring of shared-memor
   ``dS^T = P^T (dP^T - delta)``, ``dk += dS^T q``.
 
 Causal: blocks that the mask hides from every row of the CTA are never streamed; only blocks
-on the diagonal (or all blocks, with segment ids) are masked. Padded query rows need no mask
-in dk/dv: their dO and delta are 0, so they add exactly 0. Gradients are written in the
-inputs' dtype through the CTA's own buffers (q for dq; K and V for dk and dv). Head dims 64 and
-128: at 256 the dk and dv accumulators of 64 keys alone would fill a warpgroup's registers.
+on the diagonal (or all blocks, with segment ids) are masked. A sliding window W likewise
+(``flash_kernels.kv_block_ranges``, ``q_block_ranges``): a dq CTA streams only the key blocks
+the window of some of its rows reaches, a dk/dv CTA only the query blocks whose window reaches
+some of its keys, and the blocks the window's lower edge cuts are masked too. Padded query
+rows need no mask in dk/dv: their dO and delta are 0, so they add exactly 0. Gradients are
+written in the inputs' dtype through the CTA's own buffers (q for dq; K and V for dk and dv).
+Head dims 64 and 128: at 256 the dk and dv accumulators of 64 keys alone would fill a
+warpgroup's registers.
 """
 
 import functools
@@ -31,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import flash_hopper as hopper
-from ulysses_jax.kernels.flash_kernels import LOG2E, visible
+from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, q_block_ranges, visible,
+                                                visit_blocks)
 
 HEAD_DIMS = (64, 128)
 _WGS = hopper.COMPUTE_WARPGROUPS
@@ -65,8 +70,8 @@ def _dq_kernel(*refs, plan, groups, has_segments):
                         functools.partial(_dq_compute, plan, gmem))
 
 
-def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible):
-  """One compute warpgroup: dq of ``rows`` query rows from key blocks ``[0, n_visible)``."""
+def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
+  """One compute warpgroup: dq of ``rows`` query rows from the key blocks of ``ranges``."""
   plgpu.set_max_registers(232, action="increase")
   tile = plan.dq
   rows, block_kv, stages = tile.block_q // _WGS, tile.block_kv, tile.num_stages
@@ -86,13 +91,14 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible)
   accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
 
   def visit(masked, j, dq):
-    slot = lax.rem(j, stages)
+    slot = lax.rem(j - ranges[0], stages)  # the producer's step
     k = hopper.wait_ready(smem, "k", slot)
     probs = jnp.exp2(matmul(own["q"], k) * qk_scale - lse2)
     kv_seg = scores_tile.cols_of(hopper.wait_ready(smem, "kv_seg", slot)) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
                    causal=masked and plan.causal,
-                   kv_len=plan.seq_len if masked and plan.ragged else None)
+                   kv_len=plan.seq_len if masked and plan.ragged else None,
+                   window=plan.sliding_window if masked else None)
     if mask is not None:
       probs = jnp.where(mask, probs, 0.0)
     d_probs = matmul(own["do"], hopper.wait_ready(smem, "v", slot))
@@ -105,9 +111,7 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, n_plain, n_visible)
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dq
 
-  dq = scores_tile.zeros((rows, own["q"].shape[-1]))
-  dq = lax.fori_loop(0, n_plain, functools.partial(visit, False), dq)
-  dq = lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), dq)
+  dq = visit_blocks(ranges, visit, scores_tile.zeros((rows, own["q"].shape[-1])))
   hopper.store_own([(dq * plan.scale, own["q"], gmem["dq"].at[batch, query_rows, head])])
 
 
@@ -121,18 +125,6 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   call = hopper.launch(kernel, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
                        (sp // plan.dkv.block_kv, b, hkv), plan)
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
-
-
-def query_blocks(plan, first_key, num_keys, block_q):
-  """``(lo, mid, hi)``: query blocks ``[lo, mid)`` need the causal mask against keys
-  ``[first_key, first_key + num_keys)``, ``[mid, hi)`` see all of them, the rest none (or are
-  padding only)."""
-  hi = -(-plan.seq_len // block_q)
-  if not plan.causal:
-    return 0, 0, hi
-  lo = jnp.minimum(lax.div(first_key, block_q), hi)
-  mid = jnp.clip(lax.div(first_key + num_keys - 1 + block_q - 1, block_q), lo, hi)
-  return lo, mid, hi
 
 
 def _dkv_kernel(*refs, plan, groups, has_segments):
@@ -154,25 +146,25 @@ def _dkv_kernel(*refs, plan, groups, has_segments):
 
   def body(smem):
     first_key = lax.axis_index("tile") * tile.block_kv  # causal: the first tiles work longest
-    lo, mid, hi = query_blocks(plan, first_key, tile.block_kv, tile.block_q)
+    ranges = q_block_ranges(plan, first_key, tile.block_kv, tile.block_q)
     if has_segments:
-      mid = hi  # every block needs the segment mask
+      ranges = all_masked(ranges)  # every block needs the segment mask
     wg = lax.axis_index("wg")
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("head")
     for w in range(_WGS):
       pl.when(wg == w)(functools.partial(
           _dkv_compute, plan, gmem, smem, w, batch, kv_head, groups, first_key + w * keys,
-          lo, mid, hi))
+          ranges))
     pl.when(wg == _WGS)(functools.partial(
-        _stream_queries, plan, gmem, smem, batch, kv_head, groups, lo, hi))
+        _stream_queries, plan, gmem, smem, batch, kv_head, groups, ranges[0], ranges[3]))
 
   hopper.with_shared_memory(buffers, body)
 
 
-def _stream_queries(plan, gmem, smem, batch, kv_head, groups, lo, hi):
-  """Producer of query blocks ``[lo, hi)`` of each query head of the group, head by head.
+def _stream_queries(plan, gmem, smem, batch, kv_head, groups, lo, end):
+  """Producer of query blocks ``[lo, end)`` of each query head of the group, head by head.
   Consumers free q last; they read lse2, delta and the segment ids before they free dO."""
-  block_q, num_blocks = plan.dkv.block_q, hi - lo
+  block_q, num_blocks = plan.dkv.block_q, end - lo
 
   def groups_of_step(t):
     head = kv_head * groups + lax.div(t, num_blocks)
@@ -186,9 +178,9 @@ def _stream_queries(plan, gmem, smem, batch, kv_head, groups, lo, hi):
   hopper.produce(smem, plan.dkv.num_stages, groups * num_blocks, groups_of_step)
 
 
-def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid, hi):
-  """One compute warpgroup: dk, dv of ``keys`` keys from query blocks ``[lo, hi)`` of each
-  query head of the group."""
+def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges):
+  """One compute warpgroup: dk, dv of ``keys`` keys from the query blocks of ``ranges``
+  (``flash_kernels.q_block_ranges`` of the CTA's keys) of each query head of the group."""
   plgpu.set_max_registers(232, action="increase")
   tile = plan.dkv
   keys, block_q, stages = tile.block_kv // _WGS, tile.block_q, tile.num_stages
@@ -205,15 +197,18 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid
   matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
   accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
 
-  def visit(masked, g, i, carry):
+  lo, end = ranges[0], ranges[3]
+
+  def visit(g, masked, i, carry):
     dk, dv = carry
-    slot = lax.rem(g * (hi - lo) + i - lo, stages)  # the producer's step t
+    slot = lax.rem(g * (end - lo) + i - lo, stages)  # the producer's step t
     q = hopper.wait_ready(smem, "q", slot)
     lse2 = scores_tile.cols_of(hopper.wait_ready(smem, "lse2", slot))
     probs_t = jnp.exp2(matmul(own["k"], q) * qk_scale - lse2)
     q_seg = scores_tile.cols_of(hopper.wait_ready(smem, "q_seg", slot)) if has_segments else None
     mask = visible(i * block_q + scores_tile.iota(1), kv_pos, q_seg, kv_seg,
-                   causal=masked and plan.causal, kv_len=None)
+                   causal=masked and plan.causal, kv_len=None,
+                   window=plan.sliding_window if masked else None)
     if mask is not None:
       probs_t = jnp.where(mask, probs_t, 0.0)
     d_out = hopper.wait_ready(smem, "do", slot)
@@ -228,10 +223,7 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, lo, mid
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dk, dv
 
-  def one_head(g, carry):
-    carry = lax.fori_loop(lo, mid, functools.partial(visit, True, g), carry)
-    return lax.fori_loop(mid, hi, functools.partial(visit, False, g), carry)
-
+  one_head = lambda g, carry: visit_blocks(ranges, functools.partial(visit, g), carry)
   zeros = scores_tile.zeros((keys, own["k"].shape[-1]))
   dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
   hopper.store_own([(dk * plan.scale, own["k"], gmem["dk"].at[batch, key_rows, kv_head]),

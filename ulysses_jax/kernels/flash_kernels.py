@@ -13,11 +13,12 @@ Use ``flash_attention.flash_attention``; this module assumes validated, padded i
 Each kernel splits its inner loop in two ranges of blocks: blocks that need a positional mask
 (the causal diagonal; key blocks that hold padding) and blocks that need none. Blocks that the
 causal mask hides completely, and blocks of padding only, are never visited. With a sliding
-window W (``KernelSpec.sliding_window``, the Triton kernels only) the loops start at the first
-block the window reaches (dk/dv: end at the last query block that sees the key block), and
-blocks the window's lower edge cuts are masked too: a query block visits about
-(block + W) / block_kv key blocks instead of all before it. Segment masks apply to every
-visited block.
+window W (``KernelSpec.sliding_window``) the loops start at the first block the window reaches
+(dk/dv: end at the last query block that sees the key block), and blocks the window's lower
+edge cuts are masked too: a query block visits about (block + W) / block_kv key blocks instead
+of all before it. Segment masks apply to every visited block. The ranges
+(``kv_block_ranges``, ``q_block_ranges``, walked by ``visit_blocks``) are shared with the
+Mosaic kernels of ``flash_hopper`` and ``flash_hopper_backward``.
 """
 
 import dataclasses
@@ -120,13 +121,48 @@ def window_kv_ranges(plan, q_block, block_q, block_kv, n_plain):
   return first, jnp.clip(plain_from, first, n_plain)
 
 
-def _visit_kv_blocks(plan, q_block, block_q, block_kv, visit, init):
-  """Runs ``visit(masked, j, carry)`` over the key blocks query block ``q_block`` sees."""
+def kv_block_ranges(plan, q_block, block_q, block_kv):
+  """``(first, plain_from, n_plain, n_visible)`` of the key blocks query block ``q_block``
+  sees: ``[first, plain_from)`` and ``[n_plain, n_visible)`` need a positional mask (window's
+  lower edge; causal diagonal or padding), ``[plain_from, n_plain)`` none; the rest are hidden
+  from every query of the block. Ranges for ``visit_blocks``."""
   n_plain, n_visible = kv_ranges(plan, q_block, block_q, block_kv, plan.padded_len // block_kv)
   first, plain_from = window_kv_ranges(plan, q_block, block_q, block_kv, n_plain)
-  carry = lax.fori_loop(first, plain_from, functools.partial(visit, True), init)
-  carry = lax.fori_loop(plain_from, n_plain, functools.partial(visit, False), carry)
-  return lax.fori_loop(n_plain, n_visible, functools.partial(visit, True), carry)
+  return first, plain_from, n_plain, n_visible
+
+
+def q_block_ranges(plan, first_kv, block_kv, block_q):
+  """``(lo, mid, plain_end, end)`` of the query blocks that see keys ``[first_kv, first_kv +
+  block_kv)``: ``[lo, mid)`` need the causal mask, ``[mid, plain_end)`` see all of the keys,
+  ``[plain_end, end)`` see only some (the window's lower edge cuts them); the rest see none or
+  are padding only (those add nothing: their dO and delta are 0). Ranges for ``visit_blocks``."""
+  end = -(-plan.seq_len // block_q)
+  if plan.causal:
+    lo = jnp.minimum(lax.div(first_kv, block_q), end)
+    mid = jnp.clip(lax.div(first_kv + block_kv - 1 + block_q - 1, block_q), lo, end)
+  else:
+    lo = mid = 0
+  plain_end = end
+  if plan.sliding_window is not None:
+    window = plan.sliding_window
+    # The last query that sees the last key is first_kv + block_kv - 1 + window - 1.
+    end = jnp.clip(lax.div(first_kv + block_kv + window - 2, block_q) + 1, mid, end)
+    plain_end = jnp.clip(lax.div(first_kv + window, block_q), mid, end)
+  return lo, mid, plain_end, end
+
+
+def visit_blocks(ranges, visit, carry):
+  """Runs ``visit(masked, i, carry)`` over the blocks of ``ranges = (a, b, c, d)``: masked in
+  ``[a, b)`` and ``[c, d)``, unmasked in ``[b, c)``; returns the carry."""
+  a, b, c, d = ranges
+  carry = lax.fori_loop(a, b, functools.partial(visit, True), carry)
+  carry = lax.fori_loop(b, c, functools.partial(visit, False), carry)
+  return lax.fori_loop(c, d, functools.partial(visit, True), carry)
+
+
+def all_masked(ranges):
+  """The blocks of ``ranges`` (as ``visit_blocks`` takes them), every one masked."""
+  return ranges[0], ranges[0], ranges[0], ranges[3]
 
 
 def _kv_slice(j, block_kv):
@@ -168,7 +204,8 @@ def _forward_kernel(*refs, plan, has_segments):
 
   init = (jnp.zeros(q.shape, jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
           jnp.zeros((block_q,), jnp.float32))
-  acc, row_max, denom = _visit_kv_blocks(plan, q_block, block_q, block_kv, visit, init)
+  acc, row_max, denom = visit_blocks(kv_block_ranges(plan, q_block, block_q, block_kv), visit,
+                                     init)
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)
   o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
@@ -203,8 +240,8 @@ def _dq_kernel(*refs, plan, has_segments):
     d_scores = probs * (dot(do, v, 1, 1) - delta)
     return dq + dot(d_scores.astype(k.dtype), k, 1, 0)
 
-  dq = _visit_kv_blocks(plan, q_block, block_q, block_kv, visit,
-                        jnp.zeros(q.shape, jnp.float32))
+  dq = visit_blocks(kv_block_ranges(plan, q_block, block_q, block_kv), visit,
+                    jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
@@ -221,14 +258,13 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
     (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref) = refs
     q_seg_ref = kv_seg_ref = None
   block_q, block_kv = plan.dkv.block_q, plan.dkv.block_kv
-  num_q_blocks = -(-plan.seq_len // block_q)  # blocks of only padded rows add nothing
   first_kv = pl.program_id(0) * block_kv
   k, v = k_ref[...], v_ref[...]
   kv_pos = (first_kv + jnp.arange(block_kv))[:, None]
   kv_seg = kv_seg_ref[...][:, None] if has_segments else None
   qk_scale = plan.scale * LOG2E
 
-  def visit(masked, g, i, carry):
+  def visit(g, masked, i, carry):
     dk, dv = carry
     rows = _kv_slice(i, block_q)
     q, do = q_ref[rows, g, :], do_ref[rows, g, :]
@@ -244,24 +280,8 @@ def _dkv_kernel(*refs, plan, has_segments, groups):
     dk = dk + dot(d_scores_t.astype(q.dtype), q, 1, 0)
     return dk, dv
 
-  if plan.causal:
-    # Query blocks before `lo` see none of these keys; from `mid` on they see all of them.
-    lo = lax.div(first_kv, block_q)
-    mid = jnp.minimum(num_q_blocks, lax.div(first_kv + block_kv - 1 + block_q - 1, block_q))
-  else:
-    lo = mid = 0
-  # A window: query blocks from `plain_end` on see only some of these keys, from `end` none.
-  end, plain_end = num_q_blocks, num_q_blocks
-  if plan.sliding_window is not None:
-    w = plan.sliding_window
-    end = jnp.minimum(num_q_blocks, lax.div(first_kv + block_kv + w - 2, block_q) + 1)
-    plain_end = jnp.clip(lax.div(first_kv + w, block_q), mid, end)
-
-  def one_group(g, carry):
-    carry = lax.fori_loop(lo, mid, functools.partial(visit, True, g), carry)
-    carry = lax.fori_loop(mid, plain_end, functools.partial(visit, False, g), carry)
-    return lax.fori_loop(plain_end, end, functools.partial(visit, True, g), carry)
-
+  ranges = q_block_ranges(plan, first_kv, block_kv, block_q)
+  one_group = lambda g, carry: visit_blocks(ranges, functools.partial(visit, g), carry)
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, groups, one_group, (zeros, zeros))
   dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)

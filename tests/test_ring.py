@@ -119,6 +119,23 @@ def test_the_mosaic_backend_runs_its_kernels_in_every_ring_step():
   assert "num_warps" not in trace  # no Triton kernel (backend="pallas" traces 18 of those)
 
 
+def test_the_mosaic_backend_runs_a_windowed_ring():
+  """The wiring of a windowed ring (W <= S/R) with the Mosaic kernels: shift 0 and 1 forward,
+  and a dq and a dk/dv kernel for each in the backward, all Mosaic (their math: the
+  backend="pallas" test above and the Mosaic window tests of test_flash_attention.py)."""
+  mesh = _mesh(1, 2, 4)
+  q, k, v, _, segment_ids = random_inputs(7, 1, 128, 4, 2, 64, dtype=jnp.bfloat16,
+                                          num_segments=3)
+
+  def loss(q, k, v):
+    out = ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                            backend="pallas_mosaic", sliding_window=16)
+    return out.astype(jnp.float32).sum()
+  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  assert trace.count("num_threads=3, thread_name='wg'") == 2 + 2 * 2
+  assert "num_warps" not in trace
+
+
 @pytest.mark.parametrize("attention,mesh_shape", [
     (ring_attention, (1, 4, 1)),
     pytest.param(ulysses_attention, (1, 2, 2), marks=pytest.mark.slow),

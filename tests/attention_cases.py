@@ -6,6 +6,7 @@ import numpy as np
 
 from ulysses_jax import make_mesh
 from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels.flash_attention import flash_attention
 
 F32_TOL = 1e-5   # relative L2 error, float32 inputs
 BF16_TOL = 2e-2  # relative L2 error, bfloat16 inputs
@@ -65,3 +66,50 @@ def assert_matches_reference(attention_fn, q, k, v, d_out, *, causal, segment_id
     assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{name} has non-finite values"
     err = relative_error(a, e)
     assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+
+
+# Interpret-mode kernels become large XLA programs whose CPU compile dominates the test time;
+# skipping LLVM's optimisation passes compiles them ~3x faster and changes no result.
+INTERPRET_COMPILER_OPTIONS = ({"xla_backend_optimization_level": 0}
+                              if jax.default_backend() == "cpu" else {})
+
+
+def flash_outputs_and_grads(attention, q, k, v, d_out, d_lse):
+  """(out, lse, dq, dk, dv) of ``attention(q, k, v) -> (out, lse)`` for (d_out, d_lse)."""
+  def run(q, k, v, d_out, d_lse):
+    (out, lse), vjp = jax.vjp(attention, q, k, v)
+    return (out, lse, *vjp((d_out, d_lse)))
+  args = (q, k, v, d_out, d_lse)
+  return jax.jit(run).lower(*args).compile(compiler_options=INTERPRET_COMPILER_OPTIONS)(*args)
+
+
+def check_flash_against_reference(q, k, v, d_out, *, causal, segment_ids=None,
+                                  kv_segment_ids=None, tol=F32_TOL, sliding_window=None,
+                                  **kernel_args):
+  """Compares out, lse and the gradients (with a random lse cotangent) with dense_attention."""
+  kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+  d_lse = jax.random.normal(jax.random.PRNGKey(7), (q.shape[0], q.shape[2], q.shape[1]))
+  ours = flash_outputs_and_grads(
+      lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                      kv_segment_ids=kv_segment_ids, return_lse=True,
+                                      sliding_window=sliding_window, **kernel_args),
+      q, k, v, d_out, d_lse)
+  upcast = lambda x: x.astype(jnp.float32)
+  expected = flash_outputs_and_grads(
+      lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
+                                      kv_segment_ids=kv_ids, return_lse=True,
+                                      sliding_window=sliding_window),
+      upcast(q), upcast(k), upcast(v), upcast(d_out), d_lse)
+  for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), ours, expected):
+    assert actual.shape == wanted.shape, f"{name}: shape {actual.shape} != {wanted.shape}"
+    assert actual.dtype == (jnp.float32 if name == "lse" else q.dtype), f"{name}: {actual.dtype}"
+    if name != "lse":
+      assert np.all(np.isfinite(np.asarray(actual, np.float32))), f"{name} has non-finite values"
+      err = relative_error(actual, wanted)
+      assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
+  lse, wanted_lse = np.asarray(ours[1]), np.asarray(expected[1])
+  assert not np.any(np.isnan(lse)), "lse has NaN"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(wanted_lse))
+  visible = np.isfinite(wanted_lse)
+  np.testing.assert_allclose(lse[visible], wanted_lse[visible], rtol=tol, atol=tol)
+  return ours

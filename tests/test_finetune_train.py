@@ -61,19 +61,27 @@ def test_fine_tune_from_hf_exports_and_resumes(tmp_path):
   assert summary["start_step"] == 6 and summary["restored_step"] == 6
 
 
+def _base_model_and_its_loss(tmp_path, model):
+  """Saves ``model`` to tmp_path/hf and a repeated 64-token document to tmp_path/doc.npy;
+  returns evaluate's flags for that document, its result on the model, and the gin params of a
+  fine-tune from it on the document that exports to tmp_path/out."""
+  model.save_pretrained(tmp_path / "hf")
+  np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
+  evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
+  params = [f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
+            f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
+            f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
+            "OptimizerConfig.learning_rate=1e-2"]
+  return evaluate_flags, evaluate_cli.run([f"--hf={tmp_path / 'hf'}", *evaluate_flags]), params
+
+
 def test_evaluate_fine_tune_export_evaluate_then_resume_without_the_base(tmp_path, capsys):
   """A user's path with an int32 token file, through the command lines; then the base model
   is deleted and the run resumes from its own checkpoint."""
-  random_hf_model("LlamaForCausalLM", vocab_size=256).save_pretrained(tmp_path / "hf")
-  np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
-  evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
-  before = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
+  evaluate_flags, before, params = _base_model_and_its_loss(
+      tmp_path, random_hf_model("LlamaForCausalLM", vocab_size=256))
   flags = [f"--workdir={tmp_path / 'run'}", "--gin_file=configs/finetune_tiny_cpu.gin",
-           *(f"--gin_param={p}" for p in (
-               f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
-               f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
-               f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
-               "CheckpointConfig.save_every=3", "OptimizerConfig.learning_rate=1e-2"))]
+           *(f"--gin_param={p}" for p in (*params, "CheckpointConfig.save_every=3"))]
   assert train_cli.main([*flags, "--gin_param=STEPS=6"]) == cli.EXIT_OK
   after = evaluate_cli.run([f"--hf={tmp_path / 'out'}", *evaluate_flags])
   assert after["tokens"] == before["tokens"] and after["loss"] < before["loss"] - 0.5
@@ -100,15 +108,10 @@ def test_each_family_fine_tunes_exports_and_evaluates(family, tmp_path):
   repeated document (data 2 x seq 4, 64-token rows: windows of 5 cross device boundaries),
   and its export, loaded by transformers, has the trained model's logits."""
   cls_name, overrides = FAMILIES[family]
-  random_hf_model(cls_name, vocab_size=256, **overrides).save_pretrained(tmp_path / "hf")
-  np.save(tmp_path / "doc.npy", np.tile(np.arange(64, dtype=np.int32), 40))
-  evaluate_flags = [f"--data={tmp_path / 'doc.npy'}", "--seq_len=64", "--mesh_seq=4"]
-  before = evaluate_cli.run([f"--hf={tmp_path / 'hf'}", *evaluate_flags])
-  params = [f"TrainConfig.init_from='{tmp_path / 'hf'}'", "DataConfig.seq_len=64",
-            f"DataConfig.paths='{tmp_path / 'doc.npy'}'", "TrainConfig.progress_bar=False",
-            f"TrainConfig.export_at_end='{tmp_path / 'out'}'", "TrainConfig.eval_every=0",
-            "OptimizerConfig.learning_rate=1e-2", "OptimizerConfig.warmup_steps=1", "STEPS=5"]
-  train.train(str(tmp_path / "run"), gin_config.read(["configs/finetune_tiny_cpu.gin"], params))
+  evaluate_flags, before, params = _base_model_and_its_loss(
+      tmp_path, random_hf_model(cls_name, vocab_size=256, **overrides))
+  train.train(str(tmp_path / "run"), gin_config.read(
+      ["configs/finetune_tiny_cpu.gin"], [*params, "OptimizerConfig.warmup_steps=1", "STEPS=5"]))
   after = evaluate_cli.run([f"--hf={tmp_path / 'out'}", *evaluate_flags])
   assert after["tokens"] == before["tokens"] and after["loss"] < before["loss"] - 0.5
   config = finetune.model_config(str(tmp_path / "run"), {})

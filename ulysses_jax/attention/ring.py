@@ -41,21 +41,14 @@ reaches are known statically from W, S/R, R and the layout (``_Ring.window_sourc
 device fetches those K/V blocks directly, one ``ppermute`` of that shift from the owner's own
 K/V, and no other step runs or moves data (the backward fetches them again and sends their
 dK/dV back the same way). With W <= S/R the natural layout is kept (the window balances the
-work) and needs shifts 0 and 1 only; there the flash kernels run too (``window_in_two_steps``):
-shift 0 is the own block under the window, and of the previous device's block only the last
-W - 1 keys are seen, by the first W - 1 queries, query i the tail keys j >= i: reversing both
-makes that a plain causal attention. With W > S/R (zigzag, every distance a window reaches)
+work) and needs shifts 0 and 1 only; there the flash kernels run too (``window_in_two_steps``,
+``ring_steps``). With W > S/R (zigzag, every distance a window reaches)
 the kernels would need positions they do not take, so only ``"xla"`` runs.
 
 **Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
 whole block, masking by global positions. ``"pallas"`` (``"pallas_mosaic"``) runs the Triton
-(Mosaic GPU) flash kernels, which know no positions, so a causal step is cut into what the
-zigzag layout makes of it: at step 0 the device's own block, a plain causal attention (both
-chunks ascend); at step t > 0, from source device s, two fully visible chunk tiles, one
-non-causal call with the tiles as batch rows: (q0, kv0) and (q1, kv0) when s < r (the query
-chunks are rows of q as it lies, kv0 is repeated), (q1, kv0) and (q1, kv1) when s > r (the key
-chunks are rows, q1 repeated; the query chunk q0 sees nothing). A ``lax.switch`` picks the
-case, so each builds only its own rows.
+(Mosaic GPU) flash kernels, which know no positions: ``ring_steps`` cuts each step into calls
+with the masks they have.
 """
 
 import dataclasses
@@ -69,9 +62,10 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax.attention import backends, chunked, zigzag
+from ulysses_jax.attention.ring_steps import (flash_step, flash_step_grads, flash_window_step,
+                                              flash_window_step_grads, merge)
 from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
 from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.kernels.flash_attention import flash_attention, flash_attention_backward
 from ulysses_jax.mesh import DATA, sequence_axes
 
 # --- The backend ------------------------------------------------------------------------
@@ -216,164 +210,15 @@ def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
   """Local attention of this device's queries to the K/V block held at ``step``: the partial
   output ``[B, S/R, H, D]`` and its lse ``[B, H, S/R]``."""
   if ring.backend != "xla" and ring.window is not None:
-    return _flash_window_step(ring, q, k, v, q_seg, kv_seg, step)
+    return flash_window_step(ring, q, k, v, q_seg, kv_seg, step)
   if ring.backend != "xla":
-    return _flash_step(ring, q, k, v, q_seg, kv_seg, step)
+    return flash_step(ring, q, k, v, q_seg, kv_seg, step)
   local_len = q.shape[1]
   return chunked.chunked_attention(
       q, k, v, causal=ring.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
       q_positions=ring.positions(lax.axis_index(ring.axis_name), local_len),
       kv_positions=ring.positions(ring.source(step), k.shape[1]), scale=ring.scale,
       sliding_window=ring.window, block_q=ring.block, block_kv=ring.block, return_lse=True)
-
-
-def _step_case(ring, step):
-  """Which local attention a causal step is (module docstring): 0 the device's own block
-  (causal), 1 a block from an earlier device (both query chunks see its first chunk), 2 from a
-  later one (the second query chunk sees both of its chunks)."""
-  return jnp.where(step == 0, 0, jnp.where(ring.source_is_earlier(step), 1, 2))
-
-
-# The rectangular tiles of steps t > 0 as flash calls over equal lengths: the chunks of a
-# [B, 2c, ...] block become batch rows ([2B, c, ...], a reshape), and a chunk seen by both
-# rows of the other side is repeated. None (no segment ids) passes through.
-
-def _chunks_as_rows(x, axis=1):
-  """``[B, 2c, ...]`` -> ``[2B, c, ...]`` (row 2b+i: chunk i of b); lse ``[B, H, 2c]`` with
-  ``axis=2`` -> ``[2B, H, c]``."""
-  if x is None:
-    return None
-  if axis == 2:
-    b, h, s = x.shape
-    return x.reshape(b, h, 2, s // 2).swapaxes(1, 2).reshape(2 * b, h, s // 2)
-  return x.reshape(2 * x.shape[0], x.shape[1] // 2, *x.shape[2:])
-
-
-def _rows_as_chunks(x, axis=1):
-  """Inverse of ``_chunks_as_rows``."""
-  if axis == 2:
-    b, h, c = x.shape
-    return x.reshape(b // 2, 2, h, c).swapaxes(1, 2).reshape(b // 2, h, 2 * c)
-  return x.reshape(x.shape[0] // 2, 2 * x.shape[1], *x.shape[2:])
-
-
-def _chunk_twice(x, chunk, axis=1):
-  """Local chunk ``chunk`` (0 or 1) of ``[B, 2c, ...]``, each batch row repeated:
-  ``[2B, c, ...]``."""
-  if x is None:
-    return None
-  return jnp.repeat(jnp.split(x, 2, axis)[chunk], 2, axis=0)
-
-
-def _sum_row_pairs(x):
-  """``[2B, c, ...]`` -> ``[B, c, ...]``: the two rows of each b added (gradients of a chunk
-  that ``_chunk_twice`` repeated)."""
-  return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).sum(1)
-
-
-def _in_chunk(x, chunk, fill=0.0, axis=1):
-  """``[B, c, ...]`` placed as local chunk ``chunk`` of ``[B, 2c, ...]``, ``fill`` elsewhere."""
-  parts = [x, jnp.full_like(x, fill)]
-  return jnp.concatenate(parts if chunk == 0 else parts[::-1], axis)
-
-
-def _flash_step(ring, q, k, v, q_seg, kv_seg, step):
-  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True,
-                            forward_kernel=ring.kernel, backward_kernel=ring.kernel)
-
-  # Each case returns its output in q's dtype, as the kernel writes it: the float32 conversion
-  # then fuses into the merge with the accumulator instead of being a float32 copy.
-  def whole_block(causal):
-    return flash(q, k, v, causal=causal, segment_ids=q_seg, kv_segment_ids=kv_seg)
-
-  if not ring.causal:
-    return whole_block(False)
-
-  def from_earlier():  # rows (q0, kv0) and (q1, kv0): the output of the whole block
-    out, lse = flash(_chunks_as_rows(q), _chunk_twice(k, 0), _chunk_twice(v, 0), causal=False,
-                     segment_ids=_chunks_as_rows(q_seg), kv_segment_ids=_chunk_twice(kv_seg, 0))
-    return _rows_as_chunks(out), _rows_as_chunks(lse, axis=2)
-
-  def from_later():  # rows (q1, kv0) and (q1, kv1), merged: the second chunk's output only
-    out, lse = flash(_chunk_twice(q, 1), _chunks_as_rows(k), _chunks_as_rows(v), causal=False,
-                     segment_ids=_chunk_twice(q_seg, 1), kv_segment_ids=_chunks_as_rows(kv_seg))
-    out = out.reshape(out.shape[0] // 2, 2, *out.shape[1:])
-    lse = lse.reshape(lse.shape[0] // 2, 2, *lse.shape[1:])
-    out, lse = _merge(out[:, 0], lse[:, 0], out[:, 1], lse[:, 1])
-    return _in_chunk(out.astype(q.dtype), 1), _in_chunk(lse, 1, -jnp.inf, axis=2)
-
-  return lax.switch(_step_case(ring, step), [lambda: whole_block(True), from_earlier,
-                                             from_later])
-
-
-# A windowed ring in the natural layout with the flash kernels (module docstring): at shift 1
-# the first W - 1 queries and the previous block's last W - 1 keys, both reversed, are a causal
-# attention. None (no segment ids) passes through.
-
-def _head(x, n, axis=1):
-  return None if x is None else lax.slice_in_dim(x, 0, n, axis=axis)
-
-
-def _tail(x, n, axis=1):
-  return None if x is None else lax.slice_in_dim(x, x.shape[axis] - n, x.shape[axis], axis=axis)
-
-
-def _reversed(x, axis=1):
-  return None if x is None else jnp.flip(x, axis)
-
-
-def _padded_to(x, length, fill=0.0, at_start=False, axis=1):
-  """``x`` padded with ``fill`` along ``axis`` to ``length`` (at its end, or its start)."""
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (length - x.shape[axis], 0) if at_start else (0, length - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=fill)
-
-
-def _has_previous_block(ring):
-  """Device 0 of a natural-layout ring has no previous block (its shift-1 fetch is zeros)."""
-  return lax.axis_index(ring.axis_name) > 0
-
-
-def _flash_window_step(ring, q, k, v, q_seg, kv_seg, shift):
-  """Partial output and lse of a windowed ring step (``shift`` 0 or 1) with the kernels."""
-  flash = functools.partial(flash_attention, scale=ring.scale, return_lse=True,
-                            forward_kernel=ring.kernel, backward_kernel=ring.kernel)
-  if shift == 0:
-    return flash(q, k, v, causal=True, segment_ids=q_seg, kv_segment_ids=kv_seg,
-                 sliding_window=ring.window)
-  n, s = ring.window - 1, q.shape[1]
-  out, lse = flash(_reversed(_head(q, n)), _reversed(_tail(k, n)),
-                   _reversed(_tail(v, n)), causal=True, segment_ids=_reversed(_head(q_seg, n)),
-                   kv_segment_ids=_reversed(_tail(kv_seg, n)))
-  seen = _has_previous_block(ring)
-  out = jnp.where(seen, _padded_to(_reversed(out), s), 0).astype(q.dtype)
-  lse = jnp.where(seen, _padded_to(_reversed(lse, 2), s, -jnp.inf, axis=2), -jnp.inf)
-  return out, lse
-
-
-def _flash_window_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, shift):
-  """``_flash_window_step``'s (dq, dk, dv), given the global out and lse."""
-  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype,
-                            kernel=ring.kernel)
-  if shift == 0:
-    return grads(q, k, v, out, lse, d_out, causal=True, segment_ids=q_seg,
-                 kv_segment_ids=kv_seg, sliding_window=ring.window)
-  n, s = ring.window - 1, q.shape[1]
-  head = lambda x, axis=1: _reversed(_head(x, n, axis), axis)
-  dq, dk, dv = grads(head(q), _reversed(_tail(k, n)), _reversed(_tail(v, n)), head(out),
-                     head(lse, 2), head(d_out), causal=True, segment_ids=head(q_seg),
-                     kv_segment_ids=_reversed(_tail(kv_seg, n)))
-  seen = _has_previous_block(ring)
-  return (jnp.where(seen, _padded_to(_reversed(dq), s), 0),
-          *(jnp.where(seen, _padded_to(_reversed(g), s, at_start=True), 0) for g in (dk, dv)))
-
-
-def _merge(out_BSHD, lse_BHS, part_BSHD, part_lse_BHS):
-  """Combines two partial softmax results by their log-sum-exps (float32)."""
-  lse = jnp.logaddexp(lse_BHS, part_lse_BHS)
-  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that have seen no key yet
-  weight = lambda x: jnp.swapaxes(jnp.exp(x - safe), 1, 2)[..., None]
-  return out_BSHD * weight(lse_BHS) + part_BSHD.astype(jnp.float32) * weight(part_lse_BHS), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -389,14 +234,14 @@ def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
   def step(t, carry):
     k, v, kv_seg, out, lse = carry
     incoming = ring.rotate((k, v, kv_seg))  # in flight while this step computes
-    out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, t))
+    out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, t))
     return (*incoming, out, lse)
 
   init = (k_BSKD, v_BSKD, segment_ids, jnp.zeros((b, s, h, d), jnp.float32),
           jnp.full((b, h, s), -jnp.inf, jnp.float32))
   k, v, kv_seg, out, lse = lax.fori_loop(0, ring.size - 1, step, init)
   last = ring.size - 1
-  out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
+  out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
   return out.astype(q_BSHD.dtype), lse
 
 
@@ -406,7 +251,7 @@ def _windowed_forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
   out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
   for shift, perm in ring.window_sources(s):
     k, v, kv_seg = ring.fetch((k_BSKD, v_BSKD, segment_ids), perm)
-    out, lse = _merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, shift))
+    out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, shift))
   return out.astype(q_BSHD.dtype), lse
 
 
@@ -418,9 +263,9 @@ def _forward_rule(ring, q, k, v, segment_ids):
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
   """(dq, dk, dv) of one step's tile given the GLOBAL out and lse (summed over steps: exact)."""
   if ring.backend != "xla" and ring.window is not None:
-    return _flash_window_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
+    return flash_window_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   if ring.backend != "xla":
-    return _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
+    return flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step)
   b, s = q.shape[:2]
   if q_seg is None:
     q_seg = kv_seg = jnp.zeros((b, s), jnp.int32)
@@ -431,36 +276,6 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
       q_positions=ring.positions(lax.axis_index(ring.axis_name), s),
       kv_positions=ring.positions(ring.source(step), k.shape[1]),
       block_q=ring.block, block_kv=ring.block, sliding_window=ring.window)
-
-
-def _flash_step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
-  grads = functools.partial(flash_attention_backward, scale=ring.scale, grad_dtype=q.dtype,
-                            kernel=ring.kernel)
-
-  def whole_block(causal):
-    return grads(q, k, v, out, lse, d_out, causal=causal, segment_ids=q_seg,
-                 kv_segment_ids=kv_seg)
-
-  if not ring.causal:
-    return whole_block(False)
-
-  def from_earlier():  # _flash_step's rows; the keys' second chunk gets no gradient
-    dq, dk, dv = grads(_chunks_as_rows(q), _chunk_twice(k, 0), _chunk_twice(v, 0),
-                       _chunks_as_rows(out), _chunks_as_rows(lse, axis=2),
-                       _chunks_as_rows(d_out), causal=False, segment_ids=_chunks_as_rows(q_seg),
-                       kv_segment_ids=_chunk_twice(kv_seg, 0))
-    return (_rows_as_chunks(dq), _in_chunk(_sum_row_pairs(dk), 0),
-            _in_chunk(_sum_row_pairs(dv), 0))
-
-  def from_later():  # the queries' first chunk gets no gradient
-    dq, dk, dv = grads(_chunk_twice(q, 1), _chunks_as_rows(k), _chunks_as_rows(v),
-                       _chunk_twice(out, 1), _chunk_twice(lse, 1, axis=2),
-                       _chunk_twice(d_out, 1), causal=False, segment_ids=_chunk_twice(q_seg, 1),
-                       kv_segment_ids=_chunks_as_rows(kv_seg))
-    return _in_chunk(_sum_row_pairs(dq), 1), _rows_as_chunks(dk), _rows_as_chunks(dv)
-
-  return lax.switch(_step_case(ring, step), [lambda: whole_block(True), from_earlier,
-                                             from_later])
 
 
 def _windowed_backward(ring, residuals, d_out):

@@ -1,0 +1,210 @@
+"""Our Hopper flash kernels (``forward_kernel="mosaic"``, ``backward_kernel="mosaic"``)
+against the dense oracle: forward, lse and dq/dk/dv, windows, and their lowering for Hopper.
+
+They run in Pallas' GPU interpret mode, which simulates the three warpgroups, the slot barriers
+and the TMA copies (its buffers start as NaN, so an element a kernel fails to write shows up);
+it needs several host devices (conftest sets 8): with one, its simulated warpgroups block XLA's
+few CPU threads and a run can hang. Their wgmma forms are checked by lowering for CUDA, and run
+in interpret mode where the installed JAX can (``hopper_interpret``); ``test_hopper_races.py``
+runs them under the race detector; ``test_flash_attention.py`` runs them on a real GPU.
+Tolerances as ``test_flash_attention.py``'s.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_cases import (BF16_TOL, check_flash_against_reference, flash_outputs_and_grads,
+                             mesh_of, random_inputs, relative_error)
+from benchmarks.kernel_resources import lowering_target
+from ulysses_jax import ulysses_attention
+from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
+from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
+                                                flash_attention_backward)
+
+
+# The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
+# more key and query blocks than each kernel has pipeline slots, so every ring is refilled
+# (checked below); segments cross tiles.
+# All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
+# backward in the test after this one.
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", [
+    pytest.param(456, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
+def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  # Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
+  # stream every block.
+  for block, tile in ((plan.forward.block_kv, plan.forward), (plan.dq.block_kv, plan.dq),
+                      (plan.dkv.block_q, plan.dkv)):
+    assert -(-seq_len // block) > tile.num_stages, (seq_len, tile)
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, seq_len, *heads, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  check_flash_against_reference(q, k, v, d_out, causal=causal,
+                           segment_ids=segment_ids if segments else None, tol=BF16_TOL,
+                           forward_kernel="mosaic", backward_kernel="mosaic")
+
+
+# The Hopper kernels with a sliding window, against the dense reference: 400 tokens (four
+# 128-row tiles, the last partly padding), GQA, packed segments crossing tiles; windows of one
+# key, inside a key block (50), across block edges and not a block multiple (200), and longer
+# than the sequence (as causal). Forward blocks: 128 keys; dq: 64 keys; dk/dv: 64 queries.
+# Slow like the Mosaic tests above (about 10 s each on jax 0.12, 60 s on jax 0.10).
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [1, 50, 200, 1000])
+def test_mosaic_kernels_with_a_sliding_window_match_reference(window):
+  q, k, v, d_out, segment_ids = random_inputs(13, 1, 400, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=3)
+  check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                           sliding_window=window, tol=BF16_TOL, forward_kernel="mosaic",
+                           backward_kernel="mosaic")
+
+
+@pytest.mark.slow
+def test_mosaic_kernels_skip_the_blocks_outside_the_window():
+  """Blocks no query of a CTA sees through the window are neither copied nor computed: NaN
+  there (where 0 * NaN would poison the result) cannot leak into that CTA's rows."""
+  q, k, v, d_out, _ = random_inputs(14, 1, 512, 1, 1, 64, dtype=jnp.bfloat16)
+  d_lse = jnp.zeros((1, 1, 512))
+  window = 64
+  flash = lambda q, k, v: flash_attention(q, k, v, causal=True, sliding_window=window,
+                                          return_lse=True, forward_kernel="mosaic",
+                                          backward_kernel="mosaic")
+  f32 = lambda x: x.astype(jnp.float32)
+  dense = lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=window,
+                                          return_lse=True)
+  expected = flash_outputs_and_grads(dense, f32(q), f32(k), f32(v), f32(d_out), d_lse)
+  # Query rows from 384 on (the last 128-row tile) see keys from 321 on: the forward (blocks of
+  # 128 keys) and dq (blocks of 64) must not touch keys before 256.
+  poisoned = lambda x: x.at[:, :256].set(jnp.nan)
+  out, lse, dq, _, _ = flash_outputs_and_grads(flash, q, poisoned(k), poisoned(v), d_out, d_lse)
+  for name, actual, wanted in (("out", out[:, 384:], expected[0][:, 384:]),
+                               ("lse", lse[:, :, 384:], expected[1][:, :, 384:]),
+                               ("dq", dq[:, 384:], expected[2][:, 384:])):
+    assert relative_error(actual, wanted) < BF16_TOL, name
+  # Keys 0-127 (the first dk/dv CTA) are seen by queries up to 190 only: query blocks of 64
+  # rows from 192 on must not be streamed.
+  _, _, _, dk, dv = flash_outputs_and_grads(flash, q.at[:, 192:].set(jnp.nan), k, v, d_out, d_lse)
+  for name, actual, wanted in (("dk", dk[:, :128], expected[3][:, :128]),
+                               ("dv", dv[:, :128], expected[4][:, :128])):
+    assert relative_error(actual, wanted) < BF16_TOL, name
+
+
+# Rows that see no key (lse -inf) through either backward after the Mosaic forward.
+@pytest.mark.parametrize("backward_kernel", [pytest.param("triton", marks=pytest.mark.slow),
+                                             pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
+  q, k, v, d_out, _ = random_inputs(3, 1, 200, 2, 1, 64, dtype=jnp.bfloat16)
+  q_ids = jnp.array([[0] * 50 + [1] * 100 + [2] * 50], jnp.int32)
+  kv_ids = jnp.array([[0] * 50 + [3] * 100 + [2] * 50], jnp.int32)
+  out, lse, dq, _, _ = check_flash_against_reference(
+      q, k, v, d_out, causal=False, segment_ids=q_ids, kv_segment_ids=kv_ids, tol=BF16_TOL,
+      forward_kernel="mosaic", backward_kernel=backward_kernel)
+  assert np.all(np.asarray(out[:, 50:150], np.float32) == 0.0)
+  assert np.all(np.isneginf(np.asarray(lse[:, :, 50:150])))
+  assert np.all(np.asarray(dq[:, 50:150], np.float32) == 0.0)
+
+
+# flash_attention_backward as a ring step uses it: the gradients of one block of keys, given the
+# output and lse of the attention over all of them (two blocks here, packed segments crossing
+# from one to the other), written in the inputs' dtype; the two blocks' dq add up to the whole.
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_backward_of_key_blocks_adds_up_to_the_whole_gradient(kernel):
+  q, k, v, d_out, segment_ids = random_inputs(12, 1, 512, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=4)
+  q, d_out, q_ids = q[:, 256:], d_out[:, 256:], segment_ids[:, 256:]  # the later queries
+  f32 = lambda x: x.astype(jnp.float32)
+  whole = lambda q, k, v: dense_attention(q, k, v, causal=False, q_segment_ids=q_ids,
+                                          kv_segment_ids=segment_ids, return_lse=True)
+  (out, lse), vjp = jax.vjp(whole, f32(q), f32(k), f32(v))
+  dq, dk, dv = vjp((f32(d_out), jnp.zeros_like(lse)))
+  blocks = [jax.jit(lambda q, k, v, out, lse, d_out, ids: flash_attention_backward(
+      q, k, v, out, lse, d_out, causal=False, segment_ids=q_ids, kv_segment_ids=ids,
+      grad_dtype=jnp.bfloat16, kernel=kernel))(
+          q, k[:, i:i + 256], v[:, i:i + 256], out.astype(q.dtype), lse, d_out,
+          segment_ids[:, i:i + 256]) for i in (0, 256)]
+  assert all(g.dtype == jnp.bfloat16 for block in blocks for g in block)
+  assert relative_error(f32(blocks[0][0]) + f32(blocks[1][0]), dq) < BF16_TOL
+  for i, name, wanted in ((1, "dk", dk), (2, "dv", dv)):
+    got = jnp.concatenate([blocks[0][i], blocks[1][i]], axis=1)
+    assert relative_error(got, wanted) < BF16_TOL, name
+
+
+def test_mosaic_backward_writes_the_inputs_dtype_only():
+  q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+  lse = jnp.zeros((1, 2, 128), jnp.float32)
+  with pytest.raises(ValueError, match=r"kernel='mosaic' writes the inputs' dtype \(bfloat16\), "
+                     r"got grad_dtype=float32; pass grad_dtype=bfloat16 or kernel='triton'"):
+    flash_attention_backward(q, q, q, q, lse, q, kernel="mosaic")
+
+
+def test_pallas_mosaic_backend_runs_the_mosaic_kernels_in_ulysses_attention():
+  """The wiring only: in GPU interpret mode, eight devices that each simulate three
+  warpgroups outnumber the CPU threads XLA runs callbacks on, and the run deadlocks, so the
+  8-device check is of the trace. The Ulysses wrapper around any backend is checked against
+  the dense reference with backend="pallas" and "xla"; the kernels themselves above."""
+  mesh = mesh_of(2, 4)
+  q, k, v, _, segment_ids = random_inputs(10, 2, 256, 4, 2, 64, dtype=jnp.bfloat16,
+                                          num_segments=3)
+
+  def loss(q, k, v):
+    out = ulysses_attention(q, k, v, mesh=mesh, causal=True, segment_ids=segment_ids,
+                            backend="pallas_mosaic")
+    return out.astype(jnp.float32).sum()
+  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  # Each Mosaic kernel is a grid of three warpgroups: the forward, dq and dk/dv.
+  assert trace.count("num_threads=3, thread_name='wg'") == 3
+
+
+def test_gpu_interpret_mode_runs_the_hardware_forms_the_interpreter_can():
+  """The wgmma of ``a_times_bt`` and the layout casts are traced as on hardware exactly where
+  the installed JAX's interpreter runs them (jax 0.12 does, 0.10 does not)."""
+  x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  trace = str(jax.make_jaxpr(lambda q, k, v: flash_attention(
+      q, k, v, interpret=True, forward_kernel="mosaic", backward_kernel="mosaic"))(x, x, x))
+  assert ("wgmma" in trace) == flash_hopper.interpreter_runs("a_times_bt")
+  assert ("layout_cast" in trace) == flash_hopper.interpreter_runs("layout_cast")
+
+
+@pytest.mark.parametrize("head_dim,causal,segments,window", [
+    (64, True, True, None), (128, True, False, None), (128, False, True, None),
+    (256, False, False, None), (128, True, True, 300)])
+def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
+  """The hardware path (wgmma from registers, register layouts) of the forward and (head dims
+  64, 128) both backward kernels through Mosaic GPU's lowering, which rejects layouts it cannot
+  realise; compiling and running it needs an H100/H200. With a window the block ranges and
+  the masks are traced values too."""
+  backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+  q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if segments else None
+
+  def loss(q, k, v, ids):
+    out = flash_attention(q, k, v, causal=causal, segment_ids=ids, interpret=False,
+                          forward_kernel="mosaic", backward_kernel=backward,
+                          sliding_window=window)
+    return out.astype(jnp.float32).sum()
+  with lowering_target(90):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
+        lowering_platforms=("cuda",))
+  kernels = lowered.as_text().count("mosaic_gpu")
+  assert kernels >= (3 if backward == "mosaic" else 1), kernels
+
+
+def test_mosaic_plan():
+  plan = choose_tiles(16384, 128, causal=True, scale=1.0, generation="sm90",
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  assert (plan.forward.block_q, plan.forward.block_kv, plan.forward.num_stages) == (128, 128, 2)
+  assert (plan.dq.block_q, plan.dq.block_kv, plan.dkv.block_q, plan.dkv.block_kv) == (
+      128, 64, 64, 128)
+  short = choose_tiles(20, 64, causal=True, scale=1.0, generation="sm90",
+                       forward_kernel="mosaic", backward_kernel="mosaic")
+  assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (128, 64, 128)
+  assert (short.dq.block_q, short.dq.block_kv, short.dkv.block_q, short.dkv.block_kv) == (
+      128, 64, 64, 128)
+
+

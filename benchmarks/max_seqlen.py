@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
 from ulysses_jax import evaluate, make_mesh, metrics, sharding, step_builder  # noqa: E402
+from ulysses_jax.benchmarking import time_fn  # noqa: E402
 from ulysses_jax.data import DataConfig  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402
@@ -259,7 +260,7 @@ def run_steps(setup: Setup, memory: MemoryConfig, seq_len: int, steps: int) -> d
       holder["state"], step_metrics = compiled(holder["state"], batch)
       return step_metrics
 
-    timing = common.time_fn(one_step, warmup=min(steps, 2), iters=steps)
+    timing = time_fn(one_step, warmup=min(steps, 2), iters=steps)
   except jax.errors.JaxRuntimeError as error:
     if "RESOURCE_EXHAUSTED" not in str(error):
       raise

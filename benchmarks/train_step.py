@@ -21,6 +21,7 @@ import numpy as np
 
 from benchmarks import common
 from ulysses_jax import make_mesh, metrics, step_builder
+from ulysses_jax.benchmarking import time_fn
 from ulysses_jax.data import DataConfig
 from ulysses_jax.models import llama
 from ulysses_jax.run_config import RunConfig, TrainConfig
@@ -94,7 +95,7 @@ def main(argv=None):
     holder["state"], metrics = compiled(holder["state"], batch)
     return holder["state"], metrics
 
-  timing = common.time_fn(one_step, warmup=2, iters=args.steps)
+  timing = time_fn(one_step, warmup=2, iters=args.steps)
   tokens_per_s = batch_size * args.seq_len / timing["median_s"]
   model_flops = metrics.flops_per_token(config, args.seq_len) * tokens_per_s
   peak = metrics.measure_peak_flops(args.dtype)

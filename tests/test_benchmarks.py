@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import comm_volume, kernel_resources, max_seqlen
+from benchmarks import comm_volume, kernel_resources, max_seqlen, train_step
 from ulysses_jax import aot, hlo, make_mesh
 from ulysses_jax.attention.baselines import ring_attention
 from ulysses_jax.kernels import flash_kernels
@@ -76,6 +76,18 @@ def test_max_seqlen_respects_budget_and_remat_offload_fit_more(capsys):
 
 
 @pytest.mark.slow
+def test_timed_steps_run_and_report(tmp_path):
+  """The two benchmarks that time real steps (the train step's table, max_seqlen's timed
+  rows) run through and report a finite time and loss."""
+  row = train_step.main(["--preset", "tiny", "--seq-len", "256", "--steps", "2",
+                         "--json", str(tmp_path / "step.json")])
+  assert row["step_s"] > 0 and math.isfinite(row["loss"])
+  assert json.loads((tmp_path / "step.json").read_text())["rows"][0]["seq_len"] == 256
+  setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
+  timed = max_seqlen.run_steps(setup, max_seqlen.MemoryConfig("full"), 256, steps=2)
+  assert timed["fits"] and timed["step_s"] > 0
+
+
 def test_eval_forward_reaches_at_least_the_training_length_without_optimizer_state():
   setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
   budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("full"), GRANULARITY)

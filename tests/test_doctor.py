@@ -50,6 +50,8 @@ def test_doctor_exits_1_naming_a_kernel_that_disagrees_with_the_reference(monkey
   assert doctor_cli.main(["--seq-lens", "128", "--no-step"]) == 1
   out = capsys.readouterr().out
   assert "kernel xla chunked S=128 causal=True: FAILED check: out error 1.0" in out
+  # each row is printed as it is done, before the report (a GPU's rows take minutes)
+  assert 0 <= out.index("kernel kernel=xla chunked S=128 causal=True") < out.index("devices:")
   assert out.rstrip().splitlines()[-1].startswith("FAILED: kernel xla chunked S=128")
 
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
   def body() -> int:
     cli.start_jax(args)  # the pool the trainer gives XLA, before JAX starts
     import ulysses_jax.doctor as doctor  # pylint: disable=import-outside-toplevel  (heavy)
-    report = doctor.run(args.seq_lens, with_step=not args.no_step)
+    report = doctor.run(args.seq_lens, with_step=not args.no_step, on_row=_print_row)
     print(format_report(report))
     if args.json:
       cli.write_json(args.json, report, default=str)
@@ -73,6 +73,12 @@ def format_report(report: dict) -> str:
   lines += ["", f"FAILED: {', '.join(failed)}" if failed else "every check that can run here "
             "passed"]
   return "\n".join(lines)
+
+
+def _print_row(row: dict) -> None:
+  """One kernel row as it is done (the table at the end repeats them all)."""
+  print("kernel " + " ".join(f"{c}={row[c]:.4g}" if isinstance(row.get(c), float)
+                             else f"{c}={row.get(c)}" for c in KERNEL_COLUMNS), flush=True)
 
 
 def _lengths(text: str) -> tuple[int, ...]:

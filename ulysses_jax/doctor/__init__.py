@@ -57,9 +57,10 @@ def environment(devices: list) -> dict:
   return info
 
 
-def kernel_rows(device, seq_lens, *, warmup: int, iters: int) -> list[dict]:
+def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> list[dict]:
   """One row per kernel, sequence length and mask: the check against the reference and the
-  throughput (``passed`` None where the kernel cannot run on ``device``)."""
+  throughput (``passed`` None where the kernel cannot run on ``device``). ``on_row(row)`` is
+  called as each row is done (the command prints it: on a GPU the rows take minutes)."""
   target = target_lib.of_device(device)
   heads, tokens = (16, 16384) if target.on_gpu else (4, 1024)
   rows = []
@@ -77,19 +78,23 @@ def kernel_rows(device, seq_lens, *, warmup: int, iters: int) -> list[dict]:
                "fa3_fwd_tflops": FA3_FORWARD_TFLOPS.get((seq_len, causal))}
         unavailable = _unavailable(backend, target)
         if unavailable:
-          rows.append({**row, "status": unavailable, "passed": None})
-          continue
-        result = kernels_lib.measure(kernels_lib.backend_fn(backend, causal, HEAD_DIM), q, k,
-                                     v, d_out, rows_sampled, reference, warmup=warmup,
-                                     iters=iters)
-        rows.append({**row, **result, **kernels_lib.throughput(result, flops),
-                     "passed": result["status"] == "ok"})
+          row.update(status=unavailable, passed=None)
+        else:
+          result = kernels_lib.measure(kernels_lib.backend_fn(backend, causal, HEAD_DIM), q, k,
+                                       v, d_out, rows_sampled, reference, warmup=warmup,
+                                       iters=iters)
+          row.update(**result, **kernels_lib.throughput(result, flops),
+                     passed=result["status"] == "ok")
+        rows.append(row)
+        if on_row:
+          on_row(row)
   return rows
 
 
-def run(seq_lens=None, with_step: bool = True) -> dict:
+def run(seq_lens=None, with_step: bool = True, on_row=None) -> dict:
   """Every check on the devices of this process; the report (JSON-ready) with ``checks``
-  (name, passed: True / False / None for "cannot run here", detail) and ``passed``."""
+  (name, passed: True / False / None for "cannot run here", detail) and ``passed``.
+  ``on_row`` as in ``kernel_rows``."""
   devices = jax.devices()
   on_gpu = target_lib.of_device(devices[0]).on_gpu
   seq_lens = seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
@@ -102,7 +107,8 @@ def run(seq_lens=None, with_step: bool = True) -> dict:
                              "fallbacks": list(choice.fallbacks)},
             "flops_formula": kernels_lib.FLOPS_FORMULA, "tolerance": kernels_lib.TOLERANCE,
             "fa3_source": FA3_SOURCE,
-            "kernels": kernel_rows(devices[0], seq_lens, warmup=warmup, iters=iters)}
+            "kernels": kernel_rows(devices[0], seq_lens, warmup=warmup, iters=iters,
+                                  on_row=on_row)}
   checks = [{"name": f"kernel {r['kernel']} S={r['S']} causal={r['causal']}",
              "passed": r["passed"], "detail": r["status"]} for r in report["kernels"]]
   if with_step:

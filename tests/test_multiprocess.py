@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from child_env import child_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaConfig.head_dim = 16",
           "LlamaConfig.mlp_dim = 128", "LlamaConfig.loss_chunk = 32", "DataConfig.seq_len = 128",
@@ -17,8 +19,7 @@ PARAMS = ["LlamaConfig.num_layers = 2", "LlamaConfig.hidden_dim = 64", "LlamaCon
 
 
 def _train(command, workdir, params):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+  env = child_env(PYTHON=sys.executable)
   out = subprocess.run(command + ["--gin_file=configs/tiny_cpu.gin", f"--workdir={workdir}"] +
                        [f"--gin_param={p}" for p in PARAMS + params], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=400)

@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
+from child_env import user_env
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
 def _run(example):
   result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                               "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+                          env=user_env(),
                           timeout=300, check=True)
   return result.stdout.strip().splitlines()
 

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from ulysses_jax import cli, distributed, metrics, step_builder, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.cli import train as train_cli
@@ -53,10 +54,7 @@ def _command(workdir, params, gin_file=TINY, cache=None, extra=()):
            f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params] + list(extra))
 
 
-def _env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+_env = child_env
 
 
 def _run(workdir, params, cache, check=True, **kw):

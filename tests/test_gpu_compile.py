@@ -194,7 +194,8 @@ def test_cli_llama8b_512k_on_one_gpu_counts_the_offloaded_state_on_the_host(tmp_
 
 @pytest.mark.slow
 def test_cli_explains_xlas_rematerialisation_warning_of_an_offloaded_step(tmp_path, capfd, caplog,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          uncached_compiles):
   """XLA's estimate adds host and device memory (45 + 62 GiB here, on an 80 GiB GPU): it warns
   "Can't reduce memory use below ..." for a step that fits; the user reads our line instead."""
   from ulysses_jax import xla_log

@@ -1,4 +1,5 @@
-"""Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype.
+"""Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype, and
+token directories (``write_token_dir``: what ``ulysses_jax.preprocess --out`` writes).
 
 Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (ids within
 ``[0, vocab_size)``, document ends) and converted to int64 one row window at a time
@@ -6,12 +7,13 @@ Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (i
 not a ``.npy``, not a 1-D integer array) is a ``ValueError`` naming the file and the fault.
 """
 
+import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from ulysses_jax.corpus import Corpus, concat
+from ulysses_jax.corpus import TOKEN_DIR_INDEX, Corpus, concat
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
 SCAN_CHUNK = 1 << 24
@@ -94,3 +96,64 @@ def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
     arrays.append(arr)
     parts.append(Corpus(arrays, np.full(len(starts), i, np.int64), starts, lengths))
   return concat(parts), top + 1
+
+
+def write_token_dir(corpus: Corpus, directory: str, description: dict) -> dict:
+  """Writes ``corpus`` as a token directory; returns its index (``description`` plus counts).
+
+  ``tokens.npy`` (the documents' tokens in order, uint16 or uint32), ``documents.npy``
+  (int64 ``[n, 2]``: start and length of each), ``targets.npy`` (bool per token, only when
+  some token is not a target) and ``TOKEN_DIR_INDEX`` (JSON, written last: a directory
+  without it was not finished).
+  """
+  os.makedirs(directory, exist_ok=True)
+  lengths = corpus.doc_len.astype(np.int64)
+  total, docs = int(lengths.sum()), len(lengths)
+  top = max((int(np.max(a)) for a in corpus.arrays if len(a)), default=0)
+  tokens = np.lib.format.open_memmap(os.path.join(directory, "tokens.npy"), mode="w+",
+                                     dtype=np.uint16 if top < 2**16 else np.uint32,
+                                     shape=(total,))
+  targets = None if corpus.targets is None else np.lib.format.open_memmap(
+      os.path.join(directory, "targets.npy"), mode="w+", dtype=bool, shape=(total,))
+  offset = 0
+  for d in range(docs):
+    ids, flags = corpus.read(d, 0, int(lengths[d]))
+    tokens[offset:offset + len(ids)] = ids
+    if targets is not None:
+      targets[offset:offset + len(ids)] = flags
+    offset += len(ids)
+  for array in (tokens, targets):
+    if array is not None:
+      array.flush()
+  np.save(os.path.join(directory, "documents.npy"),
+          np.stack([np.cumsum(lengths) - lengths, lengths], axis=1))
+  index = {**description, "format": 1, "num_tokens": total, "num_documents": docs,
+           "max_id": top, "has_targets": targets is not None}
+  with open(os.path.join(directory, TOKEN_DIR_INDEX), "w", encoding="utf-8") as f:
+    json.dump(index, f, indent=1)
+  return index
+
+
+def token_dir_corpus(directory: str, vocab_size: int | None) -> tuple[Corpus, int]:
+  """The corpus of a token directory (memory-mapped) and max id + 1; ids are checked against
+  ``vocab_size`` from the index."""
+  with open(os.path.join(directory, TOKEN_DIR_INDEX), encoding="utf-8") as f:
+    index = json.load(f)
+  if index.get("format") != 1:
+    raise ValueError(f"{directory}: token directory format {index.get('format')!r}, this "
+                     "version reads format 1; run ulysses_jax.preprocess --out again")
+  tokens = _open_npy(os.path.join(directory, "tokens.npy"))
+  documents = np.load(os.path.join(directory, "documents.npy"))
+  if len(tokens) != index["num_tokens"] or len(documents) != index["num_documents"]:
+    raise ValueError(f"{directory}: holds {len(tokens)} tokens and {len(documents)} documents, "
+                     f"its index says {index['num_tokens']} and {index['num_documents']}; "
+                     "run ulysses_jax.preprocess --out again")
+  if vocab_size is not None and index["max_id"] >= vocab_size:
+    raise ValueError(f"{directory}: token id {index['max_id']} is beyond the model's "
+                     f"vocab_size={vocab_size}: it was tokenized with {index.get('tokenizer')!r};"
+                     " preprocess with the model's own tokenizer")
+  targets = None
+  if index["has_targets"]:
+    targets = [np.load(os.path.join(directory, "targets.npy"), mmap_mode="r")]
+  return (Corpus([tokens], np.zeros(len(documents), np.int64), documents[:, 0].copy(),
+                 documents[:, 1].copy(), targets), index["max_id"] + 1)

@@ -26,6 +26,7 @@ consecutive windows of S tokens (see ``ulysses_jax.evaluate``).
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
@@ -189,7 +190,9 @@ def _check_ids(corpus: Corpus, vocab_size: int | None) -> int:
 
 class Rows(NamedTuple):
   """What a ``DataConfig`` trains and evaluates on, before batching: row functions (index ->
-  row, ``packing``), the smallest vocabulary the data fits and the streams' fingerprints."""
+  row, ``packing``), the smallest vocabulary the data fits, the streams' fingerprints and, for
+  a mixture, each source's name in the metrics (its PATHS, other characters than letters,
+  digits and ``./-`` as ``_``)."""
   train: object
   eval: object | None
   vocab_size: int
@@ -231,7 +234,7 @@ def make_rows(config: DataConfig, *, vocab_size: int | None = None,
   eval_rows = (None if config.eval_fraction == 0 else
                PackedRows(merge(evals), config.seq_len, 0, shuffle=False))
   return Rows(train_rows, eval_rows, vocab, f"{name} seed={config.seed}",
-              tuple(p for p, _ in config.mixture()))
+              tuple(re.sub(r"[^\w./-]", "_", p) for p, _ in config.mixture()))
 
 
 def make_datasets(config: DataConfig = DataConfig(), mesh=None, *,

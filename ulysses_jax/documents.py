@@ -76,9 +76,10 @@ def _add_batch(docs: _Documents, locations: list[str], batch: list[dict], tokeni
       encoded[i] = template().encode(chat.messages_of(record, where), where)
     elif kind == "tokens":
       ids = record["input_ids"]
-      ids = ids if isinstance(ids, np.ndarray) else np.asarray(ids if isinstance(ids, list)
-                                                               else [None], object)
-      if ids.dtype.kind not in "iu":
+      if (isinstance(ids, list) and ids
+          and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        ids = np.asarray(ids, np.int64)
+      if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
         raise ValueError(f"{where}: 'input_ids' must be a list of integer token ids; "
                          f"{_found(record, 'input_ids')}")
       encoded[i] = (ids, None)

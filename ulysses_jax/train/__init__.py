@@ -10,7 +10,8 @@ the evaluations from ``ulysses_jax.evaluate``. Writes into ``DIR``:
   config_history/ the operative config of every start that trained, named by time and step
   metrics.jsonl   one JSON object per logged step: step, loss, grad_norm, learning_rate,
                   tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
-                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps;
+                  reports it), nonfinite_steps, tokens_seen/<source> for a mixture
+                  (DataConfig.sources), and eval_loss / eval_accuracy at eval steps;
                   the first also compiled_memory_gib and the attention backend and its
                   self-check (``ulysses_jax.kernel_check``)
   tensorboard/    the same numbers as TensorBoard events
@@ -218,6 +219,8 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
         if do_eval or step % cfg.log_every == 0 or step == start + 1:
           record = metrics_lib.make_record(step, m, skipped, seconds=interval_time,
                                            steps=interval_steps, **record_args)
+          if hasattr(run.train_ds, "tokens_by_source"):  # a mixture's tokens per source
+            record.update(run.train_ds.tokens_by_source(data_state))
           if step == start + 1:  # the step is in the compilation cache: no compile again
             compiled = run.built.step.lower(run.built.state, batch).compile()
             record.update(run.attention.record(),

@@ -94,7 +94,8 @@ def test_bad_input_is_one_error_line(tmp_path, chat_data, capsys):
   _, tokenizer, _ = chat_data
   code, _, stderr = _preprocess(tmp_path, f"--json={tmp_path / 'x.json'}", capsys=capsys)
   assert code == 2 and "error: --json writes the inspected rows" in stderr
-  (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+  user_only = {"messages": [{"role": "user", "content": "hi"}]}
+  (tmp_path / "bad.jsonl").write_text(json.dumps(user_only) + "\n")
   code, _, stderr = _preprocess(tmp_path, "--inspect=1", capsys=capsys, params=[
       f"DataConfig.paths = '{tmp_path / 'bad.jsonl'}'", f"DataConfig.tokenizer = '{tokenizer}'"])
   assert code == 2

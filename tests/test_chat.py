@@ -33,7 +33,7 @@ def test_generation_blocks_give_transformers_ids_and_mask(chatml):
   template = _template(path)
   assert template.by_generation
   for messages, (ids, mask) in zip(convs, refs):
-    got_ids, targets = template.encode(messages, "conversation")
+    [(got_ids, targets)] = template.encode([(messages, "conversation")])
     assert got_ids.tolist() == ids
     assert targets.astype(int).tolist() == mask
     assert 0 < sum(mask) < len(mask)
@@ -57,9 +57,9 @@ def test_turn_by_turn_and_other_templates(tmp_path, chatml, template_text, layou
     refs = chat_cases.reference(tmp_path, convs)
   template = _template(path)
   assert template.by_generation == (layout == "config")
-  newline = HFTokenizer(path).encode_with_offsets("\n")[0].tolist()
+  newline = HFTokenizer(path).encode_with_offsets(["\n"])[0][0].tolist()
   for messages, (ids, mask) in zip(convs, refs):
-    got_ids, targets = template.encode(messages, "conversation")
+    [(got_ids, targets)] = template.encode([(messages, "conversation")])
     assert got_ids.tolist() == ids
     want = np.asarray(mask, bool)
     if layout == "jinja":  # the "\n" after each assistant <|im_end|> is the turn's too
@@ -72,12 +72,12 @@ def test_roles_to_train_and_untrainable_conversations(chatml):
   path, convs, _ = chatml
   both = _template(path, roles=("user", "assistant"))
   assert not both.by_generation  # other roles than the assistant: turn by turn
-  ids, targets = both.encode(convs[0], "c0")
-  only_assistant = _template(path).encode(convs[0], "c0")[1]
+  [(_, targets)] = both.encode([(convs[0], "c0")])
+  [(_, only_assistant)] = _template(path).encode([(convs[0], "c0")])
   assert targets.sum() > only_assistant.sum() and (targets | ~only_assistant).all()
   with pytest.raises(ValueError, match=r"c1: this conversation has no token to train.*"
                      r"roles: \['user'\]"):
-    _template(path).encode([{"role": "user", "content": "hello"}], "c1")
+    _template(path).encode([(convs[0], "c0"), ([{"role": "user", "content": "hello"}], "c1")])
 
 
 def test_template_errors_and_bad_records_name_the_row(tmp_path, chatml):
@@ -85,7 +85,7 @@ def test_template_errors_and_bad_records_name_the_row(tmp_path, chatml):
   with pytest.raises(ValueError, match="fails on this conversation: unknown role tool"):
     template_path = tmp_path / "llama.jinja"
     template_path.write_text(chat_cases.LLAMA_GENERATION)
-    _template(path, str(template_path)).encode([{"role": "tool", "content": "x"}], "row 3")
+    _template(path, str(template_path)).encode([([{"role": "tool", "content": "x"}], "row 3")])
   with pytest.raises(ValueError, match=r"row 9: 'messages' must be a non-empty list.*str"):
     chat.messages_of({"messages": "hi"}, "row 9")
   with pytest.raises(ValueError, match=r"row 2: messages\[1\] needs a string 'role'"):

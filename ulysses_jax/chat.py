@@ -118,8 +118,8 @@ def _environment():
 class ChatTemplate:
   """A chat template and a tokenizer (``corpus.HFTokenizer`` or ``ByteTokenizer``).
 
-  ``encode(messages, where)`` -> (ids, targets): int64 and bool arrays of one conversation;
-  ``where`` names it in errors.
+  ``encode([(messages, where), ...])`` -> [(ids, targets), ...]: the token ids and bool target
+  flags of each conversation; ``where`` names it in errors.
   """
 
   def __init__(self, template: str, special_tokens: dict[str, str], tokenizer,
@@ -145,23 +145,31 @@ class ChatTemplate:
       self._env.tracking = None
     return "".join(blocks), spans
 
-  def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
+  def encode(self, conversations: Sequence[tuple[list[dict], str]]
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, targets) of each (messages, where) conversation, tokenized together."""
     import jinja2  # pylint: disable=import-outside-toplevel
-    try:
-      text, spans = self.render(messages)
-      if not self.by_generation:
-        spans = self._turn_spans(messages, text, where)
-    except jinja2.exceptions.TemplateError as e:
-      raise ValueError(f"{where}: the chat template fails on this conversation: {e}") from None
-    ids, offsets = self.tokenizer.encode_with_offsets(text)
-    targets = _overlapping(offsets, spans)
-    if not targets.any():
-      how = ("no {% generation %} block" if self.by_generation
-             else f"no turn of the roles {list(self.roles)} (DataConfig.roles_to_train)")
-      raise ValueError(f"{where}: this conversation has no token to train: the template "
-                       f"wrote {how} (roles: {[m.get('role') for m in messages]}); drop it or "
-                       "give it a turn to train")
-    return ids, targets
+    rendered = []
+    for messages, where in conversations:
+      try:
+        text, spans = self.render(messages)
+        if not self.by_generation:
+          spans = self._turn_spans(messages, text, where)
+      except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"{where}: the chat template fails on this conversation: {e}") from None
+      rendered.append((text, spans))
+    out = []
+    encoded = self.tokenizer.encode_with_offsets([text for text, _ in rendered])
+    for (messages, where), (_, spans), (ids, offsets) in zip(conversations, rendered, encoded):
+      targets = _overlapping(offsets, spans)
+      if not targets.any():
+        how = ("no {% generation %} block" if self.by_generation
+               else f"no turn of the roles {list(self.roles)} (DataConfig.roles_to_train)")
+        raise ValueError(f"{where}: this conversation has no token to train: the template "
+                         f"wrote {how} (roles: {[m.get('role') for m in messages]}); drop it "
+                         "or give it a turn to train")
+      out.append((ids, targets))
+    return out
 
   def _turn_spans(self, messages, text, where) -> list[tuple[int, int]]:
     """The character span each trained turn adds to the rendering of the turns before it."""

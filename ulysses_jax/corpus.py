@@ -29,12 +29,14 @@ class ByteTokenizer:
   def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
     return [np.frombuffer(d, np.uint8) for d in docs]
 
-  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of ``text`` and each one's ``[start, end)`` character range ``[n, 2]``."""
-    chars = [len(c.encode("utf-8")) for c in text]
-    char_of_byte = np.repeat(np.arange(len(text)), chars)
-    return (np.frombuffer(text.encode("utf-8"), np.uint8),
-            np.stack([char_of_byte, char_of_byte + 1], axis=1))
+  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per text: its ids and each one's ``[start, end)`` character range ``[n, 2]``."""
+    out = []
+    for text in texts:
+      char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+      out.append((np.frombuffer(text.encode("utf-8"), np.uint8),
+                  np.stack([char_of_byte, char_of_byte + 1], axis=1)))
+    return out
 
   def decode(self, ids, skip_special_tokens: bool = True) -> str:  # bytes have no specials
     return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
@@ -60,12 +62,11 @@ class HFTokenizer:
     return [np.asarray(e.ids, np.uint32)
             for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-  def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Ids of ``text`` (no added special tokens) and each one's ``[start, end)`` character
+  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per text: its ids (no added special tokens) and each one's ``[start, end)`` character
     range ``[n, 2]``."""
-    encoding = self._tok.encode(text, add_special_tokens=False)
-    return (np.asarray(encoding.ids, np.uint32),
-            np.asarray(encoding.offsets, np.int64).reshape(-1, 2))
+    return [(np.asarray(e.ids, np.uint32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
   def decode(self, ids, skip_special_tokens: bool = True) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -69,11 +69,12 @@ def _add_batch(docs: _Documents, locations: list[str], batch: list[dict], tokeni
                text_field: str, template: Callable[[], "chat.ChatTemplate"]):
   """Tokenizes one batch of records into ``docs``, in order."""
   pending = []  # text and prompt/completion records: (index, prompt, text), tokenized together
+  conversations = []  # (index, messages, where), rendered and tokenized together
   encoded = {}
   for i, (where, record) in enumerate(zip(locations, batch)):
     kind = _kind(record, text_field)
     if kind == "chat":
-      encoded[i] = template().encode(chat.messages_of(record, where), where)
+      conversations.append((i, chat.messages_of(record, where), where))
     elif kind == "tokens":
       ids = record["input_ids"]
       if (isinstance(ids, list) and ids
@@ -93,6 +94,9 @@ def _add_batch(docs: _Documents, locations: list[str], batch: list[dict], tokeni
               f"ShareGPT 'conversations' or 'input_ids'); {_found(record, f)}")
       prompt = record["prompt"] if kind == "prompt_completion" else ""
       pending.append((i, prompt.encode("utf-8"), record[fields[-1]].encode("utf-8")))
+  if conversations:
+    tokenized = template().encode([(messages, where) for _, messages, where in conversations])
+    encoded.update(zip([i for i, _, _ in conversations], tokenized))
   prompts = tokenizer.encode_batch([p for _, p, _ in pending])
   texts = tokenizer.encode_batch([t for _, _, t in pending])
   for (i, prompt, _), p, t in zip(pending, prompts, texts):

@@ -8,6 +8,8 @@ tokenize or render, split, shuffle) and then packs every training row of one epo
   around 4K tokens) in 4 Parquet files, read by row group, into rows of ``--seq_len`` (65,536);
 * ``jsonl_text``: the standard library's ``.py`` files as JSONL ``text`` records through a fast
   byte-level BPE tokenizer (32K ids, trained here on a slice of the same text; not timed);
+* ``token_dir``: the same text tokenized once by ``ulysses_jax.preprocess --out`` (not timed),
+  read memory-mapped, as a long run reads it;
 * ``chat_generation`` / ``chat_turns``: JSONL ``messages`` conversations (2-8 turns of stdlib
   lines, a system turn in half) in a ChatML template with ``{% generation %}`` (one render per
   conversation) and without it (turn by turn: one render per trained turn more).
@@ -33,7 +35,7 @@ import time
 import numpy as np
 
 from benchmarks.common import print_table, write_json
-from ulysses_jax import data
+from ulysses_jax import data, preprocess
 
 COLUMNS = ["case", "tokens", "load_s", "pack_s", "load_tok_s", "pack_tok_s", "total_tok_s",
            "need_tok_s", "ratio"]
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     plain = _tokenizer(os.path.join(tmp, "tok"), texts, None)
     cases["jsonl_text"] = data.DataConfig(paths=os.path.join(tmp, "text.jsonl"),
                                           tokenizer=plain, **base)
+    preprocess.write_tokens(cases["jsonl_text"], os.path.join(tmp, "tokens"))
+    cases["token_dir"] = data.DataConfig(paths=os.path.join(tmp, "tokens"), **base)
     chat = _conversations(os.path.join(tmp, "chat.jsonl"), texts, args.conversations)
     tagged = _tokenizer(os.path.join(tmp, "chat_tok"), texts, CHATML)
     cases["chat_generation"] = data.DataConfig(paths=chat, tokenizer=tagged,

@@ -268,8 +268,9 @@ def test_data_pipeline_times_each_case_against_the_gpu_need(tmp_path):
   from benchmarks import data_pipeline
   rows = data_pipeline.main(["--tokens=200000", "--seq_len=4096", "--conversations=40",
                              "--text_files=20", f"--json={tmp_path / 'data.json'}"])
-  assert [r["case"] for r in rows] == ["parquet_tokens", "jsonl_text", "chat_generation",
-                                       "chat_turns"]
+  assert [r["case"] for r in rows] == ["parquet_tokens", "jsonl_text", "token_dir",
+                                       "chat_generation", "chat_turns"]
+  assert rows[1]["tokens"] == rows[2]["tokens"]  # the same text, tokenized once
   needs = data_pipeline.gpu_needs()
   assert len(needs) == 7 and needs[0]["tok_s_per_host"] == 8 * 15_490
   for r in rows:

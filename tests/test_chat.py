@@ -75,6 +75,7 @@ def test_roles_to_train_and_untrainable_conversations(chatml):
   [(_, targets)] = both.encode([(convs[0], "c0")])
   [(_, only_assistant)] = _template(path).encode([(convs[0], "c0")])
   assert targets.sum() > only_assistant.sum() and (targets | ~only_assistant).all()
+  assert not targets[0]  # the BOS the template writes before the first turn is no turn's
   with pytest.raises(ValueError, match=r"c1: this conversation has no token to train.*"
                      r"roles: \['user'\]"):
     _template(path).encode([(convs[0], "c0"), ([{"role": "user", "content": "hello"}], "c1")])

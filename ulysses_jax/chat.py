@@ -177,9 +177,9 @@ class ChatTemplate:
     for i, message in enumerate(messages):
       if message.get("role") not in self.roles:
         continue
-      before = self.render(messages[:i])[0] if i else ""
+      before = self._prefix(messages[:i])
       if message.get("role") == "assistant":
-        header = self.render(messages[:i], add_generation_prompt=True)[0] if i else ""
+        header = self._prefix(messages[:i], add_generation_prompt=True)
         before = header if text.startswith(header) else before
       through = self.render(messages[:i + 1])[0]
       if not (text.startswith(through) and through.startswith(before)):
@@ -189,6 +189,18 @@ class ChatTemplate:
                          "template (DataConfig.chat_template)")
       spans.append((len(before), len(through)))
     return spans
+
+
+  def _prefix(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The rendering of the turns before a trained one; of no turns (what a template writes
+    before the first, e.g. BOS), "" where the template cannot render an empty conversation."""
+    import jinja2  # pylint: disable=import-outside-toplevel
+    try:
+      return self.render(messages, add_generation_prompt)[0]
+    except jinja2.exceptions.TemplateError:
+      if messages:
+        raise
+      return ""
 
 
 def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

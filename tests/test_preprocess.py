@@ -78,6 +78,8 @@ def test_out_writes_token_files_that_train_to_the_same_rows(tmp_path, chat_data,
                                      capsys=capsys)
   assert code == 0, stderr
   assert "train on it with DataConfig.paths=" in stdout
+  assert sorted(os.listdir(tmp_path / "tokens")) == ["documents.npy", "targets.bin", "tokens.bin",
+                                                   "ulysses_tokens.json"]
   config = data.DataConfig(source="files", paths=str(root / "parquet"), tokenizer=tokenizer,
                            seq_len=192, batch_size=2)
   from_files = data.make_rows(config)

@@ -133,15 +133,8 @@ def load_corpus(config: DataConfig, paths: str | Sequence[str] | None = None, *,
   """(corpus in file order, smallest vocabulary it fits, a description) of ``paths``
   (default: ``config.paths``, or the standard library for source="stdlib"); documents cut to
   ``seq_len`` when ``long_documents="truncate"``. ``progress``: a bar while tokenizing."""
-  if config.source == "stdlib":
-    files = stdlib_files()
-  else:
-    files = resolve_paths(config.paths if paths is None else paths)
-  tokenized = [f.endswith((".bin", ".npy")) or os.path.isdir(f) for f in files]
-  if any(tokenized) and not all(tokenized):
-    raise ValueError("mix of token files (.bin/.npy, preprocessed directories) and text or "
-                     "record files: they need different tokenizers; give one kind")
-  if all(tokenized):
+  files, tokenized = config_files(config, paths)
+  if tokenized:
     dirs = [f for f in files if os.path.isdir(f)]
     parts = [token_dir_corpus(d, vocab_size) for d in dirs]
     if len(dirs) < len(files):
@@ -149,9 +142,8 @@ def load_corpus(config: DataConfig, paths: str | Sequence[str] | None = None, *,
                                 config.eos_id, vocab_size))
     corpus, data_vocab = merge([c for c, _ in parts]), max(v for _, v in parts)
   else:
-    tokenizer = make_tokenizer(config.tokenizer)
+    tokenizer, template = text_tokenizer(config)
     _check_vocab(tokenizer.vocab_size, vocab_size, f"tokenizer {config.tokenizer!r}")
-    template = functools.partial(_chat_template, config, tokenizer)
     corpus = text_corpus(files, tokenizer, config.text_field, template=template,
                          progress=progress)
     data_vocab = max(tokenizer.vocab_size, _check_ids(corpus, vocab_size))
@@ -165,6 +157,25 @@ def load_corpus(config: DataConfig, paths: str | Sequence[str] | None = None, *,
   if config.chat_template or config.roles_to_train != "assistant":
     name += f" chat_template={config.chat_template} roles_to_train={config.roles_to_train}"
   return corpus, data_vocab, name
+
+
+def config_files(config: DataConfig, paths: str | Sequence[str] | None = None
+                 ) -> tuple[list[str], bool]:
+  """The files of ``paths`` (default ``config.paths``; the standard library for
+  source="stdlib") and whether they are tokenized already (token files and directories)."""
+  files = stdlib_files() if config.source == "stdlib" else resolve_paths(
+      config.paths if paths is None else paths)
+  tokenized = [f.endswith((".bin", ".npy")) or os.path.isdir(f) for f in files]
+  if any(tokenized) and not all(tokenized):
+    raise ValueError("mix of token files (.bin/.npy, preprocessed directories) and text or "
+                     "record files: they need different tokenizers; give one kind")
+  return files, all(tokenized)
+
+
+def text_tokenizer(config: DataConfig):
+  """(the tokenizer, a function returning the ``chat.ChatTemplate``) of a text config."""
+  tokenizer = make_tokenizer(config.tokenizer)
+  return tokenizer, functools.partial(_chat_template, config, tokenizer)
 
 
 def _chat_template(config: DataConfig, tokenizer) -> chat.ChatTemplate:

@@ -28,7 +28,9 @@ _RECORD_FILES = (".jsonl", *records.TABLE_SUFFIXES)
 
 
 class _Documents:
-  """Documents as they are read: token arrays and target flags (None: all targets)."""
+  """Documents kept in memory as they are read: token arrays and target flags (None: all
+  targets). Any object with ``add(tokens, targets)`` takes its place in ``read_documents``
+  (``token_files.TokenDirWriter`` writes them to disk instead)."""
 
   def __init__(self):
     self.tokens, self.targets = [], []
@@ -107,10 +109,11 @@ def _add_batch(docs: _Documents, locations: list[str], batch: list[dict], tokeni
     docs.add(*encoded[i])
 
 
-def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text", *,
-                template: Callable[[], "chat.ChatTemplate"] | None = None,
-                progress: bool = False) -> Corpus:
-  """The documents of ``files`` (text and record files), in order, tokenized.
+def read_documents(files: Sequence[str], tokenizer, text_field: str, sink, *,
+                   template: Callable[[], "chat.ChatTemplate"] | None = None,
+                   progress: bool = False):
+  """Tokenizes the documents of ``files`` (text and record files) in order into
+  ``sink.add(tokens, targets)``, a batch of records at a time.
 
   ``template``: returns the ``chat.ChatTemplate`` for conversations (called on the first
   one; None: conversations are an error). ``progress``: a progress bar over the records.
@@ -119,16 +122,24 @@ def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text", *,
     raise ValueError("the data holds conversations ('messages' or 'conversations') but no "
                      "chat template was given")
 
-  docs, bar = _Documents(), tqdm(unit=" records", disable=not progress, mininterval=1)
+  bar = tqdm(unit=" records", disable=not progress, mininterval=1)
   get_template = functools.cache(template or no_template)
   for path in files:
     if not path.endswith(_RECORD_FILES):
       with open(path, "rb") as f:
-        docs.add(tokenizer.encode_batch([f.read()])[0], None)
+        sink.add(tokenizer.encode_batch([f.read()])[0], None)
       bar.update()
       continue
     for locations, batch in records.read_records(path):
-      _add_batch(docs, locations, batch, tokenizer, text_field, get_template)
+      _add_batch(sink, locations, batch, tokenizer, text_field, get_template)
       bar.update(len(batch))
   bar.close()
+
+
+def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text", *,
+                template: Callable[[], "chat.ChatTemplate"] | None = None,
+                progress: bool = False) -> Corpus:
+  """The documents of ``files``, in order, tokenized into memory (``read_documents``)."""
+  docs = _Documents()
+  read_documents(files, tokenizer, text_field, docs, template=template, progress=progress)
   return docs.corpus()

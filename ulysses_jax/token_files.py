@@ -1,5 +1,5 @@
 """Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype, and
-token directories (``write_token_dir``: what ``ulysses_jax.preprocess --out`` writes).
+token directories (``TokenDirWriter``: what ``ulysses_jax.preprocess --out`` writes).
 
 Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (ids within
 ``[0, vocab_size)``, document ends) and converted to int64 one row window at a time
@@ -98,40 +98,51 @@ def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
   return concat(parts), top + 1
 
 
-def write_token_dir(corpus: Corpus, directory: str, description: dict) -> dict:
-  """Writes ``corpus`` as a token directory; returns its index (``description`` plus counts).
+class TokenDirWriter:
+  """Writes documents as they come (``add(tokens, targets)``, the sink of
+  ``documents.read_documents``) into a token directory; ``finish(description)`` completes it and
+  returns its index. Only the documents' starts and lengths stay in memory.
 
-  ``tokens.npy`` (the documents' tokens in order, uint16 or uint32), ``documents.npy``
-  (int64 ``[n, 2]``: start and length of each), ``targets.npy`` (bool per token, only when
-  some token is not a target) and ``TOKEN_DIR_INDEX`` (JSON, written last: a directory
-  without it was not finished).
+  Files: ``tokens.bin`` (uint32 ids, the documents in order), ``targets.bin`` (one byte per
+  token: may it be a label; removed when every token may), ``documents.npy`` (int64 ``[n, 2]``:
+  start and length) and ``TOKEN_DIR_INDEX`` (JSON, written last: a directory without it was
+  not finished).
   """
-  os.makedirs(directory, exist_ok=True)
-  lengths = corpus.doc_len.astype(np.int64)
-  total, docs = int(lengths.sum()), len(lengths)
-  top = max((int(np.max(a)) for a in corpus.arrays if len(a)), default=0)
-  tokens = np.lib.format.open_memmap(os.path.join(directory, "tokens.npy"), mode="w+",
-                                     dtype=np.uint16 if top < 2**16 else np.uint32,
-                                     shape=(total,))
-  targets = None if corpus.targets is None else np.lib.format.open_memmap(
-      os.path.join(directory, "targets.npy"), mode="w+", dtype=bool, shape=(total,))
-  offset = 0
-  for d in range(docs):
-    ids, flags = corpus.read(d, 0, int(lengths[d]))
-    tokens[offset:offset + len(ids)] = ids
-    if targets is not None:
-      targets[offset:offset + len(ids)] = flags
-    offset += len(ids)
-  for array in (tokens, targets):
-    if array is not None:
-      array.flush()
-  np.save(os.path.join(directory, "documents.npy"),
-          np.stack([np.cumsum(lengths) - lengths, lengths], axis=1))
-  index = {**description, "format": 1, "num_tokens": total, "num_documents": docs,
-           "max_id": top, "has_targets": targets is not None}
-  with open(os.path.join(directory, TOKEN_DIR_INDEX), "w", encoding="utf-8") as f:
-    json.dump(index, f, indent=1)
-  return index
+
+  def __init__(self, directory: str):
+    os.makedirs(directory, exist_ok=True)
+    self.directory = directory
+    self._tokens = open(os.path.join(directory, "tokens.bin"), "wb")  # pylint: disable=consider-using-with
+    self._targets = open(os.path.join(directory, "targets.bin"), "wb")  # pylint: disable=consider-using-with
+    self._lengths, self._low, self._high, self._context = [], 0, -1, False
+
+  def add(self, tokens: np.ndarray, targets: np.ndarray | None):
+    if not len(tokens):
+      return
+    self._low, self._high = min(self._low, int(tokens.min())), max(self._high, int(tokens.max()))
+    if self._low < 0 or self._high >= 2**32:
+      raise ValueError(f"token id {self._low if self._low < 0 else self._high} cannot be "
+                       "stored: token ids are in [0, 2**32)")
+    self._tokens.write(np.asarray(tokens, np.uint32).tobytes())
+    flags = np.ones(len(tokens), bool) if targets is None else np.asarray(targets, bool)
+    self._context |= not flags.all()
+    self._targets.write(flags.tobytes())
+    self._lengths.append(len(tokens))
+
+  def finish(self, description: dict) -> dict:
+    self._tokens.close()
+    self._targets.close()
+    if not self._context:
+      os.remove(os.path.join(self.directory, "targets.bin"))
+    lengths = np.asarray(self._lengths, np.int64)
+    np.save(os.path.join(self.directory, "documents.npy"),
+            np.stack([np.cumsum(lengths) - lengths, lengths], axis=1).reshape(-1, 2))
+    index = {**description, "format": 1, "num_tokens": int(lengths.sum()),
+             "num_documents": len(lengths), "max_id": self._high,
+             "has_targets": self._context}
+    with open(os.path.join(self.directory, TOKEN_DIR_INDEX), "w", encoding="utf-8") as f:
+      json.dump(index, f, indent=1)
+    return index
 
 
 def token_dir_corpus(directory: str, vocab_size: int | None) -> tuple[Corpus, int]:
@@ -142,7 +153,7 @@ def token_dir_corpus(directory: str, vocab_size: int | None) -> tuple[Corpus, in
   if index.get("format") != 1:
     raise ValueError(f"{directory}: token directory format {index.get('format')!r}, this "
                      "version reads format 1; run ulysses_jax.preprocess --out again")
-  tokens = _open_npy(os.path.join(directory, "tokens.npy"))
+  tokens = load_token_file(os.path.join(directory, "tokens.bin"), "uint32")
   documents = np.load(os.path.join(directory, "documents.npy"))
   if len(tokens) != index["num_tokens"] or len(documents) != index["num_documents"]:
     raise ValueError(f"{directory}: holds {len(tokens)} tokens and {len(documents)} documents, "
@@ -154,6 +165,6 @@ def token_dir_corpus(directory: str, vocab_size: int | None) -> tuple[Corpus, in
                      " preprocess with the model's own tokenizer")
   targets = None
   if index["has_targets"]:
-    targets = [np.load(os.path.join(directory, "targets.npy"), mmap_mode="r")]
+    targets = [np.memmap(os.path.join(directory, "targets.bin"), dtype=bool, mode="r")]
   return (Corpus([tokens], np.zeros(len(documents), np.int64), documents[:, 0].copy(),
                  documents[:, 1].copy(), targets), index["max_id"] + 1)

@@ -5,7 +5,7 @@ trained tokens marked, and a token directory written once for long runs.
 trainer's batches hold them (global rows 0, 1, ...: batch ``i`` is rows ``i*B .. i*B+B-1``);
 ``format_row`` shows one as text: each document piece on its own, and the tokens the loss
 falls on (the labels of the tokens before them) marked. ``write_tokens`` tokenizes a
-``DataConfig``'s files once into a token directory (``token_files.write_token_dir``) that
+``DataConfig``'s files once into a token directory (``token_files.TokenDirWriter``) that
 ``DataConfig.paths`` takes instead, memory-mapped: the same documents in the same order, so
 the same split and shuffle.
 """
@@ -14,7 +14,8 @@ import numpy as np
 
 from ulysses_jax import data
 from ulysses_jax.packing import IGNORE_LABEL
-from ulysses_jax.token_files import write_token_dir
+from ulysses_jax.documents import read_documents
+from ulysses_jax.token_files import TokenDirWriter
 
 ROW_FIELDS = ("tokens", "labels", "segment_ids", "positions")
 
@@ -63,11 +64,21 @@ def row_json(rows: list[dict[str, np.ndarray]]) -> dict:
 
 
 def write_tokens(config: data.DataConfig, out: str, *, progress: bool = False) -> dict:
-  """Tokenizes ``config.paths`` into the token directory ``out``; returns its index."""
+  """Tokenizes ``config.paths`` into the token directory ``out``, a batch of records at a time
+  (memory holds one batch and the documents' lengths); returns its index."""
   if config.sources:
     raise ValueError("--out writes one source; preprocess each source of DataConfig.sources "
                      "on its own (DataConfig.paths) and give the directories to sources")
   if config.source == "retrieval":
     raise ValueError("the retrieval task is synthetic: there is nothing to tokenize")
-  corpus, _, name = data.load_corpus(config, progress=progress)
-  return write_token_dir(corpus, out, {"tokenizer": config.tokenizer, "source": name})
+  files, tokenized = data.config_files(config)
+  if tokenized:
+    raise ValueError("DataConfig.paths are token files or directories already: nothing to "
+                     "tokenize")
+  tokenizer, template = data.text_tokenizer(config)
+  writer = TokenDirWriter(out)
+  read_documents(files, tokenizer, config.text_field, writer, template=template,
+                 progress=progress)
+  return writer.finish({"tokenizer": config.tokenizer, "files": len(files),
+                        "text_field": config.text_field, "chat_template": config.chat_template,
+                        "roles_to_train": config.roles_to_train})

@@ -8,8 +8,10 @@ list of named templates whose ``"default"`` is used), or a ``.jinja`` file given
 environment with ``trim_blocks`` and ``lstrip_blocks``, loop controls, the ``tojson`` filter
 without HTML escaping, ``raise_exception``, ``strftime_now``, the ``{% generation %}`` block,
 the special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...) as
-variables, ``add_generation_prompt=False`` and message keys whose value is None dropped. The
-rendered text is tokenized whole without added special tokens, so the ids equal
+variables, ``add_generation_prompt=False`` and message keys whose value is None dropped
+(jinja2's own ``dict`` and ``namespace``, which transformers replaces by versions that refuse
+underscore names against sandbox escapes, render the same for every template transformers
+accepts). The rendered text is tokenized whole without added special tokens, so the ids equal
 ``apply_chat_template(messages)``'s.
 
 Which tokens train (are targets):
@@ -63,8 +65,13 @@ def find_template(tokenizer: str, chat_template: str = "") -> tuple[str, dict[st
     with open(jinja_file, encoding="utf-8") as f:
       return f.read(), special
   template = config.get("chat_template")
-  if isinstance(template, list):
-    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  if isinstance(template, list):  # named templates: transformers uses "default"
+    named = {t.get("name"): t.get("template") for t in template}
+    if "default" not in named:
+      raise ValueError(f"{directory}/tokenizer_config.json has chat templates {sorted(named)} "
+                       "but no 'default'; save the one to use as a .jinja file and set "
+                       "DataConfig.chat_template to it")
+    template = named["default"]
   if not isinstance(template, str):
     where = (f"{directory} has no chat_template.jinja and its tokenizer_config.json no "
              "chat_template" if directory else "DataConfig.tokenizer='byte' has no template")

@@ -59,8 +59,10 @@ def test_two_processes_match_one_through_a_kill(tmp_path):
   step 4 and restarted equal those of 1 uninterrupted process."""
   _, one = _train([sys.executable, "-m", "ulysses_jax.train"], tmp_path / "one", [])
   launch, two_dir = ["bash", "scripts/launch_local.sh", "2"], tmp_path / "two"
-  _kill_after_checkpoint(launch, two_dir, ["TrainConfig.cpu_devices = 4"], 4)
-  out, two = _train(launch, two_dir, ["TrainConfig.cpu_devices = 4"])
+  two_params = ["TrainConfig.cpu_devices = 4",  # the restart loads what the first start compiled
+                f"TrainConfig.compilation_cache = '{tmp_path / 'cache'}'"]
+  _kill_after_checkpoint(launch, two_dir, two_params, 4)
+  out, two = _train(launch, two_dir, two_params)
   assert "8 devices as {'data': 2, 'seq': 4}" in out.stderr
   assert "resuming at step 4" in out.stderr
   assert sorted(os.listdir(two_dir / "checkpoints")) == ["4", "8"]

@@ -87,6 +87,22 @@ def test_template_errors_and_bad_records_name_the_row(tmp_path, chatml):
     template_path = tmp_path / "llama.jinja"
     template_path.write_text(chat_cases.LLAMA_GENERATION)
     _template(path, str(template_path)).encode([([{"role": "tool", "content": "x"}], "row 3")])
+  # Turn by turn needs each first-turns rendering to be a prefix of the whole, and to render.
+  convo = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+           {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+  last_only = tmp_path / "last_only.jinja"  # earlier answers dropped, as reasoning templates do
+  last_only.write_text("{% for m in messages %}{{ m['role'] }}: {% if m['role'] == 'user' or "
+                       "loop.last %}{{ m['content'] }}{% endif %}\n{% endfor %}")
+  with pytest.raises(ValueError, match=r"row 5: the chat template renders turn 1 differently "
+                     r"once later turns follow.*\{% generation %\}"):
+    _template(path, str(last_only)).encode([(convo, "row 5")])
+  ends_with_answer = tmp_path / "ends.jinja"
+  ends_with_answer.write_text("{% if messages[-1]['role'] != 'assistant' %}{{ raise_exception("
+                              "'end with an answer') }}{% endif %}{% for m in messages %}"
+                              "{{ m['content'] }}\n{% endfor %}")
+  with pytest.raises(ValueError, match=r"row 6: labelling turn by turn renders the first turns "
+                     r"alone, and the chat template fails on turns 0..1 \(end with an answer\)"):
+    _template(path, str(ends_with_answer)).encode([(convo, "row 6")])
   with pytest.raises(ValueError, match=r"row 9: 'messages' must be a non-empty list.*str"):
     chat.messages_of({"messages": "hi"}, "row 9")
   with pytest.raises(ValueError, match=r"row 2: messages\[1\] needs a string 'role'"):

@@ -180,23 +180,27 @@ class ChatTemplate:
 
   def _turn_spans(self, messages, text, where) -> list[tuple[int, int]]:
     """The character span each trained turn adds to the rendering of the turns before it."""
+    import jinja2  # pylint: disable=import-outside-toplevel
+    fix = ("wrap the assistant turns in {% generation %}...{% endgeneration %} in the template "
+           "(DataConfig.chat_template)")
     spans = []
     for i, message in enumerate(messages):
       if message.get("role") not in self.roles:
         continue
-      before = self._prefix(messages[:i])
-      if message.get("role") == "assistant":
-        header = self._prefix(messages[:i], add_generation_prompt=True)
-        before = header if text.startswith(header) else before
-      through = self.render(messages[:i + 1])[0]
+      try:
+        before = self._prefix(messages[:i])
+        if message.get("role") == "assistant":
+          header = self._prefix(messages[:i], add_generation_prompt=True)
+          before = header if text.startswith(header) else before
+        through = self.render(messages[:i + 1])[0]
+      except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"{where}: labelling turn by turn renders the first turns alone, and "
+                         f"the chat template fails on turns 0..{i} ({e}); {fix}") from None
       if not (text.startswith(through) and through.startswith(before)):
         raise ValueError(f"{where}: the chat template renders turn {i} differently once later "
-                         "turns follow, so the trained text cannot be found turn by turn; wrap "
-                         "the assistant turns in {% generation %}...{% endgeneration %} in the "
-                         "template (DataConfig.chat_template)")
+                         f"turns follow, so the trained text cannot be found turn by turn; {fix}")
       spans.append((len(before), len(through)))
     return spans
-
 
   def _prefix(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The rendering of the turns before a trained one; of no turns (what a template writes

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
   p.add_argument("--seq_len", type=int, default=65_536)
   p.add_argument("--conversations", type=int, default=5000)
   p.add_argument("--text_files", type=int, default=0, help="stdlib files to read (0: all)")
-  p.add_argument("--json", help="also write the results here")
+  p.add_argument("--json", default="", help="also write the results here")
   args = p.parse_args(argv)
   needs = gpu_needs()
   need = max(n["tok_s_per_host"] for n in needs)

@@ -105,7 +105,6 @@ class GrainDataset:
     self._documents, self.mesh = documents, mesh
     self.batch_size, self.seq_len, self.vocab_size = batch_size, seq_len, vocab_size
     self.fingerprint = f"train: {name} seq_len={seq_len}"
-    self.num_batches = None
     self._stream = _Stream(documents, seq_len)
 
   def __iter__(self):

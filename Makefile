@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[dev,hf]' 'torch==2.13.0'  # the CPU build: an unpinned torch pulls GBs of CUDA
+	$(PY) -m pip install -e '.[dev,hf,data,grain,wandb]' 'torch==2.13.0'  # the CPU build: an unpinned torch pulls GBs of CUDA
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -18,6 +18,7 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
 import json
 import math
 import os
+import secrets
 import shutil
 import time
 
@@ -99,9 +100,43 @@ def peak_memory_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+WANDB_HINT = "pip install 'ulysses_jax[wandb]' (or pip install wandb)"
+
+
+class _WandbRun:
+  """A Weights & Biases run of the workdir: its id is kept in ``wandb_run_id``, so a resumed
+  run continues it (steps that the stopped run logged after its checkpoint stay there too).
+  The numbers are plotted against our ``step``. ``WANDB_MODE=offline`` keeps it on disk."""
+
+  def __init__(self, workdir: str, project: str, config: dict | None):
+    try:
+      import wandb  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError(f"TrainConfig.wandb_project needs wandb: {WANDB_HINT}") from e
+    id_file = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_file):
+      with open(id_file, encoding="utf-8") as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)
+      with open(id_file, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    self.run = wandb.init(project=project, id=run_id, resume="allow", dir=workdir,
+                          config=config)
+    self.run.define_metric("step")
+    self.run.define_metric("*", step_metric="step")
+
+  def log(self, numbers: dict):
+    self.run.log(numbers)
+
+  def close(self):
+    self.run.finish()
+
+
 class MetricsWriter:
   """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors every number
-  to TensorBoard event files under ``tensorboard/``.
+  to TensorBoard event files under ``tensorboard/`` and, with ``wandb_project``, to a
+  Weights & Biases run (``_WandbRun``; ``run_config`` as its config).
 
   Only process 0 writes (others get a writer that does nothing). On resume from step
   ``resume_step``, records of later steps (logged after that checkpoint by the run that
@@ -109,10 +144,12 @@ class MetricsWriter:
   events are rewritten from the kept records, so they hold each step once.
   """
 
-  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None):
+  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None, *,
+               wandb_project: str = "", run_config: dict | None = None):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tensorboard_dir = os.path.join(workdir, "tensorboard")
     self._enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._wandb = None
     if not self._enabled:
       return
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
@@ -128,6 +165,8 @@ class MetricsWriter:
     for line in kept:
       self._to_tensorboard(json.loads(line))
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    if wandb_project:
+      self._wandb = _WandbRun(workdir, wandb_project, run_config)
 
   def write(self, record: dict):
     """Writes ``record``: ``step``, numbers and strings; None values (not measured) are left
@@ -141,6 +180,8 @@ class MetricsWriter:
     self._file.write(json.dumps({k: finite.get(k, text.get(k)) for k in record}) + "\n")
     self._file.flush()
     self._to_tensorboard(finite)
+    if self._wandb:
+      self._wandb.log(finite)
 
   def _to_tensorboard(self, record: dict):
     """The numbers of ``record`` (a resumed run replays its kept lines: strings, nulls too)."""
@@ -153,6 +194,8 @@ class MetricsWriter:
     if self._enabled:
       self._file.close()
       self._tb.close()
+    if self._wandb:
+      self._wandb.close()
 
 
 def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: int,

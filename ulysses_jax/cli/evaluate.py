@@ -48,7 +48,8 @@ from flax import nnx
 from ulysses_jax import cli, finetune, kernel_check, ruler, step_builder
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import IGNORE_LABEL, DataConfig, document_windows
+from ulysses_jax.data import DataConfig, document_windows
+from ulysses_jax.packing import IGNORE_LABEL
 from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.ruler import tasks as tasks_lib

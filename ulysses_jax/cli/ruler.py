@@ -13,7 +13,8 @@ import json
 import numpy as np
 
 from ulysses_jax import cli, ruler
-from ulysses_jax.corpus import make_tokenizer, resolve_paths, text_corpus
+from ulysses_jax.corpus import make_tokenizer, resolve_paths
+from ulysses_jax.documents import text_corpus
 
 
 def parser() -> cli.Parser:

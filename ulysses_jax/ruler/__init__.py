@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 
-from ulysses_jax.data import Dataset, pack_row
+from ulysses_jax.batches import Dataset
+from ulysses_jax.packing import pack_row
 from ulysses_jax.ruler import tasks as tasks_lib
 
 # RULER's threshold for "effective length": Llama-2-7B's average score at 4K tokens (85.6 %).
@@ -21,7 +22,7 @@ THRESHOLD = 0.856
 
 
 class Rows:
-  """A fixed list of rows for ``data.Dataset`` (the pass-key and RULER examples)."""
+  """A fixed list of rows for ``batches.Dataset`` (the pass-key and RULER examples)."""
 
   def __init__(self, rows, seq_len):
     self.rows, self.seq_len, self.num_rows = rows, seq_len, len(rows)

@@ -97,7 +97,8 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
     # The data first: a bad file is one error line, before the kernel runs or logs anything.
     train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
                                                   vocab_size=config.model.vocab_size)
-    attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
+    attention = kernel_check.settle(config.model, mesh, seq_len=config.data.seq_len,
+                                    check=cfg.kernel_check)
     built = step_builder.build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh, workdir=workdir)
     _check_fits(built.state)

@@ -199,7 +199,7 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        with (xla_log.remat_warning_explained() if step == start + 1  # compiles
+        with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
               else contextlib.nullcontext()):
           state, step_metrics = run.built.step(state, batch)
         data_state = run.train_ds.get_state()

@@ -74,6 +74,8 @@ def test_a_fault_in_one_windowed_ring_step_is_caught_on_the_kernel_path(fault, c
   assert warning.startswith(f"attention kernel self-check: {label}: pallas FAILED: error")
   assert warning.endswith("falling back to xla")
   assert settled.record()["kernel_check"].startswith(f"{label}: pallas FAILED")
+  assert "attention kernel self-check: 2 checks in " in caplog.text
+  assert settled.record()["kernel_check_seconds"] >= failed.seconds + xla.seconds > 0
 
 
 def test_a_fault_in_the_rings_merge_fails_every_backend_and_stops_the_run(fault):
@@ -124,15 +126,14 @@ def test_a_windowed_ring_is_decided_with_the_runs_tokens_per_ring_device(monkeyp
 
 # --- slow -----------------------------------------------------------------------------------
 
-@pytest.mark.slow  # the Triton ring in interpret mode: ~15 s each
-@pytest.mark.parametrize("seq,ring_shards", [(1, 4), (2, 2)])
-def test_a_fault_in_the_ring_steps_kernel_output_falls_back(fault, seq, ring_shards):
+@pytest.mark.slow  # the Triton ring in interpret mode: ~15 s
+def test_a_fault_in_the_ring_steps_kernel_output_falls_back(fault):
   """The kernel calls of every causal ring step after the first (the zigzag chunk tiles, a
-  non-causal call) are off by 0.25, on a ring and on a seq x ring mesh."""
+  non-causal call) are off by 0.25, on a ring of 4 (the seq x ring mesh: the merge and lse
+  faults here)."""
   _faulty_kernel(fault, lambda out, lse, kwargs: _off_by_a_quarter(
       out, lse, kwargs, lambda kw: not kw["causal"]))
-  settled = kernel_check.settle(_tiny(attention_backend="pallas"), _mesh(seq, ring_shards),
-                                seq_len=256)
+  settled = kernel_check.settle(_tiny(attention_backend="pallas"), _mesh(1, 4), seq_len=256)
   assert [(c.backend, c.passed) for c in settled.checks] == [("pallas", False), ("xla", True)]
   assert settled.checks[0].max_error > 10 * settled.checks[0].tolerance
   assert settled.backend == "xla"

@@ -19,9 +19,10 @@ number, so a check reads the same on every process of a multi-process run: the e
 largest ``|got - reference| / max(1, |reference|)`` of any element of the output, dq, dk or dv
 (infinite if any is not finite). It is the absolute difference for values up to 1 and the
 relative one above: rounding grows with the value, and a ring's dK/dV, summed over its steps in
-the inputs' dtype, reach ~10 here. Measured on CPU (``ulysses_attention``, XLA ring, bfloat16,
-32 query / 8 KV heads, head dim 128, 8 ring devices of 512 tokens): dv differs by up to 0.087,
-over the bfloat16 tolerance, while its error is 0.020 (dk 0.020, out 0.005, dq 0.009).
+the inputs' dtype, reach ~10 here. Measured on CPU (``python -m benchmarks.kernel_check_errors``:
+the XLA ring, bfloat16, 32 query / 8 KV heads, head dim 128, 8 ring devices of 512 tokens): dv
+differs by up to 0.087, over the bfloat16 tolerance, while its error is 0.020 (dk 0.020, out
+0.005, dq 0.009).
 """
 
 import dataclasses
@@ -98,6 +99,13 @@ class Problem:
 
   def inputs(self):
     """(q, k, v, output cotangent, segment ids or None), replicated on the mesh."""
+    return self._make_inputs()()
+
+  def input_specs(self):
+    """``inputs``' shapes, dtypes and shardings (to compile for devices that cannot run)."""
+    return jax.eval_shape(self._make_inputs())
+
+  def _make_inputs(self):
     def make():
       b, s = self.mesh.shape[DATA], self.seq_len
       keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -110,13 +118,12 @@ class Problem:
       # documents of S/5, S/2 - S/5 and S - S/2 tokens
       ids = jnp.searchsorted(jnp.array([s // 5, s // 2]), jnp.arange(s), side="right")
       return (*arrays, jnp.broadcast_to(ids.astype(jnp.int32), (b, s)))
-    return jax.jit(make, out_shardings=self.replicated())()
+    return jax.jit(make, out_shardings=self.replicated())
 
 
-def prepare(problem: Problem):
-  """The problem's inputs and the reference's (out, dq, dk, dv), float32, replicated."""
-  inputs = problem.inputs()
-
+def reference_program(problem: Problem):
+  """The jitted reference: (q, k, v, d_out, segment ids) -> (out, dq, dk, dv) in float32,
+  replicated. Trace it under ``jax.default_matmul_precision("highest")`` (``prepare``)."""
   def reference(q, k, v, d_out, segment_ids):
     attend = lambda q, k, v: backends.local_attention(
         "xla", q, k, v, causal=problem.causal, segment_ids=segment_ids, scale=None,
@@ -124,17 +131,12 @@ def prepare(problem: Problem):
     f32 = lambda x: x.astype(jnp.float32)
     out, vjp = jax.vjp(attend, f32(q), f32(k), f32(v))
     return (out, *vjp(f32(d_out)))
-  with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPUs
-    expected = jax.jit(reference, out_shardings=problem.replicated())(*inputs)
-  return inputs, expected
+  return jax.jit(reference, out_shardings=problem.replicated())
 
 
-def check(backend: str, problem: Problem, prepared=None) -> KernelCheck:
-  """Runs ``backend`` on ``problem`` (module docstring) against the reference (``prepared``:
-  ``prepare(problem)``'s answer, computed here if None)."""
-  target_lib.of_device(problem.mesh.devices.flat[0])  # its compute capability picks the tiles
-  inputs, expected = prepared or prepare(problem)
-
+def error_program(backend: str, problem: Problem):
+  """The jitted check of ``backend``: (q, k, v, d_out, segment ids, the reference's outputs)
+  -> the error (module docstring), a replicated scalar."""
   def max_error(q, k, v, d_out, segment_ids, expected):
     attend = lambda q, k, v: ulysses_attention(
         q, k, v, mesh=problem.mesh, causal=problem.causal, segment_ids=segment_ids,
@@ -144,10 +146,26 @@ def check(backend: str, problem: Problem, prepared=None) -> KernelCheck:
               for got, want in zip((out, *vjp(d_out)), expected)]
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(e)) for e in errors]))
     return jnp.where(finite, jnp.max(jnp.stack([e.max() for e in errors])), jnp.inf)
+  return jax.jit(max_error, out_shardings=problem.replicated())
 
+
+def prepare(problem: Problem):
+  """The problem's inputs and the reference's (out, dq, dk, dv), float32, replicated."""
+  inputs = problem.inputs()
+  with jax.default_matmul_precision("highest"):  # no TF32 in the reference on GPUs
+    return inputs, reference_program(problem)(*inputs)
+
+
+def check(backend: str, problem: Problem, prepared=None) -> KernelCheck:
+  """Runs ``backend`` on ``problem`` (module docstring) against the reference (``prepared``:
+  ``prepare(problem)``'s answer, computed here if None)."""
+  # A local device's compute capability picks the kernels' tiles.
+  target_lib.of_device(next(d for d in problem.mesh.devices.flat
+                            if d.process_index == jax.process_index()))
+  inputs, expected = prepared or prepare(problem)
   start = time.perf_counter()
   try:
-    error = jax.jit(max_error, out_shardings=problem.replicated())(*inputs, expected)
+    error = error_program(backend, problem)(*inputs, expected)
     error = float(error.addressable_data(0))  # the same on every device and process
   except Exception as e:  # pylint: disable=broad-except  # any failure to lower, compile or run
     first_line = (str(e).strip().splitlines() or [""])[0][:300]

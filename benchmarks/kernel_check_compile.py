@@ -75,7 +75,7 @@ def main():
   parser.add_argument("--gpu", default="h100", help="an ulysses_jax.aot GPU: h100, h200, ...")
   parser.add_argument("--meshes", nargs="+", default=["2x4", "8x4"],
                       help="seq x ring of each mesh (GPUs = seq * ring; 8 per node)")
-  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--json", default="", help="also write the rows here")
   args = parser.parse_args()
   rows = []
   for mesh in args.meshes:

@@ -29,7 +29,7 @@ def main():
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--cpu_devices", type=int, default=8,
                       help="virtual CPU devices where there is no GPU")
-  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--json", default="", help="also write the rows here")
   args = parser.parse_args()
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={args.cpu_devices}").strip()

@@ -54,30 +54,6 @@ def _off_by_a_quarter(out, lse, kwargs, where):
 
 # --- quick ----------------------------------------------------------------------------------
 
-def test_a_fault_in_one_windowed_ring_step_is_caught_on_the_kernel_path(fault, caplog):
-  """A window of 8 in a run of 128 tokens per ring device: W <= S/R, so the layers run the
-  kernels' windowed ring, and the check runs it too (W as it is, 16 tokens per ring device).
-  Its shift-1 step (the previous device's tail, reversed into a causal call without a window)
-  is off by 0.25: caught; the run falls back to the XLA ring, which is checked and passes."""
-  _faulty_kernel(fault, lambda out, lse, kwargs: _off_by_a_quarter(
-      out, lse, kwargs, lambda kw: "sliding_window" not in kw))
-  config = _tiny(sliding_window=8, attention_backend="pallas")
-  with caplog.at_level(logging.INFO, logger="ulysses_jax"):
-    settled = kernel_check.settle(config, _mesh(1, 4), seq_len=4 * 128)
-  label = "sliding window 8 (checked on a ring of 4 x 16 tokens)"
-  assert [(c.case, c.backend, c.passed) for c in settled.checks] == [
-      (label, "pallas", False), (label, "xla", True)]
-  failed, xla = settled.checks
-  assert failed.max_error > 10 * failed.tolerance and xla.max_error < 1e-4
-  assert settled.backend == "xla" and settled.by_case == (("sliding window 8", "xla"),)
-  warning = next(r.message for r in caplog.records if r.levelno == logging.WARNING)
-  assert warning.startswith(f"attention kernel self-check: {label}: pallas FAILED: error")
-  assert warning.endswith("falling back to xla")
-  assert settled.record()["kernel_check"].startswith(f"{label}: pallas FAILED")
-  assert "attention kernel self-check: 2 checks in " in caplog.text
-  assert settled.record()["kernel_check_seconds"] >= failed.seconds + xla.seconds > 0
-
-
 def test_a_fault_in_the_rings_merge_fails_every_backend_and_stops_the_run(fault):
   """The ring's merge of partial results (every backend's) ignores their log-sum-exps, on a
   seq x ring mesh: the XLA ring, the only backend on CPU, fails, and nothing is left."""
@@ -125,6 +101,31 @@ def test_a_windowed_ring_is_decided_with_the_runs_tokens_per_ring_device(monkeyp
 
 
 # --- slow -----------------------------------------------------------------------------------
+
+@pytest.mark.slow  # the Triton windowed ring in interpret mode and the XLA ring: ~10 s
+def test_a_fault_in_one_windowed_ring_step_is_caught_on_the_kernel_path(fault, caplog):
+  """A window of 8 in a run of 128 tokens per ring device: W <= S/R, so the layers run the
+  kernels' windowed ring, and the check runs it too (W as it is, 16 tokens per ring device).
+  Its shift-1 step (the previous device's tail, reversed into a causal call without a window)
+  is off by 0.25: caught; the run falls back to the XLA ring, which is checked and passes."""
+  _faulty_kernel(fault, lambda out, lse, kwargs: _off_by_a_quarter(
+      out, lse, kwargs, lambda kw: "sliding_window" not in kw))
+  config = _tiny(sliding_window=8, attention_backend="pallas")
+  with caplog.at_level(logging.INFO, logger="ulysses_jax"):
+    settled = kernel_check.settle(config, _mesh(1, 4), seq_len=4 * 128)
+  label = "sliding window 8 (checked on a ring of 4 x 16 tokens)"
+  assert [(c.case, c.backend, c.passed) for c in settled.checks] == [
+      (label, "pallas", False), (label, "xla", True)]
+  failed, xla = settled.checks
+  assert failed.max_error > 10 * failed.tolerance and xla.max_error < 1e-4
+  assert settled.backend == "xla" and settled.by_case == (("sliding window 8", "xla"),)
+  warning = next(r.message for r in caplog.records if r.levelno == logging.WARNING)
+  assert warning.startswith(f"attention kernel self-check: {label}: pallas FAILED: error")
+  assert warning.endswith("falling back to xla")
+  assert settled.record()["kernel_check"].startswith(f"{label}: pallas FAILED")
+  assert "attention kernel self-check: 2 checks in " in caplog.text
+  assert settled.record()["kernel_check_seconds"] >= failed.seconds + xla.seconds > 0
+
 
 @pytest.mark.slow  # the Triton ring in interpret mode: ~15 s
 def test_a_fault_in_the_ring_steps_kernel_output_falls_back(fault):

@@ -81,4 +81,15 @@ def _no_stale_log_handler():
   root.setLevel(level)
 
 
+@pytest.fixture
+def fault(monkeypatch):
+  """``fault(module, name, replacement)`` patches a function that jitted code calls (a fault
+  hook). JAX's caches are cleared before and after: module-level jits (``ulysses_attention``'s)
+  would otherwise run programs traced without the fault, or later with it."""
+  jax.clear_caches()
+  yield lambda module, name, replacement: monkeypatch.setattr(module, name, replacement)
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
 pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this file's hooks on sample tests

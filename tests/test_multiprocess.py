@@ -85,3 +85,27 @@ def test_launcher_usage_errors():
                        text=True)
   assert out.returncode == 2
   assert "2 GPUs do not split evenly over 3 processes" in out.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_check_the_ring_that_spans_them(tmp_path):
+  """A ring of 2 over the two processes (seq 4 within each, as nodes would be): the trainer's
+  first-contact check runs the XLA ring across them, against the reference on every device,
+  and both processes read one verdict and go on."""
+  workdir = tmp_path / "ring"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHON=sys.executable)
+  params = [p for p in PARAMS if not p.startswith(("STEPS", "CheckpointConfig", "Optimizer"))] + [
+      "STEPS = 1", "OptimizerConfig.warmup_steps = 0", "DataConfig.eval_fraction = 0.0",
+      "TrainConfig.cpu_devices = 4", "TrainConfig.mesh_data = 1", "TrainConfig.mesh_seq = 4",
+      "TrainConfig.mesh_ring = 2", "DataConfig.batch_size = 2"]
+  out = subprocess.run(["bash", "scripts/launch_local.sh", "2", "--gin_file=configs/tiny_cpu.gin",
+                        f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+  assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+  assert "8 devices as {'data': 1, 'ring': 2, 'seq': 4}" in out.stderr
+  with open(workdir / "metrics.jsonl") as f:
+    first = json.loads(f.readline())
+  assert first["attention_backend"] == "xla"
+  assert first["kernel_check"].startswith("full attention (checked on a ring of 2 x 512 tokens): "
+                                          "xla passed: error")

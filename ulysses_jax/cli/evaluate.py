@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
   args = _parse(argv)
 
   def body() -> int:
-    evaluate(args)
+    try:
+      evaluate(args)
+    except kernel_check.KernelCheckError as e:
+      raise cli.Failed(str(e)) from e
     return cli.EXIT_OK
   # Bad input is found before the model is loaded; what fails after it is a traceback.
   return cli.run(body, args.debug, bad_input=(ConfigError, ValueError, OSError))
@@ -206,7 +209,8 @@ def evaluate(args) -> dict:
     examples = ruler.read_examples(args.examples, tokenizer)
     probes["examples"] = examples, make_dataset(examples)
   # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
-  attention = kernel_check.settle(config, mesh, check=not args.no_kernel_check)
+  attention = kernel_check.settle(config, mesh, seq_len=args.seq_len,
+                                  check=not args.no_kernel_check)
   graphdef, params = nnx.split(finetune.load_model(source, attention.model_config(config), mesh))
   print(f"attention: {attention.choice.reason}", file=sys.stderr)
   evaluator = PositionEval(graphdef)

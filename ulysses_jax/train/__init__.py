@@ -103,7 +103,8 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
       if getattr(train_ds, what) != getattr(config.data, what):
         raise ConfigError(f"the given training dataset has {what}={getattr(train_ds, what)} but "
                           f"DataConfig.{what}={getattr(config.data, what)}; make them equal")
-    attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
+    attention = kernel_check.settle(config.model, mesh, seq_len=config.data.seq_len,
+                                    check=cfg.kernel_check)
     built = step_builder.build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh, workdir=workdir)
     _check_fits(built.state)
@@ -205,7 +206,7 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        with (xla_log.remat_warning_explained() if step == start + 1  # compiles
+        with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
               else contextlib.nullcontext()):
           state, step_metrics = run.built.step(state, batch)
         data_state = run.train_ds.get_state()

@@ -9,17 +9,18 @@ from ulysses_jax.models.config import preset
 
 pytestmark = [
     pytest.mark.gpu_compile,
-    pytest.mark.slow,  # four compiles, 6 to 12 s each on 2 cores
+    pytest.mark.slow,  # three compiles, 7 to 12 s each on 2 cores (jax 0.10.2)
     pytest.mark.skipif(not aot.cuda_plugin_installed(),
                        reason="needs JAX's CUDA plugin: run `make test-gpu-compile`"),
 ]
 
 
-# (seq, ring, attention) on 8 GPUs: pure Ulysses, pure ring, the all-gather-KV baseline, and
-# a hybrid (the study's puts seq = 8 in a node, which on 8 GPUs is pure Ulysses). Not a ring
-# of 2: its one-step loops vanish and XLA shares the forward's K/V hop with the backward's.
-@pytest.mark.parametrize("seq,ring,attention", [(8, 1, "ulysses"), (1, 8, "ulysses"),
-                                                (8, 1, "allgather_kv"), (2, 4, "ulysses")])
+# (seq, ring, attention) on 8 GPUs: pure ring, the all-gather-KV baseline, and a hybrid (the
+# study's puts seq = 8 in a node, which on 8 GPUs is pure Ulysses, whose all-to-all bytes
+# test_gpu_compile.py's test_ulysses_attention_on_one_node checks). Not a ring of 2: its
+# one-step loops vanish and XLA shares the forward's K/V hop with the backward's.
+@pytest.mark.parametrize("seq,ring,attention", [(1, 8, "ulysses"), (8, 1, "allgather_kv"),
+                                                (2, 4, "ulysses")])
 def test_compiled_collective_bytes_equal_the_planners_formula(seq, ring, attention):
   from benchmarks import scaling_compiled
   model = plan.Model.from_config(preset("llama3.1-8b"))

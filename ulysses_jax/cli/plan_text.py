@@ -86,9 +86,10 @@ def breakdown(row) -> str:
       continue
     line = f"  {term['term']:20} {term['seconds']:12,.3f} s"
     if "domain" in term:
-      line += (f"  of {term['busy_s']:,.3f} s busy ({term['hidden_s']:,.3f} hidden by "
-               f"{term['hidden_by'] or 'nothing'}); {term['moved_bytes'] / GB:,.1f} GB moved "
-               f"over {term['axes']} ({term['group']} GPUs) on {term['domain']} at "
+      hidden = (f"{term['hidden_s']:,.3f} hidden by {term['hidden_by']}" if term["hidden_by"]
+                else "exposed")
+      line += (f"  of {term['busy_s']:,.3f} s busy ({hidden}); {term['moved_bytes'] / GB:,.1f} "
+               f"GB moved over {term['axes']} ({term['group']} GPUs) on {term['domain']} at "
                f"{term['bandwidth_gb_s']:.0f} GB/s")
     lines.append(line)
   return "\n".join(lines)

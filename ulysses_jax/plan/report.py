@@ -73,7 +73,8 @@ def _axis_words(row, hardware):
                  f"per GPU, {a2a['busy_s']:.3g} s per step, exposed)")
   if ring:
     share = ring["hidden_s"] / ring["busy_s"] if ring["busy_s"] else 1.0
-    words.append(f"the ring over {lay.ring} runs on {ring['domain']} ({ring['bandwidth_gb_s']:.0f} "
+    words.append(f"the ring over {lay.ring} runs on {_on(ring['domain'])} "
+                 f"({ring['bandwidth_gb_s']:.0f} "
                  f"GB/s per GPU, {ring['busy_s']:.3g} s per step) and attention hides "
                  f"{share:.0%} of it")
   if lay.attention == "allgather_kv":
@@ -113,6 +114,10 @@ def placement(rows: list[dict], hardware: Hardware) -> dict:
                 f"is predicted {_slower(a['slower_s'], a['slower'])}"
                 + (f" ({costs})" if costs else "") + ".")
   return {"mesh_kind": kind, "text": " ".join(text), "alternatives": alternatives}
+
+
+def _on(domain):
+  return "NVLink" if domain != NETWORK else "the network"
 
 
 def _slower(seconds, fraction):

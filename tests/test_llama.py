@@ -280,6 +280,10 @@ def test_presets_have_published_parameter_counts():
   assert llama.count_params(preset("llama3.2-1b")) == 1_235_814_400
   assert llama.count_params(preset("llama3.1-8b")) == 8_030_261_248
   assert llama.count_params(preset("qwen2.5-7b")) == 7_615_616_512
+  # The shapes ALST and ArcticTraining train (transformers builds the same counts from
+  # hf.config_to_hf of these presets).
+  assert llama.count_params(preset("llama3.1-70b")) == 70_553_706_496
+  assert llama.count_params(preset("qwen3-32b")) == 32_762_123_264
   assert llama.count_params(preset("gemma3-1b")) == 999_885_952
 
 

@@ -232,6 +232,15 @@ PRESETS.update({
         vocab_size=128_256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
         rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # meta-llama/Llama-3.1-70B (ArcticTraining's ALST recipes train it on 1 to 8 H100 nodes).
+    "llama3.1-70b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+        head_dim=128, mlp_dim=28_672, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # Qwen/Qwen3-32B (ALST's other published model): q/k norms, no biases.
+    "qwen3-32b": LlamaConfig(
+        vocab_size=151_936, hidden_dim=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+        head_dim=128, mlp_dim=25_600, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True),
     # Qwen/Qwen2.5-7B.
     "qwen2.5-7b": LlamaConfig(
         vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,

@@ -175,6 +175,7 @@ def test_common_words_are_rulers_counted_list_after_its_example(tokenizer, lengt
   assert set(counts.values()) == {common, other} and len(ex.outputs) == 10
   assert prompt.endswith("Answer: The top 10 words that appear most often in the list are:")
   assert length - 100 < len(ex.prompt_ids) + 120 <= length
+  assert len(ex.prompt_ids) + len(ex.answer_ids) <= length
 
 
 def test_frequent_words_rank_two_to_four_behind_rulers_noise_word():
@@ -197,6 +198,7 @@ def test_the_prompt_is_tokenized_once_fits_its_budget_and_is_reproducible(name, 
     text = bpe.decode(ex.prompt_ids)
     assert np.array_equal(ex.prompt_ids, bpe.encode_batch([text.encode()])[0])  # one piece
     assert 2500 - 120 < len(ex.prompt_ids) + ex.budget <= 2500
+    assert len(ex.prompt_ids) + len(ex.answer_ids) <= 2500  # the strict score's row too
     assert np.array_equal(ex.prompt_ids, ex_again.prompt_ids)
     assert not np.array_equal(ex.prompt_ids, ex_other.prompt_ids)
     assert np.array_equal(ex.answer_ids, bpe.encode_batch([ex.answer.encode()])[0])

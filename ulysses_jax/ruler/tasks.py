@@ -103,7 +103,8 @@ def needs(names) -> dict[str, list[str]]:
 def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
              essays: str | None = None, qa_sets: dict | None = None,
              wrap=prompts.identity) -> list[Example]:
-  """``samples`` examples of task ``name`` at ``length`` tokens (prompt + budget <= length).
+  """``samples`` examples of task ``name`` at ``length`` tokens: prompt + budget <= length, and
+  prompt + canonical answer too (the strict score's row).
 
   ``essays``: the text of the essay haystack; ``qa_sets``: ``{"squad" | "hotpotqa":
   qa.QASet}``; ``wrap``: the model's chat turn around the task text. Raises ``Unfit`` when
@@ -130,14 +131,14 @@ def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
   for sample in range(samples):
     ctx.depth = sample / (samples - 1) if samples > 1 else 0.5
     ctx.question = int(questions[sample % len(questions)]) if questions is not None else 0
-    attempts = {}  # n -> (draft, prompt ids)
+    attempts = {}  # n -> (draft, prompt ids, answer ids)
     rng_key = (seed, zlib.crc32(name.encode()), length, sample)
 
     def fits(n, rng_key=rng_key, tried=attempts):
       draft = build(task, n, np.random.default_rng(rng_key), ctx)
       ids = encode(prompts.assemble(wrap, draft.user, draft.prefix, draft.shots))
-      tried[n] = draft, ids
-      return len(ids) + budget <= length
+      tried[n] = draft, ids, encode(draft.answer)
+      return len(ids) + max(budget, len(tried[n][2])) <= length  # the strict row fits too
     if size is None or not fits(size):  # RULER sizes the haystack once, shrinks it if need be
       low = _minimum(task, ctx)
       if not fits(low):
@@ -145,8 +146,8 @@ def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
                     f"takes {len(attempts[low][1]):,} and generation {budget}; use longer "
                     "--lengths / --seq_len")
       size = _largest(fits, low, size)
-    draft, ids = attempts[size]
-    examples.append(Example(name, length, sample, ids, encode(draft.answer), draft.answer,
+    draft, ids, answer_ids = attempts[size]
+    examples.append(Example(name, length, sample, ids, answer_ids, draft.answer,
                             draft.outputs, budget, task.metric, draft.depth))
   return examples
 

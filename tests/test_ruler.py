@@ -308,8 +308,10 @@ def test_the_training_data_command_writes_prompt_completion_lines(tmp_path, caps
   assert lines[0]["completion"] == first.answer  # the default seed 1, not evaluate's 0
   assert lines[0]["outputs"] == list(first.outputs) and lines[0]["task"] == "niah_single_1"
   capsys.readouterr()
+  records = tmp_path / "essay.jsonl"
+  records.write_text(json.dumps({"text": ESSAY}) + "\n")
   assert ruler_cli.main(["--tasks=niah_multivalue", "--lengths=1500", "--samples=2",
-                         f"--data={essay}", f"--data={essay}"]) == 0  # to standard output
+                         f"--data={records}", f"--data={essay}"]) == 0  # to standard output
   printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [len(_needles(r["prompt"])) for r in printed] == [1, 1]
   assert [len(next(iter(_needles(r["prompt"]).values()))) for r in printed] == [4, 4]

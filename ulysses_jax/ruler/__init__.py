@@ -14,7 +14,7 @@ import json
 
 import numpy as np
 
-from ulysses_jax.corpus import read_docs, resolve_paths
+from ulysses_jax.corpus import resolve_paths
 from ulysses_jax.data import Dataset, pack_row
 from ulysses_jax.ruler import prompts, qa
 from ulysses_jax.ruler import tasks as tasks_lib
@@ -100,14 +100,24 @@ def read_inputs(names, data_paths=(), qa_paths=()) -> tuple[str | None, dict]:
     if tokens:
       raise ValueError(f"the essay haystack ({', '.join(need['essays'])}) needs text files; "
                        f"{tokens[0]} holds tokens")
-    essays = "\n".join(text.decode("utf-8", errors="replace")
-                       for f in files for _, text in read_docs(f))
+    essays = "\n".join(_essay_text(f) for f in files)
   qa_sets = {}
   if any(k.startswith("qa_") for k in need):
     for path in resolve_paths(list(qa_paths)) if qa_paths else []:
       qa_set = qa.read(path)
       qa_sets[qa_set.kind] = qa_set
   return essays, qa_sets
+
+
+def _essay_text(path: str) -> str:
+  """A text file's text, or a ``.jsonl`` file's ``"text"`` fields one after another."""
+  with open(path, encoding="utf-8", errors="replace") as f:
+    if not path.endswith(".jsonl"):
+      return f.read()
+    texts = [json.loads(line).get("text") for line in f if line.strip()]
+  if not all(isinstance(t, str) for t in texts):
+    raise ValueError(f"{path}: the essay haystack reads each line's string field 'text'")
+  return "\n".join(texts)
 
 
 def read_examples(path: str, tokenizer) -> list[tasks_lib.Example]:

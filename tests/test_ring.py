@@ -1,5 +1,7 @@
 """Ring attention and the Ulysses x ring hybrid against the dense oracle, on 8 CPU devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +235,22 @@ def test_backward_saves_local_blocks_only():
   assert sum(x.nbytes for x in saved) == (
       2 * q.nbytes + k.nbytes + v.nbytes + lse_bytes + segment_ids.nbytes), [
           (x.shape, x.dtype) for x in saved]
+
+
+def test_inside_a_differentiated_layer_scan_the_ring_keeps_no_block_per_step():
+  """A model runs attention inside a differentiated ``lax.scan`` over its layers: there too the
+  ring keeps only its own q, k, v, output and lse, never an array per ring step (``[R - 1,
+  ...]``: with a fori_loop JAX partial-evaluated the forward's loop, memory growing with R)."""
+  mesh = _mesh(1, 1, 8)
+  q, kv = jnp.ones((1, 128, 4, 16)), jnp.ones((1, 128, 2, 16))
+
+  def layers(q, k, v):
+    body = lambda c, _: (c + ulysses_attention(q + c, k, v, mesh=mesh, backend="xla").sum(),
+                         None)
+    return jax.lax.scan(body, jnp.zeros(()), None, length=2)[0]
+
+  jaxpr = str(jax.make_jaxpr(jax.grad(layers, argnums=(0, 1, 2)))(q, kv, kv))
+  assert not re.findall(r"\b\w+\[7,[0-9,]+\]", jaxpr)  # ring of 8: 7 steps from others
 
 
 def test_mesh_axes():

@@ -182,26 +182,3 @@ def test_the_scaling_study_writes_one_row_per_point_up_to_4096_gpus(tmp_path):
   crossing = {c["mesh_kind"]: c for c in written["crossovers"]}
   assert crossing["ring"]["devices_at_10%"] is not None
   assert written["all_to_all_peaks"] and written["assumptions"]
-
-
-@pytest.mark.xfail(strict=True, reason="the ring's forward fori_loop is partial-evaluated "
-                   "inside a differentiated scan: per-step buffers, memory growing with the "
-                   "ring (benchmarks/RESULTS.md, 'Llama-3.1-70B on 1 to 64 H100 nodes')")
-def test_the_rings_forward_keeps_no_per_step_buffers_inside_a_scan():
-  """The model runs attention inside a differentiated ``lax.scan`` over layers: there the
-  ring's custom VJP should keep only q, k, v, the output and the lse, never one array per
-  ring step (``[R - 1, ...]``)."""
-  import re
-  import jax
-  import jax.numpy as jnp
-  from ulysses_jax import make_mesh, ulysses_attention
-  mesh = make_mesh(1, 1, 8, devices=jax.devices()[:8])
-  q, kv = jnp.ones((1, 512, 4, 16)), jnp.ones((1, 512, 2, 16))
-
-  def layers(q, k, v):
-    body = lambda c, _: (c + ulysses_attention(q + c, k, v, mesh=mesh, backend="xla").sum(),
-                         None)
-    return jax.lax.scan(body, jnp.zeros(()), None, length=2)[0]
-
-  jaxpr = str(jax.make_jaxpr(jax.grad(layers, argnums=(0, 1, 2)))(q, kv, kv))
-  assert not re.findall(r"\b\w+\[7,[0-9,]+\]", jaxpr)  # ring of 8: 7 steps from others

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ulysses_jax.attention.common import fori_loop
 from ulysses_jax.attention.reference import check_sliding_window
 
 # Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
@@ -123,24 +124,6 @@ def _unblocks(x_NBb):
   return jnp.moveaxis(x_NBb, 0, 1).reshape(b, n * block, *x_NBb.shape[3:])
 
 
-def _fori_loop(lower, upper, body, init):
-  """``lax.fori_loop(lower, upper, body, init)`` that always lowers to a while loop.
-
-  A fori_loop with static bounds becomes a scan, and when this attention runs inside a
-  differentiated ``lax.scan`` (a model's layer stack) JAX then keeps every tile of that scan
-  as a residual, O(S^2) memory, even though the custom_vjp never differentiates it. A while
-  loop has no residuals to keep, and its bounds may be traced (the visible block range).
-  """
-  def cond(carry):
-    return carry[0] < upper
-
-  def step(carry):
-    i, value = carry
-    return i + 1, body(i, value)
-
-  return lax.while_loop(cond, step, (jnp.asarray(lower, jnp.int32), init))[1]
-
-
 def _block_visibility(config, q_pos, kv_pos):
   """``[Sq / block_q, Sk / block_kv]`` bool: False where the mask hides the whole tile.
 
@@ -172,7 +155,7 @@ def _visible_range(visible_N):
 def _visible_loop(visible_N, body, init):
   """Runs ``body(j, carry)`` for the visible ``j`` only, looping over their range alone."""
   first, end = _visible_range(visible_N)
-  return _fori_loop(first, end, lambda j, carry: lax.cond(
+  return fori_loop(first, end, lambda j, carry: lax.cond(
       visible_N[j], lambda c: body(j, c), lambda c: c, carry), init)
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 from ulysses_jax.config_checks import ConfigError
@@ -113,3 +114,23 @@ def pad_sequence(seq_multiple: int, q: jax.Array, k: jax.Array, v: jax.Array,
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), [(0, 0), (0, pad)],
                           constant_values=PAD_SEGMENT)
   return q, k, v, segment_ids
+
+
+def fori_loop(lower, upper, body, init):
+  """``lax.fori_loop(lower, upper, body, init)`` that always lowers to a while loop.
+
+  A fori_loop with static bounds becomes a scan, and when an attention's custom_vjp forward
+  runs inside a differentiated ``lax.scan`` (a model's layer stack) JAX partial-evaluates that
+  scan although the custom_vjp never differentiates it, and keeps every step's carry as a
+  residual: every tile of the chunked attention (O(S^2) memory), every K/V block of a ring
+  (memory growing with the ring: 1.2 GiB per step for Llama-3.1-70B at 595K tokens per GPU).
+  A while loop has no residuals to keep, and its bounds may be traced (the visible blocks).
+  """
+  def cond(carry):
+    return carry[0] < upper
+
+  def step(carry):
+    i, value = carry
+    return i + 1, body(i, value)
+
+  return lax.while_loop(cond, step, (jnp.asarray(lower, jnp.int32), init))[1]

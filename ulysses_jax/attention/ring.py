@@ -64,7 +64,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ulysses_jax.attention import backends, chunked, zigzag
 from ulysses_jax.attention.ring_steps import (flash_step, flash_step_grads, flash_window_step,
                                               flash_window_step_grads, merge)
-from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
+from ulysses_jax.attention.common import Layout, fori_loop, pad_sequence, validate_inputs
 from ulysses_jax.attention.reference import check_sliding_window
 from ulysses_jax.mesh import DATA, sequence_axes
 
@@ -239,7 +239,7 @@ def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
 
   init = (k_BSKD, v_BSKD, segment_ids, jnp.zeros((b, s, h, d), jnp.float32),
           jnp.full((b, h, s), -jnp.inf, jnp.float32))
-  k, v, kv_seg, out, lse = lax.fori_loop(0, ring.size - 1, step, init)
+  k, v, kv_seg, out, lse = fori_loop(0, ring.size - 1, step, init)  # a while loop: see there
   last = ring.size - 1
   out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
   return out.astype(q_BSHD.dtype), lse

@@ -35,6 +35,8 @@ def pytest_collection_modifyitems(config, items):
 # The quick suite (`make test`, everything not marked slow) must stay within 10 minutes on CI's
 # 2 cores: a quick test's body, and the set-up of its fixtures, may each take this long (as
 # measured under CI's two workers; a module fixture's set-up counts once, at its first test).
+# Tests marked gpu_compile are not in it (they skip without JAX's CUDA plugin): they compile
+# for GPU clusters in their own stages, whose times `make ci-times` prints.
 # ULYSSES_QUICK_TEST_LIMIT_S changes it (0: off), e.g. on a much slower or busier machine.
 QUICK_TEST_LIMIT_S = float(os.environ.get("ULYSSES_QUICK_TEST_LIMIT_S", "30"))
 
@@ -44,7 +46,8 @@ def pytest_runtest_makereport(item, call):
   """Fails a passing quick test whose set-up or body took over ``QUICK_TEST_LIMIT_S``."""
   report = (yield).get_result()
   if (report.passed and report.when in ("setup", "call") and QUICK_TEST_LIMIT_S
-      and report.duration > QUICK_TEST_LIMIT_S and "slow" not in item.keywords):
+      and report.duration > QUICK_TEST_LIMIT_S and "slow" not in item.keywords
+      and "gpu_compile" not in item.keywords):
     report.outcome = "failed"
     report.longrepr = (
         f"{item.nodeid}: its {report.when} took {report.duration:.1f} s, over the quick "
@@ -52,19 +55,36 @@ def pytest_runtest_makereport(item, call):
         f"fixture) or mark it @pytest.mark.slow (CI runs those in make test-slow)")
 
 
-@pytest.fixture
-def uncached_compiles():
-  """For a test that reads what XLA says while compiling (warnings, compile events): its
-  programs are compiled, never read from the persistent compilation cache (`make test` uses
-  one), so that what it checks happens."""
+def _without_compilation_cache():
+  """Compiles with JAX's persistent compilation cache (`make test` uses one) turned off, then
+  turns it back on. JAX decides once per process whether to use the cache: resetting it is the
+  only way back."""
   from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
-  # (JAX decides once per process whether to use the cache; resetting is the only way back.)
   directory = jax.config.jax_compilation_cache_dir
   jax.config.update("jax_compilation_cache_dir", None)
   compilation_cache.reset_cache()
   yield
   jax.config.update("jax_compilation_cache_dir", directory)
   compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def uncached_compiles():
+  """For a test that reads what XLA says while compiling (warnings, compile events): its
+  programs are compiled, never read from the persistent compilation cache, so that what it
+  checks happens."""
+  yield from _without_compilation_cache()
+
+
+@pytest.fixture(autouse=True)
+def _compile_only_gpu_programs_uncached(request):
+  """A `gpu_compile` test's programs stay out of the persistent cache: JAX writes them but
+  cannot load them back without a GPU client ("PjRtCompiler must be constructed with a Client
+  to call DeserializeLoadedExecutable"), so caching them only costs time and a warning."""
+  if request.node.get_closest_marker("gpu_compile") is None:
+    yield
+  else:
+    yield from _without_compilation_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """What every sequence-parallel attention shares: input validation, sequence padding, constants.
 
-The leaf of ``attention/``: it imports nothing from the rest of the package, so plain Ulysses
+Near the leaf of ``attention/``: it imports only ``sinks`` from it, so plain Ulysses
 (``ulysses.py``), ring attention (``ring.py``), their hybrid (``hybrid.py``) and the baselines
 all build on it without importing each other.
 """
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from ulysses_jax.attention.sinks import check_sinks
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import DATA, SEQ
 
@@ -42,7 +43,7 @@ def check_head_chunks(head_chunks: int, num_kv_heads: int, name: str = "head_chu
 
 def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                     segment_ids: jax.Array | None, scale: float | None,
-                    layout: str = "natural") -> None:
+                    layout: str = "natural", sinks: jax.Array | None = None) -> None:
   """Raises a ValueError naming expected vs actual values before any work is done."""
   if not isinstance(mesh, Mesh):
     raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one "
@@ -92,6 +93,7 @@ def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     raise ValueError(f"scale must be a positive number or None (1/sqrt(head_dim)), got {scale!r}.")
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}.")
+  check_sinks(sinks, hq, "attention")
 
 
 def pad_sequence(seq_multiple: int, q: jax.Array, k: jax.Array, v: jax.Array,

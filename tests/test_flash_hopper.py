@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from attention_cases import (BF16_TOL, check_flash_against_reference, flash_outputs_and_grads,
-                             mesh_of, random_inputs, relative_error)
+                             large_sinks, mesh_of, random_inputs, relative_error)
 from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
@@ -62,6 +62,17 @@ def test_mosaic_kernels_with_a_sliding_window_match_reference(window):
   check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
                            sliding_window=window, tol=BF16_TOL, forward_kernel="mosaic",
                            backward_kernel="mosaic")
+
+
+# Large sinks through the Hopper kernels' lse (forward, dq and dk/dv kernels), with a window
+# across block edges and packed segments: out, lse, dq, dk, dv and d(sinks).
+@pytest.mark.slow
+def test_mosaic_kernels_with_sinks_match_reference():
+  q, k, v, d_out, segment_ids = random_inputs(15, 1, 400, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=3)
+  check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                                sliding_window=200, sinks=large_sinks(2), tol=BF16_TOL,
+                                forward_kernel="mosaic", backward_kernel="mosaic")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """What every sequence-parallel attention shares: input validation, sequence padding, constants.
 
-Near the leaf of ``attention/``: it imports only ``sinks`` from it, so plain Ulysses
+The leaf of ``attention/``: it imports nothing from the rest of the package, so plain Ulysses
 (``ulysses.py``), ring attention (``ring.py``), their hybrid (``hybrid.py``) and the baselines
 all build on it without importing each other.
 """
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ulysses_jax.attention.sinks import check_sinks
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import DATA, SEQ
 
@@ -39,6 +38,18 @@ def check_head_chunks(head_chunks: int, num_kv_heads: int, name: str = "head_chu
     raise ConfigError(f"{name} ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) so "
                       f"that each chunk holds whole query groups; use one of {divisors} (1: "
                       "the unchunked layer).")
+
+
+def check_sinks(sinks_H, num_q_heads: int, where: str) -> None:
+  """Raises ValueError unless ``sinks_H`` is None or a floating ``[num_q_heads]`` array; the
+  message names ``where`` (the function called) and the fix."""
+  if sinks_H is None:
+    return
+  shape, dtype = tuple(jnp.shape(sinks_H)), jnp.result_type(sinks_H)
+  if shape != (num_q_heads,) or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{where}: sinks must be a float32 array of shape [query heads] = "
+                     f"({num_q_heads},), one logit per query head, got {dtype}{list(shape)}; "
+                     "pass the model's per-head sink logits, or None for no sinks.")
 
 
 def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,

@@ -14,23 +14,12 @@ so the sink is applied outside the kernels (``apply_sinks``) and autodiff carrie
 into them; ring attention, which merges partial results by their lse, applies it once after the
 merge and, holding the final output and lse, gets ``d(sinks)`` from ``sinks_grad``.
 
-This module is a leaf: it imports nothing from the package.
+This module is a leaf: it imports nothing from the package (``common.check_sinks`` checks the
+argument).
 """
 
 import jax
 import jax.numpy as jnp
-
-
-def check_sinks(sinks_H, num_q_heads: int, where: str) -> None:
-  """Raises ValueError unless ``sinks_H`` is None or a floating ``[num_q_heads]`` array; the
-  message names ``where`` (the function called) and the fix."""
-  if sinks_H is None:
-    return
-  shape, dtype = tuple(jnp.shape(sinks_H)), jnp.result_type(sinks_H)
-  if shape != (num_q_heads,) or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{where}: sinks must be a float32 array of shape [query heads] = "
-                     f"({num_q_heads},), one logit per query head, got {dtype}{list(shape)}; "
-                     "pass the model's per-head sink logits, or None for no sinks.")
 
 
 def _rows(x_BHS):

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
 from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.attention.sinks import apply_sinks, check_sinks
+from ulysses_jax.attention.common import check_sinks
+from ulysses_jax.attention.sinks import apply_sinks
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 

@@ -36,6 +36,7 @@ def _dense_vjp(q, k, v, sinks, d_out, **mask):
   return jax.jit(run)(q, k, v, sinks, d_out)
 
 
+@pytest.mark.slow  # importing torch and transformers alone takes ~10 s on CI
 def test_dense_reference_matches_transformers_gpt_oss_eager_attention():
   """``dense_attention(sinks=...)`` against transformers' ``GptOssAttention`` eager path
   (``eager_attention_forward``, the sink a column appended to the scaled and masked scores,

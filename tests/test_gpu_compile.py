@@ -35,24 +35,29 @@ B, HQ, HKV, D = 1, 32, 8, 128  # Llama-3.1-8B's attention
 GIB = 2**30
 
 
-def _compile_attention(mesh, seq_len, grad, packed=False, sliding_window=None):
+def _compile_attention(mesh, seq_len, grad, packed=False, sliding_window=None, sinks=False):
   """The compiled GPU program of ``ulysses_attention`` with the default backend on bfloat16
   ``[B, S, Hq | Hkv, D]`` inputs sharded over the mesh's sequence axes: the output, and with
   ``grad`` also the input cotangents of an output cotangent (a training step's use); with
-  ``packed`` the rows carry segment ids (packed documents)."""
+  ``packed`` the rows carry segment ids (packed documents); with ``sinks`` float32 ``[Hq]``
+  attention sinks (differentiated too)."""
   sharding = NamedSharding(mesh, P(None, sequence_axes(mesh), None, None))
   q = jax.ShapeDtypeStruct((B, seq_len, HQ, D), jnp.bfloat16, sharding=sharding)
   kv = jax.ShapeDtypeStruct((B, seq_len, HKV, D), jnp.bfloat16, sharding=sharding)
   ids = jax.ShapeDtypeStruct((B, seq_len), jnp.int32,
                              sharding=NamedSharding(mesh, P(None, sequence_axes(mesh))))
-  attend = lambda q, k, v, ids=None: ulysses_attention(q, k, v, mesh=mesh, segment_ids=ids,
-                                                       sliding_window=sliding_window)
-  args = (q, kv, kv) + ((ids,) if packed else ())
+  sinks_arg = (jax.ShapeDtypeStruct((HQ,), jnp.float32, sharding=NamedSharding(mesh, P())),)
+  given_sinks = sinks_arg if sinks else ()
+  attend = lambda q, k, v, *rest: ulysses_attention(
+      q, k, v, mesh=mesh, segment_ids=rest[-1] if packed else None,
+      sliding_window=sliding_window, sinks=rest[0] if sinks else None)
+  args = (q, kv, kv) + given_sinks + ((ids,) if packed else ())
   if not grad:
     return jax.jit(attend).lower(*args).compile()
 
-  def forward_and_backward(d_out, q, k, v, *ids):
-    out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *ids), q, k, v)
+  def forward_and_backward(d_out, q, k, v, *rest):
+    differentiated = (q, k, v) + rest[:len(given_sinks)]
+    out, vjp = jax.vjp(lambda *x: attend(*x, *rest[len(given_sinks):]), *differentiated)
     return out, vjp(d_out)
   return jax.jit(forward_and_backward).lower(q, *args).compile()
 
@@ -102,6 +107,18 @@ def test_windowed_attention_compiles_to_mosaic_kernels_whose_flops_the_cost_mode
   # forward 4, dq 6, dk/dv 8 x B x (Hq / 8 per device) x S x (keys seen) x D
   wanted = (4 + 6 + 8) * B * (HQ // 8) * s * mean_visible_keys(s, window) * D
   assert sum(op.count * op.flops for op in kernels) == pytest.approx(wanted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ring", [1, 2], ids=["ulysses", "hybrid"])
+def test_attention_sinks_compile_to_the_same_mosaic_kernels(ring):
+  """Sinks are applied outside the kernels: with them (and their gradient) "auto" still runs our
+  Mosaic kernels on Hopper, as many as without, and never cuDNN (which cannot take them)."""
+  mesh = make_mesh(seq=8, ring=ring, devices=aot.gpu_devices("h100", f"{ring}x1x8"))
+  without, with_sinks = (_compile_attention(mesh, 8192 * ring, grad=True, packed=True,
+                                            sinks=sinks).as_text() for sinks in (False, True))
+  assert with_sinks.count(MOSAIC) == without.count(MOSAIC) >= 3, without.count(MOSAIC)
+  assert TRITON not in with_sinks and "__cudnn$" not in with_sinks
 
 
 def test_ulysses_attention_compiles_for_b200():

@@ -264,6 +264,9 @@ def test_flops_per_token_formula():
   per_layer = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # attn, mlp, norms
   matmul_params = 2 * per_layer + 64 + 64 * 256  # + final norm + head (embedding excluded)
   assert metrics.flops_per_token(config, 512) == 6 * matmul_params + 6 * 2 * 512 * 4 * 16
+  # Attention sinks (L x Hq logits) take part in no matmul: the count stays.
+  assert metrics.flops_per_token(config.replace(attention_sinks=True), 512) == (
+      metrics.flops_per_token(config, 512))
 
 
 # ----------------------------------------------------------------------------- training

@@ -9,7 +9,10 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
   dim), k the keys a query sees on average: S/2 under the causal mask over S tokens, about
   W under a sliding window W << S (``reference.mean_visible_keys``, per layer from
   ``LlamaConfig.layer_windows``). Rematerialisation is not counted (this is MFU, not
-  hardware FLOPs utilisation).
+  hardware FLOPs utilisation). Attention sinks (``LlamaConfig.attention_sinks``) take part in
+  no matmul: their L·Hq logits are not in N, and their elementwise work (a sigmoid per query
+  row and head, a product per output element) is not counted, so they leave the count as it
+  is.
 * ``peak_flops``: the measured matmul throughput, in the model's compute dtype, of all
   devices together (``measure_peak_flops``), or a given per-device figure times the
   device count.
@@ -34,8 +37,9 @@ from ulysses_jax.models.llama import LlamaConfig, count_params
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   """Training FLOPs per token (forward + backward) of a causal Llama; see the module doc."""
   embedding = config.vocab_size * config.hidden_dim
-  matmul_params = count_params(config) - embedding + (embedding if config.tie_embeddings
-                                                      else 0)
+  sinks = config.num_layers * config.num_heads if config.attention_sinks else 0
+  matmul_params = count_params(config) - embedding - sinks + (embedding if config.tie_embeddings
+                                                              else 0)
   keys = sum(mean_visible_keys(seq_len, window) for window in config.layer_windows())
   attention = 12 * keys * config.num_heads * config.head_dim
   return 6 * matmul_params + attention

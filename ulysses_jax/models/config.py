@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from ulysses_jax.attention.backends import BACKENDS
+from ulysses_jax.attention.backends import BACKENDS, NO_SINKS_IN_CUDNN
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
@@ -76,7 +76,8 @@ class LlamaConfig:
   tanh-approximated GELU), ``norm_offset_one`` (every RMSNorm, q/k norms included,
   multiplies by ``1 + scale``, scale stored as such), ``post_norms`` (an RMSNorm on the
   attention output and on the MLP output, before each residual add), ``embed_scale``
-  (embeddings multiplied by sqrt(E), rounded to the compute dtype).
+  (embeddings multiplied by sqrt(E), rounded to the compute dtype), ``attention_sinks`` (a
+  learnable softmax sink logit per query head in every layer, gpt-oss; ``UlyssesAttention``).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -111,6 +112,7 @@ class LlamaConfig:
   norm_offset_one: bool = _field()
   post_norms: bool = _field()
   embed_scale: bool = _field()
+  attention_sinks: bool = _field()
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -138,6 +140,9 @@ class LlamaConfig:
     if self.attention_scale is not None and not self.attention_scale > 0:
       raise ConfigError(f"attention_scale must be > 0, or None for head_dim ** -0.5, got "
                         f"{self.attention_scale}.")
+    if self.attention_sinks and self.attention_backend == "cudnn":
+      raise ConfigError(f"attention_sinks needs an attention_backend other than 'cudnn': "
+                        f"{NO_SINKS_IN_CUDNN}; use 'auto', 'pallas_mosaic', 'pallas' or 'xla'.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
@@ -214,7 +219,7 @@ _DEFAULTS = dict(
     remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
     attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
     sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
-    norm_offset_one=False, post_norms=False, embed_scale=False)
+    norm_offset_one=False, post_norms=False, embed_scale=False, attention_sinks=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

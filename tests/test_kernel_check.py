@@ -46,6 +46,16 @@ def windowless_pallas(fault):
   fault(backends, "local_attention", windowless)
 
 
+@pytest.fixture
+def sinkless_pallas(fault):
+  """The "pallas" backend ignoring attention sinks."""
+  real = backends.local_attention
+
+  def sinkless(backend, *args, sinks=None, **kwargs):
+    return real(backend, *args, **kwargs, sinks=None if backend == "pallas" else sinks)
+  fault(backends, "local_attention", sinkless)
+
+
 def _mesh():
   return make_mesh(data=1, seq=1, devices=jax.devices()[:1])
 
@@ -94,6 +104,22 @@ def test_the_interpret_mode_kernels_pass_with_a_window():
                                      seq_len=kernel_check.WINDOW_CHECK_LEN,
                                      sliding_window=kernel_check.WINDOW_STAND_IN)
   assert check.passed and 0 < check.max_error < check.tolerance / 2, check
+
+
+def test_the_interpret_mode_kernels_pass_with_sinks():
+  check = kernel_check.check_backend("pallas", dtype="float32", **CASE, sinks_given=True)
+  assert check.passed and 0 < check.max_error < check.tolerance / 2, check
+
+
+def test_a_model_with_sinks_checks_them(sinkless_pallas):
+  """A kernel path that drops gpt-oss' sinks fails the check of a model with sinks, and the
+  run falls back to XLA."""
+  settled = kernel_check.settle(_tiny(attention_sinks=True, attention_backend="pallas"),
+                                _mesh(), seq_len=256)
+  [check] = settled.checks
+  assert not check.passed and check.max_error > 10 * check.tolerance, check
+  assert settled.backend == "xla"
+  assert kernel_check.check_backend("pallas", dtype="float32", **CASE).passed  # no sinks
 
 
 def test_a_kernel_that_ignores_a_long_window_fails_the_stand_in_window(windowless_pallas,

@@ -99,7 +99,8 @@ def settle(model_config, mesh: Mesh, *, seq_len: int, check: bool = True,
   ``KernelCheckError`` when no backend passes a case."""
   c = model_config
   shapes = dict(dtype=c.dtype, head_dim=c.head_dim, num_q_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads, causal=True, segment_ids_given=segment_ids_given)
+                num_kv_heads=c.num_kv_heads, causal=True, segment_ids_given=segment_ids_given,
+                sinks_given=c.attention_sinks)
   cases = [make_case(kind, shapes, mesh, c.attention_backend, seq_len)
            for kind in attention_kinds(c)]
   named = len(cases) > 1 or cases[0].kind.window is not None or ring_size(mesh) > 1

@@ -110,7 +110,7 @@ def make_case(kind: AttentionKind, shapes: dict, mesh: Mesh, attention_backend: 
   problem = dict(dtype=shapes["dtype"], head_dim=shapes["head_dim"],
                  num_q_heads=shapes["num_q_heads"], num_kv_heads=shapes["num_kv_heads"],
                  causal=shapes["causal"], segment_ids_given=shapes["segment_ids_given"],
-                 mesh=mesh)
+                 sinks_given=shapes.get("sinks_given", False), mesh=mesh)
   if on_ring:
     per_device = RING_CHECK_LEN
     check_len, stand_in = ring_size(mesh) * per_device, ring_window_stand_in(per_device)

@@ -54,14 +54,17 @@ tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` b
 
 What is predicted is the footprint XLA's GPU compiler reaches when memory is tight. Far below
 the GPU's capacity XLA keeps buffers it could do without (Llama-3.1-8B on 4x1x8 at 256K tokens
-per GPU: 22.64 GiB compiled for an H100, 18.08 under memory pressure, 19.20 predicted); near it,
+per GPU: 21.52 GiB compiled for an H100, 17.57 under memory pressure, 19.20 predicted); near it,
 it trades time for memory. So a layout fits when this footprint does, and the coefficients are
 fitted against the smaller of the step compiled as is (with the memory limit of a run holding
 the budget, ``aot.report.budget_options``) and under pressure (``aot.report.UNDER_PRESSURE``),
 on H100 compiles (jax 0.10.2, 2026-11-24) of the 25 layouts of ``benchmarks.plan_vs_compiler``
 (``CONFIGS`` and ``GRID``: 1B and 8B; 1, 8 and 32 GPUs; 65K to 32M tokens; 1, 2 and 4 head
 chunks; state on the GPUs or the host; rings of 4): 6 and 1.1, with the ring term fitted to
-the five ring layouts, leave every one within 8.2 % (-5.7 … +8.2 %). Not captured: n = 8 on
+the five ring layouts, leave every one within 8.2 % (-5.7 … +8.2 %). The ring's memory fix
+(d9fd7da: no K/V block kept per ring step) shrank the three 8B ring layouts after the fit, which
+now predicts them +3.8 to +9.3 % over (jax 0.10.2; +12.1 % at 8M tokens with jax 0.12.0.1);
+the ring term was not refitted. Not captured: n = 8 on
 one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with n = 1 at
 1M tokens per GPU (-23 % before the ring's squeeze, far over any GPU).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the

@@ -1,0 +1,113 @@
+"""Attention of new tokens over the KV cache, split over the devices that hold it
+(distributed flash-decoding).
+
+Each device attends its queries over the slots it holds and returns a partial output and its
+float32 log-sum-exp; the partials of the devices along the cache's slot axes combine into the
+exact attention:
+
+    m = max_r lse_r,  w_r = exp(lse_r - m),  out = Σ_r w_r · o_r / Σ_r w_r
+
+all in float32 (a bfloat16 combine loses the precision vLLM's decode context parallelism
+lost, vLLM issue 41623). A device whose slots hold nothing a query may see (an empty shard:
+a short prompt in a long batch, or a window that ends before the shard) contributes the
+neutral state o = 0, lse = -inf, whose weight is 0; a query that sees nothing at all gets 0.
+
+A slot is visible to a query at position q when its position p (``cache.KVCache.positions``)
+satisfies ``0 <= p <= q`` and, in a layer with a sliding window W, ``q - p < W``.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.generate.cache import CacheLayout
+from ulysses_jax.mesh import DATA
+
+# Slots per step of a device's loop when queries times slots would make big score blocks
+# (chunked prefill); a decode step (one query per row) scores all its slots at once.
+BLOCK_SLOTS = 512
+MAX_SCORES = 1 << 22  # query x slot scores per head group beyond which slots are looped
+
+
+def partial_attention(q_bTKGD, k_bCKD, v_bCKD, q_pos_bT, k_pos_bC, *, scale: float,
+                      window: int | None):
+  """One device's partial attention: ``(o, lse)``, o ``[b, T, Hkv, G, D]`` and lse
+  ``[b, T, Hkv, G]`` float32, the neutral (0, -inf) where a query sees no slot here."""
+  c = k_bCKD.shape[1]
+  t = q_bTKGD.shape[1]
+  block = c if t * c <= MAX_SCORES else min(c, BLOCK_SLOTS)
+  init = (jnp.full(q_bTKGD.shape[:4], -jnp.inf, jnp.float32),
+          jnp.zeros(q_bTKGD.shape[:4], jnp.float32),
+          jnp.zeros(q_bTKGD.shape, jnp.float32))
+
+  def update(j, carry):
+    row_max, denom, acc = carry
+    # The last block starts early enough to stay inside; slots before j * block are masked
+    # there, so none counts twice.
+    start = jnp.minimum(j * block, c - block)
+    k = lax.dynamic_slice_in_dim(k_bCKD, start, block, axis=1)
+    v = lax.dynamic_slice_in_dim(v_bCKD, start, block, axis=1)
+    k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
+    fresh = start + jnp.arange(block) >= j * block
+    scores = jnp.einsum("btkgd,bckd->btkgc", q_bTKGD, k,
+                        preferred_element_type=jnp.float32) * scale
+    distance = q_pos_bT[:, :, None] - k_pos[:, None, :]
+    visible = (k_pos[:, None, :] >= 0) & (distance >= 0) & fresh
+    if window is not None:
+      visible = visible & (distance < window)
+    scores = jnp.where(visible[:, :, None, None], scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, scores.max(-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe_max[..., None])
+    correction = jnp.exp(row_max - safe_max)
+    denom = correction * denom + probs.sum(-1)
+    acc = correction[..., None] * acc + jnp.einsum(
+        "btkgc,bckd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return new_max, denom, acc
+
+  blocks = -(-c // block)
+  row_max, denom, acc = (update(0, init) if blocks == 1 else
+                         lax.fori_loop(0, blocks, update, init))
+  seen = denom > 0
+  o = acc / jnp.where(seen, denom, 1.0)[..., None]
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+  return o, lse
+
+
+def combine(o, lse, axes):
+  """The exact attention from each device's ``(o, lse)`` along mesh ``axes`` (inside
+  shard_map), float32; 0 where no device has a visible slot."""
+  if not axes:
+    return jnp.where(jnp.isfinite(lse)[..., None], o, 0.0)
+  top = lax.pmax(lse, axes)
+  weight = jnp.where(jnp.isfinite(lse), jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)),
+                     0.0)
+  numerator = lax.psum(weight[..., None] * o, axes)
+  denominator = lax.psum(weight, axes)
+  return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+
+
+def cache_attention(layout: CacheLayout, q_BTHD, k_BCKD, v_BCKD, q_pos_BT, k_pos_BC, *,
+                    scale: float, window: int | None):
+  """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
+  cache (k, v ``[B, C, Hkv, D]`` and the slots' positions ``[B, C]``, placed as ``layout``
+  says). Returns ``[B, T, Hq, D]`` in q's dtype, replicated over the slot axes."""
+  hq, hkv = q_BTHD.shape[2], k_BCKD.shape[2]
+  q_spec = P(DATA, None, layout.heads_axis, None)
+
+  def attend(q_bThD, k_bCkD, v_bCkD, q_pos_bT, k_pos_bC):
+    b, t, h, d = q_bThD.shape
+    k_heads = k_bCkD.shape[2]
+    q = q_bThD.reshape(b, t, k_heads, h // k_heads, d)
+    o, lse = partial_attention(q, k_bCkD, v_bCkD, q_pos_bT, k_pos_bC, scale=scale,
+                               window=window)
+    return combine(o, lse, layout.slot_axes).reshape(b, t, h, d).astype(q_bThD.dtype)
+
+  if hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
+  return jax.shard_map(attend, mesh=layout.mesh,
+                       in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(), P(DATA),
+                                 layout.positions_spec()),
+                       out_specs=q_spec, check_vma=False)(
+                           q_BTHD, k_BCKD, v_BCKD, q_pos_BT, k_pos_BC)

@@ -10,7 +10,9 @@ and decoding that attends each device's shard of the cache and combines the part
 Prompt token ids in (any number of prompts of any lengths, batched together), generated ids
 out, in the prompts' order: each list ends at the first EOS id (included) or after
 ``max_new_tokens`` tokens. The model is a ``Llama`` on its mesh (``hf.load_llama``,
-``finetune.load_model``); the mesh's axes decide where the prefill and the cache run.
+``finetune.load_model``; with ``rules=PARAM_RULES`` its weights are replicated, which decoding
+reads fastest, where the training layout all-gathers them every step); the mesh's axes decide
+where the prefill and the cache run.
 
 * ``cache``: the cache's layout on the mesh and its memory per device (``plan_cache``,
   ``CacheLayout.bytes_per_device``); sliding-window layers keep rolling buffers.
@@ -33,15 +35,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ulysses_jax import sharding
 from ulysses_jax.generate import steps
 from ulysses_jax.generate.cache import CacheLayout, KVCache, empty_cache, plan_cache
 from ulysses_jax.generate.sampling import Sampling
 from ulysses_jax.mesh import DATA, sequence_axes
 
 GREEDY = Sampling()
+# Parameters replicated on every device (the training rules less FSDP's split of the embed
+# axis): a decode step reads each weight once where it lies, where the FSDP layout would
+# all-gather every weight for every token (Llama-3.1-8B: 15 GiB per device per step).
+PARAM_RULES = tuple((name, None if name == "embed" else axes)
+                    for name, axes in sharding.DEFAULT_RULES)
 
-__all__ = ["GREEDY", "CacheLayout", "Generator", "KVCache", "Sampling", "check_prompts", "generate",
-           "plan_cache"]
+__all__ = ["GREEDY", "PARAM_RULES", "CacheLayout", "Generator", "KVCache", "Sampling",
+           "check_prompts", "generate", "plan_cache"]
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,

@@ -30,40 +30,42 @@ BLOCK_SLOTS = 512
 MAX_SCORES = 1 << 22  # query x slot scores per head group beyond which slots are looped
 
 
-def partial_attention(q_bTKGD, k_bCKD, v_bCKD, q_pos_bT, k_pos_bC, *, scale: float,
+def partial_attention(q_bKGTD, k_bKCD, v_bKCD, q_pos_bT, k_pos_bC, *, scale: float,
                       window: int | None):
-  """One device's partial attention: ``(o, lse)``, o ``[b, T, Hkv, G, D]`` and lse
-  ``[b, T, Hkv, G]`` float32, the neutral (0, -inf) where a query sees no slot here."""
-  c = k_bCKD.shape[1]
-  t = q_bTKGD.shape[1]
+  """One device's partial attention: ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
+  ``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot here. The
+  cache's heads-major layout makes both products plain batched matrix products over
+  (row, head): no transposed copy of the cache."""
+  c = k_bKCD.shape[2]
+  t = q_bKGTD.shape[3]
   block = c if t * c <= MAX_SCORES else min(c, BLOCK_SLOTS)
-  init = (jnp.full(q_bTKGD.shape[:4], -jnp.inf, jnp.float32),
-          jnp.zeros(q_bTKGD.shape[:4], jnp.float32),
-          jnp.zeros(q_bTKGD.shape, jnp.float32))
+  init = (jnp.full(q_bKGTD.shape[:4], -jnp.inf, jnp.float32),
+          jnp.zeros(q_bKGTD.shape[:4], jnp.float32),
+          jnp.zeros(q_bKGTD.shape, jnp.float32))
 
   def update(j, carry):
     row_max, denom, acc = carry
     # The last block starts early enough to stay inside; slots before j * block are masked
     # there, so none counts twice.
     start = jnp.minimum(j * block, c - block)
-    k = lax.dynamic_slice_in_dim(k_bCKD, start, block, axis=1)
-    v = lax.dynamic_slice_in_dim(v_bCKD, start, block, axis=1)
+    k = lax.dynamic_slice_in_dim(k_bKCD, start, block, axis=2)
+    v = lax.dynamic_slice_in_dim(v_bKCD, start, block, axis=2)
     k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
     fresh = start + jnp.arange(block) >= j * block
-    scores = jnp.einsum("btkgd,bckd->btkgc", q_bTKGD, k,
+    scores = jnp.einsum("bkgtd,bkcd->bkgtc", q_bKGTD, k,
                         preferred_element_type=jnp.float32) * scale
     distance = q_pos_bT[:, :, None] - k_pos[:, None, :]
     visible = (k_pos[:, None, :] >= 0) & (distance >= 0) & fresh
     if window is not None:
       visible = visible & (distance < window)
-    scores = jnp.where(visible[:, :, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     new_max = jnp.maximum(row_max, scores.max(-1))
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     probs = jnp.exp(scores - safe_max[..., None])
     correction = jnp.exp(row_max - safe_max)
     denom = correction * denom + probs.sum(-1)
     acc = correction[..., None] * acc + jnp.einsum(
-        "btkgc,bckd->btkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        "bkgtc,bkcd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return new_max, denom, acc
 
   blocks = -(-c // block)
@@ -88,21 +90,22 @@ def combine(o, lse, axes):
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-def cache_attention(layout: CacheLayout, q_BTHD, k_BCKD, v_BCKD, q_pos_BT, k_pos_BC, *,
+def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKCD, q_pos_BT, k_pos_BC, *,
                     scale: float, window: int | None):
   """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
-  cache (k, v ``[B, C, Hkv, D]`` and the slots' positions ``[B, C]``, placed as ``layout``
+  cache (k, v ``[B, Hkv, C, D]`` and the slots' positions ``[B, C]``, placed as ``layout``
   says). Returns ``[B, T, Hq, D]`` in q's dtype, replicated over the slot axes."""
-  hq, hkv = q_BTHD.shape[2], k_BCKD.shape[2]
+  hq, hkv = q_BTHD.shape[2], k_BKCD.shape[1]
   q_spec = P(DATA, None, layout.heads_axis, None)
 
-  def attend(q_bThD, k_bCkD, v_bCkD, q_pos_bT, k_pos_bC):
+  def attend(q_bThD, k_bkCD, v_bkCD, q_pos_bT, k_pos_bC):
     b, t, h, d = q_bThD.shape
-    k_heads = k_bCkD.shape[2]
-    q = q_bThD.reshape(b, t, k_heads, h // k_heads, d)
-    o, lse = partial_attention(q, k_bCkD, v_bCkD, q_pos_bT, k_pos_bC, scale=scale,
+    k_heads = k_bkCD.shape[1]
+    q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
+    o, lse = partial_attention(q, k_bkCD, v_bkCD, q_pos_bT, k_pos_bC, scale=scale,
                                window=window)
-    return combine(o, lse, layout.slot_axes).reshape(b, t, h, d).astype(q_bThD.dtype)
+    out = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_bThD.dtype)
 
   if hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
@@ -110,4 +113,4 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BCKD, v_BCKD, q_pos_BT, k_pos
                        in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(), P(DATA),
                                  layout.positions_spec()),
                        out_specs=q_spec, check_vma=False)(
-                           q_BTHD, k_BCKD, v_BCKD, q_pos_BT, k_pos_BC)
+                           q_BTHD, k_BKCD, v_BKCD, q_pos_BT, k_pos_BC)

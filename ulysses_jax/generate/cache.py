@@ -1,9 +1,11 @@
 """The KV cache of generation: where it lives on the mesh, its memory, and how it is written.
 
-Every layer keeps k and v ``[B, C, Hkv, D]`` (in the compute dtype) and every kind of layer a
-``positions`` ``[B, C]`` int32 array: the position of the token each slot holds, -1 for an
-empty slot. Attention masks by these positions alone (``attention.cache_attention``), so slots
-need not be in position order, and each write stays on the device that holds the slot.
+Every layer keeps k and v ``[B, Hkv, C, D]`` (in the compute dtype; heads before slots, so
+that the decode's products read the cache as it lies, ``attention.partial_attention``) and
+every kind of layer a ``positions`` ``[B, C]`` int32 array: the position of the token each
+slot holds, -1 for an empty slot. Attention masks by these positions alone
+(``attention.cache_attention``), so slots need not be in position order, and each write stays
+on the device that holds the slot.
 
 Placement (``plan_cache``), R' the devices the slots are split over and U those the KV heads
 are split over:
@@ -56,7 +58,7 @@ EMPTY = -1  # the position of an empty slot
 
 
 class KVCache(NamedTuple):
-  """``k``, ``v``: one ``[B, C_layer, Hkv, D]`` array per layer; ``positions``: one
+  """``k``, ``v``: one ``[B, Hkv, C_layer, D]`` array per layer; ``positions``: one
   ``[B, C_kind]`` int32 array per kind of layer (``CacheLayout.kinds``)."""
   k: tuple
   v: tuple
@@ -129,8 +131,8 @@ class CacheLayout:
     return self.full_capacity if kind is None else self.window_capacity(kind)
 
   def kv_spec(self) -> P:
-    """Spec of a layer's k or v ``[B, C, Hkv, D]``."""
-    return P(DATA, self.slot_axes or None, self.heads_axis, None)
+    """Spec of a layer's k or v ``[B, Hkv, C, D]``."""
+    return P(DATA, self.heads_axis, self.slot_axes or None, None)
 
   def positions_spec(self) -> P:
     return P(DATA, self.slot_axes or None)
@@ -179,13 +181,29 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
 def empty_cache(layout: CacheLayout) -> KVCache:
   """Zeros and empty positions, created sharded (no device holds more than its shard)."""
   def make():
-    kv = lambda i: jnp.zeros((layout.batch, layout.capacity(layout.layer_kind(i)),
-                              layout.kv_heads, layout.head_dim), layout.dtype)
+    kv = lambda i: jnp.zeros((layout.batch, layout.kv_heads,
+                              layout.capacity(layout.layer_kind(i)), layout.head_dim),
+                             layout.dtype)
     layers = range(len(layout.layer_windows))
     return KVCache(tuple(kv(i) for i in layers), tuple(kv(i) for i in layers),
                    tuple(jnp.full((layout.batch, layout.capacity(kind)), EMPTY, jnp.int32)
                          for kind in layout.kinds))
   return jax.jit(make, out_shardings=layout.shardings())()
+
+
+def abstract_cache(layout: CacheLayout) -> KVCache:
+  """The cache's ``ShapeDtypeStruct``s with their shardings (to lower the steps without
+  allocating it, e.g. for GPUs this machine lacks: ``ulysses_jax.aot``)."""
+  def shape(kind):
+    return (layout.batch, layout.kv_heads, layout.capacity(kind), layout.head_dim)
+  shardings = layout.shardings()
+  kinds = [layout.layer_kind(i) for i in range(len(layout.layer_windows))]
+  kv = lambda i: jax.ShapeDtypeStruct(shape(kinds[i]), jnp.dtype(layout.dtype),
+                                      sharding=shardings.k[i])
+  return KVCache(tuple(kv(i) for i in range(len(kinds))), tuple(kv(i) for i in range(len(kinds))),
+                 tuple(jax.ShapeDtypeStruct((layout.batch, layout.capacity(kind)), jnp.int32,
+                                            sharding=shardings.positions[n])
+                       for n, kind in enumerate(layout.kinds)))
 
 
 def _slot_shard_index(layout: CacheLayout):
@@ -226,42 +244,42 @@ def chunk_positions(layout: CacheLayout, kind, chunk, lengths_B):
   return _rolling_positions(layout.capacity(kind), last_B)
 
 
-def write_chunk(layout: CacheLayout, kind, cache_BCKD, new_BTKD, chunk, lengths_B):
+def write_chunk(layout: CacheLayout, kind, cache_BKCD, new_BTKD, chunk, lengths_B):
   """The cache of one layer with chunk ``chunk`` (traced int) of k or v written.
 
   ``new_BTKD``: the chunk's k or v ``[B, T, Hkv, D]`` sharded like the model's activations
   (tokens over the sequence axes). Full layers: each device writes its own tokens (after the
   Ulysses all-to-all when heads are split over ``seq``); rolling buffers: each slot takes the
   newest position of the chunk that maps to it, gathered from the devices holding it (one
-  reduce-scatter of ``[B, C_W, Hkv, D]``).
+  reduce-scatter of ``[B, Hkv, C_W, D]``).
   """
   act = P(DATA, sequence_axes(layout.mesh), None, None)
   capacity, t = layout.capacity(kind), layout.chunk_len // layout.slot_shards
 
-  def write(cache_bCkD, new_btKD, chunk, lengths_b):
+  def write(cache_bkCD, new_btKD, chunk, lengths_b):
     if layout.heads_axis is not None:
       new_btKD = seq_to_heads(new_btKD, layout.heads_axis)
+    new_bktD = new_btKD.transpose(0, 2, 1, 3).astype(cache_bkCD.dtype)
     if kind is None:
-      return lax.dynamic_update_slice_in_dim(cache_bCkD, new_btKD.astype(cache_bCkD.dtype),
-                                             chunk * t, axis=1)
+      return lax.dynamic_update_slice_in_dim(cache_bkCD, new_bktD, chunk * t, axis=2)
     position_bC = chunk_positions(layout, kind, chunk, lengths_b)
     written_bC = position_bC >= chunk * layout.chunk_len
     index_bC = position_bC - chunk * layout.chunk_len - _slot_shard_index(layout) * t
     mine_bC = written_bC & (index_bC >= 0) & (index_bC < t)
-    taken = jnp.take_along_axis(new_btKD, jnp.clip(index_bC, 0, t - 1)[:, :, None, None],
-                                axis=1)
-    taken = jnp.where(mine_bC[:, :, None, None], taken, 0).astype(cache_bCkD.dtype)
+    taken = jnp.take_along_axis(new_bktD, jnp.clip(index_bC, 0, t - 1)[:, None, :, None],
+                                axis=2)
+    taken = jnp.where(mine_bC[:, None, :, None], taken, 0).astype(cache_bkCD.dtype)
     local = capacity // layout.slot_shards
     if layout.slot_axes:
-      taken = lax.psum_scatter(taken, layout.slot_axes, scatter_dimension=1, tiled=True)
+      taken = lax.psum_scatter(taken, layout.slot_axes, scatter_dimension=2, tiled=True)
       start = _slot_shard_index(layout) * local
       written_bC = lax.dynamic_slice_in_dim(written_bC, start, local, axis=1)
-    return jnp.where(written_bC[:, :, None, None], taken, cache_bCkD)
+    return jnp.where(written_bC[:, None, :, None], taken, cache_bkCD)
 
   return jax.shard_map(write, mesh=layout.mesh,
                        in_specs=(layout.kv_spec(), act, P(), P(DATA)),
                        out_specs=layout.kv_spec(), check_vma=False)(
-                           cache_BCKD, new_BTKD, chunk, lengths_B)
+                           cache_BKCD, new_BTKD, chunk, lengths_B)
 
 
 def token_slots(layout: CacheLayout, kind, step, positions_B):
@@ -276,20 +294,29 @@ def token_slots(layout: CacheLayout, kind, step, positions_B):
 
 
 def write_token(layout: CacheLayout, cache, new, slots_B):
-  """``cache`` (a layer's k or v ``[B, C, Hkv, D]``, or a positions array ``[B, C]``) with
+  """``cache`` (a layer's k or v ``[B, Hkv, C, D]``, or a positions array ``[B, C]``) with
   ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at ``slots_B``, in place: the device
-  holding a row's slot writes it, the others drop the write."""
+  holding a row's slot writes the new value there, the others write back what the slot holds
+  (one dynamic-update-slice per row, which XLA does in place on a donated cache)."""
   is_kv = cache.ndim == 4
   spec = layout.kv_spec() if is_kv else layout.positions_spec()
   new_spec = P(DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
 
   def write(cache_bc, new_b, slots_b):
-    local = cache_bc.shape[1]
-    index = slots_b - _slot_shard_index(layout) * local
-    index = jnp.where((index >= 0) & (index < local), index, local)  # local: dropped
-    value = new_b[:, 0] if is_kv else new_b
-    rows = jnp.arange(cache_bc.shape[0])
-    return cache_bc.at[rows, index].set(value.astype(cache_bc.dtype), mode="drop")
+    slot_axis = 2 if is_kv else 1
+    local = cache_bc.shape[slot_axis]
+    index_b = slots_b - _slot_shard_index(layout) * local
+    mine_b = (index_b >= 0) & (index_b < local)
+    index_b = jnp.clip(index_b, 0, local - 1)
+    # [b, 1, k, D] -> one row [1, k, 1, D]; positions [b] -> [1, 1].
+    values = (new_b.transpose(0, 2, 1, 3)[:, None] if is_kv else new_b[:, None, None])
+    for row in range(cache_bc.shape[0]):
+      start = (row, 0, index_b[row], 0) if is_kv else (row, index_b[row])
+      size = (1, cache_bc.shape[1], 1, cache_bc.shape[3]) if is_kv else (1, 1)
+      held = lax.dynamic_slice(cache_bc, start, size)
+      value = jnp.where(mine_b[row], values[row].astype(cache_bc.dtype), held)
+      cache_bc = lax.dynamic_update_slice(cache_bc, value, start)
+    return cache_bc
 
   return jax.shard_map(write, mesh=layout.mesh, in_specs=(spec, new_spec, P(DATA)),
                        out_specs=spec, check_vma=False)(cache, new, slots_B)

@@ -37,10 +37,8 @@ class Sampling:
     return self.temperature == 0
 
 
-def sample(logits_BV: jax.Array, sampling: Sampling, step) -> jax.Array:
-  """int32 ``[B]`` tokens from float32 logits ``[B, V]`` at decode step ``step``."""
-  if sampling.greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+def filter_logits(logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
+  """Float32 logits divided by the temperature, -inf outside the top-k and top-p sets."""
   logits = logits_BV.astype(jnp.float32) / sampling.temperature
   if sampling.top_k and sampling.top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
@@ -52,9 +50,16 @@ def sample(logits_BV: jax.Array, sampling: Sampling, step) -> jax.Array:
     # Keep a token when the tokens before it hold less than top_p: the smallest set whose
     # probability reaches top_p (the most likely token always stays).
     before = jnp.cumsum(probs, axis=-1) - probs
-    drop_sorted = before >= sampling.top_p
-    drop = jnp.zeros_like(drop_sorted).at[
-        jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+    drop = jnp.zeros(logits.shape, bool).at[
+        jnp.arange(logits.shape[0])[:, None], order].set(before >= sampling.top_p)
     logits = jnp.where(drop, -jnp.inf, logits)
+  return logits
+
+
+def sample(logits_BV: jax.Array, sampling: Sampling, step) -> jax.Array:
+  """int32 ``[B]`` tokens from float32 logits ``[B, V]`` at decode step ``step``."""
+  if sampling.greedy:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   key = jax.random.fold_in(jax.random.PRNGKey(sampling.seed), step)
-  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, filter_logits(logits_BV, sampling),
+                                axis=-1).astype(jnp.int32)

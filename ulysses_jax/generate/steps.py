@@ -115,8 +115,11 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
   def attend(layer, i, q, k, v, ks, vs):
     kind = layout.layer_kind(i)
     slots_B = cache_lib.token_slots(layout, kind, step, positions_B)
-    ks[i] = cache_lib.write_token(layout, ks[i], k, slots_B)
-    vs[i] = cache_lib.write_token(layout, vs[i], v, slots_B)
+    # The barrier keeps XLA from fusing the in-place write into the attention's reads of the
+    # cache (XLA's CPU compiler then copies the whole layer's cache to compute both).
+    ks[i], vs[i] = jax.lax.optimization_barrier((
+        cache_lib.write_token(layout, ks[i], k, slots_B),
+        cache_lib.write_token(layout, vs[i], v, slots_B)))
     return cache_attention(layout, q, ks[i], vs[i], positions_B[:, None],
                            positions[_kind_index(layout, i)],
                            scale=layer.attn.attention_scale_or_default(),

@@ -197,7 +197,7 @@ def test_a_windowed_layer_keeps_a_rolling_buffer_of_its_window():
   layout = gen.plan_cache(make_mesh(1, 8), batch=1, prompt_len=16, max_new_tokens=4,
                           kv_heads=2, head_dim=8, dtype="float32", layer_windows=(None, 3))
   cache = gen.cache.empty_cache(layout)
-  assert [x.shape for x in cache.k] == [(1, 2, 16 + 8, 8), (1, 2, 8, 8)]
+  assert [x.shape for x in cache.k] == [(1, 1, 2, 16 + 8, 8), (1, 1, 2, 8, 8)]  # [L, B, K, C, D]
   assert layout.bytes_per_device() == 2 * 2 * 8 * 4 * (24 + 8) // 8
   assert all(np.all(np.asarray(p) == EMPTY) for p in cache.positions)
   assert [p.shape for p in cache.positions] == [(1, 24), (1, 8)]

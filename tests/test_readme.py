@@ -27,3 +27,11 @@ def test_model_example():
   shape, loss = _run(EXAMPLES[2])[-2:]
   assert shape == "(2, 32, 64)"
   assert float(loss) == pytest.approx(5.5, abs=0.2)
+
+
+@pytest.mark.slow
+def test_generate_example():
+  """The Python example of "Generate from a long prompt": our greedy tokens are
+  transformers'."""
+  (example,) = [e for e in EXAMPLES if "ulysses_jax.generate" in e]
+  assert _run(example)[-1] == "True"

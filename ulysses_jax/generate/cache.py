@@ -1,11 +1,12 @@
 """The KV cache of generation: where it lives on the mesh, its memory, and how it is written.
 
 Every layer keeps k and v ``[B, Hkv, C, D]`` (in the compute dtype; heads before slots, so
-that the decode's products read the cache as it lies, ``attention.partial_attention``) and
-every kind of layer a ``positions`` ``[B, C]`` int32 array: the position of the token each
-slot holds, -1 for an empty slot. Attention masks by these positions alone
-(``attention.cache_attention``), so slots need not be in position order, and each write stays
-on the device that holds the slot.
+that the decode's products read the cache as it lies, ``attention.partial_attention``), stacked
+``[L_kind, B, Hkv, C, D]`` over the layers of each kind (full, or one window: the layers that
+share a capacity, ``CacheLayout.kinds``), and every kind a ``positions`` ``[B, C]`` int32
+array: the position of the token each slot holds, -1 for an empty slot. Attention masks by
+these positions alone (``attention.cache_attention``), so slots need not be in position order,
+and each write stays on the device that holds the slot.
 
 Placement (``plan_cache``), R' the devices the slots are split over and U those the KV heads
 are split over:
@@ -58,8 +59,8 @@ EMPTY = -1  # the position of an empty slot
 
 
 class KVCache(NamedTuple):
-  """``k``, ``v``: one ``[B, Hkv, C_layer, D]`` array per layer; ``positions``: one
-  ``[B, C_kind]`` int32 array per kind of layer (``CacheLayout.kinds``)."""
+  """``k``, ``v``: per kind of layer (``CacheLayout.kinds``) the ``[L_kind, B, Hkv, C_kind,
+  D]`` stack of its layers' keys or values; ``positions``: per kind ``[B, C_kind]`` int32."""
   k: tuple
   v: tuple
   positions: tuple
@@ -127,12 +128,24 @@ class CacheLayout:
     w = self.layer_windows[layer]
     return None if w is None or self.window_capacity(w) >= self.full_capacity else w
 
+  def stack_index(self, layer: int) -> tuple[int, int]:
+    """(the index of ``layer``'s kind in ``kinds``, its index in that kind's stack)."""
+    kind = self.layer_kind(layer)
+    return self.kinds.index(kind), sum(self.layer_kind(i) == kind for i in range(layer))
+
+  def stack_size(self, kind) -> int:
+    return sum(self.layer_kind(i) == kind for i in range(len(self.layer_windows)))
+
   def capacity(self, kind) -> int:
     return self.full_capacity if kind is None else self.window_capacity(kind)
 
   def kv_spec(self) -> P:
-    """Spec of a layer's k or v ``[B, Hkv, C, D]``."""
+    """Spec of one layer's k or v ``[B, Hkv, C, D]``."""
     return P(DATA, self.heads_axis, self.slot_axes or None, None)
+
+  def stack_spec(self) -> P:
+    """Spec of a kind's stack ``[L_kind, B, Hkv, C, D]``."""
+    return P(None, *self.kv_spec())
 
   def positions_spec(self) -> P:
     return P(DATA, self.slot_axes or None)
@@ -150,10 +163,13 @@ class CacheLayout:
     return sum(4 * rows * self.capacity(kind) // self.slot_shards for kind in self.kinds)
 
   def shardings(self) -> KVCache:
-    kv = NamedSharding(self.mesh, self.kv_spec())
-    layers = len(self.layer_windows)
-    return KVCache((kv,) * layers, (kv,) * layers,
+    stack = (NamedSharding(self.mesh, self.stack_spec()),) * len(self.kinds)
+    return KVCache(stack, stack,
                    (NamedSharding(self.mesh, self.positions_spec()),) * len(self.kinds))
+
+  def stack_shape(self, kind) -> tuple[int, ...]:
+    return (self.stack_size(kind), self.batch, self.kv_heads, self.capacity(kind),
+            self.head_dim)
 
 
 def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, kv_heads: int,
@@ -181,11 +197,8 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
 def empty_cache(layout: CacheLayout) -> KVCache:
   """Zeros and empty positions, created sharded (no device holds more than its shard)."""
   def make():
-    kv = lambda i: jnp.zeros((layout.batch, layout.kv_heads,
-                              layout.capacity(layout.layer_kind(i)), layout.head_dim),
-                             layout.dtype)
-    layers = range(len(layout.layer_windows))
-    return KVCache(tuple(kv(i) for i in layers), tuple(kv(i) for i in layers),
+    stacks = tuple(jnp.zeros(layout.stack_shape(kind), layout.dtype) for kind in layout.kinds)
+    return KVCache(stacks, tuple(jnp.zeros_like(x) for x in stacks),
                    tuple(jnp.full((layout.batch, layout.capacity(kind)), EMPTY, jnp.int32)
                          for kind in layout.kinds))
   return jax.jit(make, out_shardings=layout.shardings())()
@@ -194,13 +207,11 @@ def empty_cache(layout: CacheLayout) -> KVCache:
 def abstract_cache(layout: CacheLayout) -> KVCache:
   """The cache's ``ShapeDtypeStruct``s with their shardings (to lower the steps without
   allocating it, e.g. for GPUs this machine lacks: ``ulysses_jax.aot``)."""
-  def shape(kind):
-    return (layout.batch, layout.kv_heads, layout.capacity(kind), layout.head_dim)
   shardings = layout.shardings()
-  kinds = [layout.layer_kind(i) for i in range(len(layout.layer_windows))]
-  kv = lambda i: jax.ShapeDtypeStruct(shape(kinds[i]), jnp.dtype(layout.dtype),
-                                      sharding=shardings.k[i])
-  return KVCache(tuple(kv(i) for i in range(len(kinds))), tuple(kv(i) for i in range(len(kinds))),
+  stacks = tuple(jax.ShapeDtypeStruct(layout.stack_shape(kind), jnp.dtype(layout.dtype),
+                                      sharding=shardings.k[n])
+                 for n, kind in enumerate(layout.kinds))
+  return KVCache(stacks, stacks,
                  tuple(jax.ShapeDtypeStruct((layout.batch, layout.capacity(kind)), jnp.int32,
                                             sharding=shardings.positions[n])
                        for n, kind in enumerate(layout.kinds)))
@@ -244,8 +255,9 @@ def chunk_positions(layout: CacheLayout, kind, chunk, lengths_B):
   return _rolling_positions(layout.capacity(kind), last_B)
 
 
-def write_chunk(layout: CacheLayout, kind, cache_BKCD, new_BTKD, chunk, lengths_B):
-  """The cache of one layer with chunk ``chunk`` (traced int) of k or v written.
+def write_chunk(layout: CacheLayout, kind, stack_LBKCD, layer, new_BTKD, chunk, lengths_B):
+  """A kind's stack with chunk ``chunk`` (traced int) of layer ``layer``'s (its index in the
+  stack, an int or traced) k or v written.
 
   ``new_BTKD``: the chunk's k or v ``[B, T, Hkv, D]`` sharded like the model's activations
   (tokens over the sequence axes). Full layers: each device writes its own tokens (after the
@@ -256,30 +268,32 @@ def write_chunk(layout: CacheLayout, kind, cache_BKCD, new_BTKD, chunk, lengths_
   act = P(DATA, sequence_axes(layout.mesh), None, None)
   capacity, t = layout.capacity(kind), layout.chunk_len // layout.slot_shards
 
-  def write(cache_bkCD, new_btKD, chunk, lengths_b):
+  def write(stack_LbkCD, new_btKD, layer, chunk, lengths_b):
     if layout.heads_axis is not None:
       new_btKD = seq_to_heads(new_btKD, layout.heads_axis)
-    new_bktD = new_btKD.transpose(0, 2, 1, 3).astype(cache_bkCD.dtype)
+    new_bktD = new_btKD.transpose(0, 2, 1, 3).astype(stack_LbkCD.dtype)
     if kind is None:
-      return lax.dynamic_update_slice_in_dim(cache_bkCD, new_bktD, chunk * t, axis=2)
+      return lax.dynamic_update_slice(stack_LbkCD, new_bktD[None], (layer, 0, 0, chunk * t, 0))
     position_bC = chunk_positions(layout, kind, chunk, lengths_b)
     written_bC = position_bC >= chunk * layout.chunk_len
     index_bC = position_bC - chunk * layout.chunk_len - _slot_shard_index(layout) * t
     mine_bC = written_bC & (index_bC >= 0) & (index_bC < t)
     taken = jnp.take_along_axis(new_bktD, jnp.clip(index_bC, 0, t - 1)[:, None, :, None],
                                 axis=2)
-    taken = jnp.where(mine_bC[:, None, :, None], taken, 0).astype(cache_bkCD.dtype)
+    taken = jnp.where(mine_bC[:, None, :, None], taken, 0).astype(stack_LbkCD.dtype)
     local = capacity // layout.slot_shards
     if layout.slot_axes:
       taken = lax.psum_scatter(taken, layout.slot_axes, scatter_dimension=2, tiled=True)
       start = _slot_shard_index(layout) * local
       written_bC = lax.dynamic_slice_in_dim(written_bC, start, local, axis=1)
-    return jnp.where(written_bC[:, None, :, None], taken, cache_bkCD)
+    held = lax.dynamic_index_in_dim(stack_LbkCD, layer, keepdims=False)
+    updated = jnp.where(written_bC[:, None, :, None], taken, held)
+    return lax.dynamic_update_index_in_dim(stack_LbkCD, updated, layer, axis=0)
 
   return jax.shard_map(write, mesh=layout.mesh,
-                       in_specs=(layout.kv_spec(), act, P(), P(DATA)),
-                       out_specs=layout.kv_spec(), check_vma=False)(
-                           cache_BKCD, new_BTKD, chunk, lengths_B)
+                       in_specs=(layout.stack_spec(), act, P(), P(), P(DATA)),
+                       out_specs=layout.stack_spec(), check_vma=False)(
+                           stack_LBKCD, new_BTKD, layer, chunk, lengths_B)
 
 
 def token_slots(layout: CacheLayout, kind, step, positions_B):
@@ -293,30 +307,33 @@ def token_slots(layout: CacheLayout, kind, step, positions_B):
   return jnp.broadcast_to(slot, positions_B.shape).astype(jnp.int32)
 
 
-def write_token(layout: CacheLayout, cache, new, slots_B):
-  """``cache`` (a layer's k or v ``[B, Hkv, C, D]``, or a positions array ``[B, C]``) with
-  ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at ``slots_B``, in place: the device
-  holding a row's slot writes the new value there, the others write back what the slot holds
-  (one dynamic-update-slice per row, which XLA does in place on a donated cache)."""
-  is_kv = cache.ndim == 4
-  spec = layout.kv_spec() if is_kv else layout.positions_spec()
+def write_token(layout: CacheLayout, cache, new, slots_B, layer: int | None = None):
+  """``cache`` (a kind's stack ``[L_kind, B, Hkv, C, D]`` with ``layer`` its index there, or a
+  positions array ``[B, C]``) with ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at
+  ``slots_B``, in place: the device holding a row's slot writes the new value there, the
+  others write back what the slot holds (one dynamic-update-slice per row, which XLA does in
+  place on a donated cache)."""
+  is_kv = layer is not None
+  spec = layout.stack_spec() if is_kv else layout.positions_spec()
   new_spec = P(DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
 
-  def write(cache_bc, new_b, slots_b):
-    slot_axis = 2 if is_kv else 1
-    local = cache_bc.shape[slot_axis]
+  def write(cache_c, new_b, slots_b):
+    local = cache_c.shape[-2 if is_kv else -1]
     index_b = slots_b - _slot_shard_index(layout) * local
     mine_b = (index_b >= 0) & (index_b < local)
     index_b = jnp.clip(index_b, 0, local - 1)
-    # [b, 1, k, D] -> one row [1, k, 1, D]; positions [b] -> [1, 1].
-    values = (new_b.transpose(0, 2, 1, 3)[:, None] if is_kv else new_b[:, None, None])
-    for row in range(cache_bc.shape[0]):
-      start = (row, 0, index_b[row], 0) if is_kv else (row, index_b[row])
-      size = (1, cache_bc.shape[1], 1, cache_bc.shape[3]) if is_kv else (1, 1)
-      held = lax.dynamic_slice(cache_bc, start, size)
-      value = jnp.where(mine_b[row], values[row].astype(cache_bc.dtype), held)
-      cache_bc = lax.dynamic_update_slice(cache_bc, value, start)
-    return cache_bc
+    # [b, 1, k, D] -> per row [1, 1, k, 1, D]; positions [b] -> per row [1, 1].
+    values = (new_b.transpose(0, 2, 1, 3)[:, None, None] if is_kv else new_b[:, None, None])
+    for row in range(cache_c.shape[1 if is_kv else 0]):
+      if is_kv:
+        start = (layer, row, 0, index_b[row], 0)
+        size = (1, 1, cache_c.shape[2], 1, cache_c.shape[4])
+      else:
+        start, size = (row, index_b[row]), (1, 1)
+      held = lax.dynamic_slice(cache_c, start, size)
+      value = jnp.where(mine_b[row], values[row].astype(cache_c.dtype), held)
+      cache_c = lax.dynamic_update_slice(cache_c, value, start)
+    return cache_c
 
   return jax.shard_map(write, mesh=layout.mesh, in_specs=(spec, new_spec, P(DATA)),
                        out_specs=spec, check_vma=False)(cache, new, slots_B)

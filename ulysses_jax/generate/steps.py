@@ -2,16 +2,15 @@
 
 Both run ``Llama``'s embedding, layers (``DecoderLayer.block``) and final norm, with an
 attention sublayer that writes the KV cache (``cache.write_chunk``, ``cache.write_token``)
-from the layer's own projections (``UlyssesAttention.project_qkv``, ``project_out``). The
-layers run one by one (a Python loop, not the training scan), so each keeps a cache of its own
-shape (a rolling buffer for a windowed layer) and updates it in place.
+from the layer's own projections (``UlyssesAttention.project_qkv``, ``project_out``), each
+layer into its slice of its kind's stack (a rolling buffer for a windowed layer), in place.
 
 * ``prefill`` writes one chunk of T prompt tokens (a traced chunk index, one compile for all
-  chunks). With the whole prompt in one chunk its attention is the model's own
-  sequence-parallel attention (``UlyssesAttention.attend``: Ulysses, data x seq, the hybrid);
-  with several chunks each chunk's queries attend the cache written so far
-  (``attention.cache_attention``). It keeps the last prompt token's hidden state of each row,
-  never logits for the whole sequence.
+  chunks), the layers in a ``lax.scan`` as in training. With the whole prompt in one chunk its
+  attention is the model's own sequence-parallel attention (``UlyssesAttention.attend``:
+  Ulysses, data x seq, the hybrid); with several chunks each chunk's queries attend the cache
+  written so far (``attention.cache_attention``). It keeps the last prompt token's hidden
+  state of each row, never logits for the whole sequence.
 * ``first_token`` turns those hidden states into the first new token.
 * ``decode`` feeds one token per row, writes its k and v, attends the cache and returns the
   next token. The cache is donated to both programs and comes back aliased.
@@ -29,27 +28,17 @@ from ulysses_jax.generate.sampling import Sampling, sample
 from ulysses_jax.mesh import DATA
 
 
-def _run_layers(model, layout: CacheLayout, cache: KVCache, x_BTE, positions_BT, attend):
-  """``x`` through every layer; ``attend(layer, i, q, k, v, ks, vs)`` writes layer ``i``'s
-  cache (lists ``ks``, ``vs``) and returns the attention output ``[B, T, Hq, D]``."""
-  config = model.config
-  ks, vs = list(cache.k), list(cache.v)
-  for i, layer_type in enumerate(config.attention_types()):
-    layer = model.layer(i)
-    rope = config.layer_attention(layer_type)
-
-    def attention(x_BTE, layer=layer, i=i, rope=rope):
-      q, k, v = layer.attn.project_qkv(x_BTE, positions_BT, norm=layer.attn_norm,
-                                       rope_theta=rope["rope_theta"],
-                                       rope_scaling=rope["rope_scaling"])
-      return layer.attn.project_out(attend(layer, i, q, k, v, ks, vs))
-
-    x_BTE = layer.block(x_BTE, attention)
-  return x_BTE, ks, vs
+def _segments(config, layout: CacheLayout) -> list[tuple[int, int]]:
+  """``[(start, stop)]``: the runs of consecutive layers of one attention type (one for most
+  models; Gemma 3's five sliding layers and one full, repeated)."""
+  types = config.attention_types()
+  starts = [i for i in range(len(types)) if i == 0 or types[i] != types[i - 1]]
+  return list(zip(starts, starts[1:] + [len(types)]))
 
 
-def _kind_index(layout: CacheLayout, layer: int) -> int:
-  return layout.kinds.index(layout.layer_kind(layer))
+def _rope(config, layer_type: str) -> dict:
+  rope = config.layer_attention(layer_type)
+  return dict(rope_theta=rope["rope_theta"], rope_scaling=rope["rope_scaling"])
 
 
 def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, chunk,
@@ -57,8 +46,13 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
   """Chunk ``chunk`` of the prompts (``tokens_BT``, int ``[B, T]``; ``lengths_B`` tokens per
   row) through the model: ``(cache, last_BE)``, the cache with the chunk written and
   ``last_BE`` (float32 ``[B, E]``) the final hidden state before the norm of each row's last
-  prompt token where it lies in this chunk (kept from ``last_BE`` elsewhere)."""
+  prompt token where it lies in this chunk (kept from ``last_BE`` elsewhere).
+
+  The layers run as the training forward does, in a ``lax.scan`` (one per run of layers of
+  one attention type), so no layer's activations outlive it; each layer writes its slice of
+  its kind's stack (carried through the scan, updated in place)."""
   model = nnx.merge(graphdef, params)
+  config = model.config
   t = layout.chunk_len
   positions_BT = chunk * t + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens_BT.shape)
   positions = tuple(
@@ -66,20 +60,41 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
           cache_lib.chunk_positions(layout, kind, chunk, lengths_B),
           NamedSharding(layout.mesh, layout.positions_spec()))
       for kind in layout.kinds)
+  layers_graphdef, layer_states = nnx.split(model.layers)
+  ks, vs = list(cache.k), list(cache.v)
+  x_BTE = model.embed(tokens_BT)
+  for start, stop in _segments(config, layout):
+    kind = layout.layer_kind(start)
+    n, base = layout.stack_index(start)
+    window = layout.layer_windows[start]
+    rope = _rope(config, config.attention_types()[start])
 
-  def attend(layer, i, q, k, v, ks, vs):
-    kind = layout.layer_kind(i)
-    ks[i] = cache_lib.write_chunk(layout, kind, ks[i], k, chunk, lengths_B)
-    vs[i] = cache_lib.write_chunk(layout, kind, vs[i], v, chunk, lengths_B)
-    window = layout.layer_windows[i]
-    if layout.chunks == 1:
-      return layer.attn.attend(q, k, v, sliding_window=window)
-    return cache_attention(layout, q, ks[i], vs[i], positions_BT,
-                           positions[_kind_index(layout, i)],
-                           scale=layer.attn.attention_scale_or_default(), window=window)
+    def body(carry, i, kind=kind, n=n, base=base, window=window, rope=rope, start=start):
+      x_BTE, k_stack, v_stack = carry
+      layer = nnx.merge(layers_graphdef, jax.tree.map(
+          lambda s: jax.lax.dynamic_index_in_dim(s, i, keepdims=False), layer_states))
+      j = i - start + base
+      written = {}
 
-  x_BTE, ks, vs = _run_layers(model, layout, cache, model.embed(tokens_BT), positions_BT,
-                              attend)
+      def attention(x_BTE):
+        q, k, v = layer.attn.project_qkv(x_BTE, positions_BT, norm=layer.attn_norm, **rope)
+        written["k"] = cache_lib.write_chunk(layout, kind, k_stack, j, k, chunk, lengths_B)
+        written["v"] = cache_lib.write_chunk(layout, kind, v_stack, j, v, chunk, lengths_B)
+        if layout.chunks == 1:
+          out = layer.attn.attend(q, k, v, sliding_window=window)
+        else:
+          k_layer, v_layer = (jax.lax.dynamic_index_in_dim(written[x], j, keepdims=False)
+                              for x in "kv")
+          out = cache_attention(layout, q, k_layer, v_layer, positions_BT, positions[n],
+                                scale=layer.attn.attention_scale_or_default(),
+                                window=window)
+        return layer.attn.project_out(out)
+
+      x_BTE = layer.block(x_BTE, attention)
+      return (x_BTE, written["k"], written["v"]), None
+
+    (x_BTE, ks[n], vs[n]), _ = jax.lax.scan(body, (x_BTE, ks[n], vs[n]),
+                                            jnp.arange(start, stop))
   # The last token's row of x, as a sum over the (sharded) sequence: no gather of x.
   offset_B = lengths_B - 1 - chunk * t
   one_hot_BT = (jnp.arange(t)[None] == offset_B[:, None]).astype(x_BTE.dtype)
@@ -104,29 +119,33 @@ def first_token(graphdef, sampling: Sampling, params, last_BE):
 def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVCache,
            tokens_B, step, lengths_B):
   """Decode step ``step`` (traced int, from 0): feeds ``tokens_B`` (int ``[B]``, the new
-  token of each row) at positions ``lengths_B + step``; returns ``(cache, next_tokens_B)``."""
+  token of each row) at positions ``lengths_B + step``; returns ``(cache, next_tokens_B)``.
+  The layers run one by one (a Python loop: each reads its slice of the cache where it lies,
+  and writes one slot per row into it in place)."""
   model = nnx.merge(graphdef, params)
+  config = model.config
   positions_B = lengths_B + step
   positions = tuple(
       cache_lib.write_token(layout, p, positions_B,
                             cache_lib.token_slots(layout, kind, step, positions_B))
       for kind, p in zip(layout.kinds, cache.positions))
+  ks, vs = list(cache.k), list(cache.v)
+  x_B1E = model.embed(tokens_B[:, None])
+  for i, layer_type in enumerate(config.attention_types()):
+    layer = model.layer(i)
+    n, j = layout.stack_index(i)
+    slots_B = cache_lib.token_slots(layout, layout.layer_kind(i), step, positions_B)
 
-  def attend(layer, i, q, k, v, ks, vs):
-    kind = layout.layer_kind(i)
-    slots_B = cache_lib.token_slots(layout, kind, step, positions_B)
-    # The barrier keeps XLA from fusing the in-place write into the attention's reads of the
-    # cache (XLA's CPU compiler then copies the whole layer's cache to compute both).
-    ks[i], vs[i] = jax.lax.optimization_barrier((
-        cache_lib.write_token(layout, ks[i], k, slots_B),
-        cache_lib.write_token(layout, vs[i], v, slots_B)))
-    return cache_attention(layout, q, ks[i], vs[i], positions_B[:, None],
-                           positions[_kind_index(layout, i)],
-                           scale=layer.attn.attention_scale_or_default(),
-                           window=layout.layer_windows[i])
+    def attention(x_B1E, layer=layer, n=n, j=j, slots_B=slots_B, layer_type=layer_type, i=i):
+      q, k, v = layer.attn.project_qkv(x_B1E, positions_B[:, None], norm=layer.attn_norm,
+                                       **_rope(config, layer_type))
+      ks[n] = cache_lib.write_token(layout, ks[n], k, slots_B, layer=j)
+      vs[n] = cache_lib.write_token(layout, vs[n], v, slots_B, layer=j)
+      return layer.attn.project_out(cache_attention(
+          layout, q, ks[n][j], vs[n][j], positions_B[:, None], positions[n],
+          scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i]))
 
-  x_B1E, ks, vs = _run_layers(model, layout, cache, model.embed(tokens_B[:, None]),
-                              positions_B[:, None], attend)
+    x_B1E = layer.block(x_B1E, attention)
   return KVCache(tuple(ks), tuple(vs), positions), _next_token(model, x_B1E[:, 0], sampling,
                                                                step + 1)
 

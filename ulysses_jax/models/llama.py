@@ -119,7 +119,8 @@ class MLP(nnx.Module):
     norm = norm or (lambda x: x)
     block = lambda x: _gated_mlp(ACTIVATIONS[self.activation],
                                  norm(x).astype(kernels[0].dtype), *kernels)
-    if not self.chunk:
+    # A sequence the shards do not divide (a decode step's one token) has nothing to tile.
+    if not self.chunk or x_BSE.shape[1] % sequence_shards(self.mesh):
       return block(x_BSE)
     x_NBPcE = sharding.to_local_chunks(x_BSE, mesh=self.mesh, chunk=self.chunk)
     tile = jax.checkpoint(block, prevent_cse=False)

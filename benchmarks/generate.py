@@ -66,8 +66,8 @@ def filled_generator(model, context: int, steps: int) -> gen.Generator:
   lengths = jnp.array([context], jnp.int32)
 
   def fill(key):
-    shape = layout.stack_shape(None)  # all layers full: one stack [L, B, Hkv, C, D]
-    k, v = (jax.random.normal(key, shape, layout.dtype) for key in jax.random.split(key))
+    k, v = (jax.random.normal(key, layout.stack_shape(None, values), layout.dtype)
+            for key, values in zip(jax.random.split(key), (False, True)))  # one stack: all full
     return gen.KVCache((k,), (v,), (cache_lib.chunk_positions(layout, None, 0, lengths),))
 
   generator.cache = jax.jit(fill, out_shardings=shardings)(jax.random.PRNGKey(0))

@@ -123,6 +123,7 @@ def _random_cache(layout, rng, q_heads, lengths):
   b, c = layout.batch, layout.full_capacity
   k, v = (rng.standard_normal((b, layout.kv_heads, c, layout.head_dim)).astype(np.float32)
           for _ in range(2))
+  v = v.transpose(0, 1, 3, 2)  # [B, Hkv, D, C]: the cache's layout of values
   q = rng.standard_normal((b, 1, q_heads, layout.head_dim)).astype(np.float32)
   from ulysses_jax.generate.cache import chunk_positions
   positions = np.asarray(chunk_positions(layout, None, 0, jnp.asarray(lengths)))
@@ -150,7 +151,8 @@ def test_decode_attention_equals_dense_with_empty_shards(dtype, tolerance):
       if window is not None:
         keys = keys[-window:]
       upcast = lambda x: jnp.asarray(cast(x), jnp.float32)  # noqa: B023
-      k_row, v_row = (upcast(x[row:row + 1, :, keys].transpose(0, 2, 1, 3)) for x in (k, v))
+      k_row = upcast(k[row:row + 1, :, keys].transpose(0, 2, 1, 3))
+      v_row = upcast(v[row:row + 1, :, :, keys].transpose(0, 3, 1, 2))
       expected = dense_attention(upcast(q[row:row + 1]), k_row, v_row, causal=False,
                                  scale=0.25)
       np.testing.assert_allclose(np.asarray(got[row:row + 1], np.float32), expected,

@@ -130,6 +130,7 @@ def compile_generation(config: LlamaConfig, setup: GenerationSetup, gpu: str = "
   io_bytes = argument_bytes((generator.params, cache))  # the cache is donated, aliased
   forward_flops = _forward_flops(config, layout)
   report = {"gpu": spec.name, "devices": mesh.size, "mesh": dict(mesh.shape),
+            "jax": jax.__version__, "model": config.preset or "from a checkpoint",
             "setup": dataclasses.asdict(setup), "budget_bytes": spec.budget_bytes,
             "cache_bytes_per_device": layout.bytes_per_device(),
             "cache": gen.describe_memory(layout),

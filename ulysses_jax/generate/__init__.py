@@ -77,6 +77,21 @@ def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_
   return arrays
 
 
+@functools.lru_cache(maxsize=16)
+def _programs(graphdef, layout: CacheLayout, sampling: Sampling):
+  """The jitted prefill, first-token and decode programs (the cache donated), kept for the
+  next ``Generator`` of the same model structure, layout and sampling: a second
+  ``generate`` call with prompts that fit the same layout compiles nothing."""
+  cache_shardings = layout.shardings()
+  rows = steps.rows_sharding(layout)
+  return (jax.jit(functools.partial(steps.prefill, graphdef, layout), donate_argnums=(1, 5),
+                  out_shardings=(cache_shardings, steps.rows_sharding(layout, 2))),
+          jax.jit(functools.partial(steps.first_token, graphdef, sampling),
+                  out_shardings=rows),
+          jax.jit(functools.partial(steps.decode, graphdef, layout, sampling),
+                  donate_argnums=(1,), out_shardings=(cache_shardings, rows)))
+
+
 class Generator:
   """The compiled prefill and decode programs of one model, cache layout and sampling.
 
@@ -91,16 +106,8 @@ class Generator:
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.layout, self.sampling = layout, sampling
-    cache_shardings = layout.shardings()
-    rows = steps.rows_sharding(layout)
-    self.prefill_step = jax.jit(
-        functools.partial(steps.prefill, self.graphdef, layout), donate_argnums=(1, 5),
-        out_shardings=(cache_shardings, steps.rows_sharding(layout, 2)))
-    self.first_token_step = jax.jit(
-        functools.partial(steps.first_token, self.graphdef, sampling), out_shardings=rows)
-    self.decode_step = jax.jit(
-        functools.partial(steps.decode, self.graphdef, layout, sampling),
-        donate_argnums=(1,), out_shardings=(cache_shardings, rows))
+    self.prefill_step, self.first_token_step, self.decode_step = _programs(
+        self.graphdef, layout, sampling)
     self.cache = self.tokens = self.lengths = None
     self.step = 0
 

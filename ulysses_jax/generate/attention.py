@@ -30,12 +30,13 @@ BLOCK_SLOTS = 512
 MAX_SCORES = 1 << 22  # query x slot scores per head group beyond which slots are looped
 
 
-def partial_attention(q_bKGTD, k_bKCD, v_bKCD, q_pos_bT, k_pos_bC, *, scale: float,
+def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
                       window: int | None):
   """One device's partial attention: ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
   ``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot here. The
-  cache's heads-major layout makes both products plain batched matrix products over
-  (row, head): no transposed copy of the cache."""
+  cache's layout (heads first; k's D and v's slots last) makes both products batched matrix
+  products over (row, head) contracting the cache's last axis: the cache is read where it
+  lies, never copied."""
   c = k_bKCD.shape[2]
   t = q_bKGTD.shape[3]
   block = c if t * c <= MAX_SCORES else min(c, BLOCK_SLOTS)
@@ -49,7 +50,7 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKCD, q_pos_bT, k_pos_bC, *, scale: flo
     # there, so none counts twice.
     start = jnp.minimum(j * block, c - block)
     k = lax.dynamic_slice_in_dim(k_bKCD, start, block, axis=2)
-    v = lax.dynamic_slice_in_dim(v_bKCD, start, block, axis=2)
+    v = lax.dynamic_slice_in_dim(v_bKDC, start, block, axis=3)
     k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
     fresh = start + jnp.arange(block) >= j * block
     scores = jnp.einsum("bkgtd,bkcd->bkgtc", q_bKGTD, k,
@@ -64,8 +65,7 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKCD, q_pos_bT, k_pos_bC, *, scale: flo
     probs = jnp.exp(scores - safe_max[..., None])
     correction = jnp.exp(row_max - safe_max)
     denom = correction * denom + probs.sum(-1)
-    acc = correction[..., None] * acc + jnp.einsum(
-        "bkgtc,bkcd->bkgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc = correction[..., None] * acc + _values_product(probs.astype(v.dtype), v)
     return new_max, denom, acc
 
   blocks = -(-c // block)
@@ -75,6 +75,18 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKCD, q_pos_bT, k_pos_bC, *, scale: flo
   o = acc / jnp.where(seen, denom, 1.0)[..., None]
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
   return o, lse
+
+
+def _values_product(probs_bKGTC, v_bKDC):
+  """``probs @ v`` summed over the slots, float32: ``[b, Hkv, G, T, D]``. For a decode step
+  (T = 1) a product and a sum over v's last axis, which XLA fuses into one pass over v where
+  it lies; as a matrix product XLA's GPU compiler splits the long sum over the slots
+  (split-K) and copies v to do so."""
+  if probs_bKGTC.shape[3] == 1:
+    f32 = lambda x: x.astype(jnp.float32)  # exact products, as the matrix product's
+    return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v_bKDC)[:, :, None, None]).sum(-1)
+  return jnp.einsum("bkgtc,bkdc->bkgtd", probs_bKGTC, v_bKDC,
+                    preferred_element_type=jnp.float32)
 
 
 def combine(o, lse, axes):
@@ -90,19 +102,20 @@ def combine(o, lse, axes):
   return numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKCD, q_pos_BT, k_pos_BC, *,
+def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *,
                     scale: float, window: int | None):
   """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
-  cache (k, v ``[B, Hkv, C, D]`` and the slots' positions ``[B, C]``, placed as ``layout``
-  says). Returns ``[B, T, Hq, D]`` in q's dtype, replicated over the slot axes."""
+  cache (k ``[B, Hkv, C, D]``, v ``[B, Hkv, D, C]`` and the slots' positions ``[B, C]``,
+  placed as ``layout`` says). Returns ``[B, T, Hq, D]`` in q's dtype, replicated over the slot
+  axes."""
   hq, hkv = q_BTHD.shape[2], k_BKCD.shape[1]
   q_spec = P(DATA, None, layout.heads_axis, None)
 
-  def attend(q_bThD, k_bkCD, v_bkCD, q_pos_bT, k_pos_bC):
+  def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC):
     b, t, h, d = q_bThD.shape
     k_heads = k_bkCD.shape[1]
     q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
-    o, lse = partial_attention(q, k_bkCD, v_bkCD, q_pos_bT, k_pos_bC, scale=scale,
+    o, lse = partial_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, scale=scale,
                                window=window)
     out = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_bThD.dtype)
@@ -110,7 +123,7 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKCD, q_pos_BT, k_pos
   if hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
   return jax.shard_map(attend, mesh=layout.mesh,
-                       in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(), P(DATA),
+                       in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(values=True), P(DATA),
                                  layout.positions_spec()),
                        out_specs=q_spec, check_vma=False)(
-                           q_BTHD, k_BKCD, v_BKCD, q_pos_BT, k_pos_BC)
+                           q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC)

@@ -1,8 +1,10 @@
 """The KV cache of generation: where it lives on the mesh, its memory, and how it is written.
 
-Every layer keeps k and v ``[B, Hkv, C, D]`` (in the compute dtype; heads before slots, so
-that the decode's products read the cache as it lies, ``attention.partial_attention``), stacked
-``[L_kind, B, Hkv, C, D]`` over the layers of each kind (full, or one window: the layers that
+Every layer keeps k ``[B, Hkv, C, D]`` and v ``[B, Hkv, D, C]`` in the compute dtype: both of
+the decode's products then contract the cache's last (minor) axis, which XLA's GPU compiler
+reads where it lies (``attention.partial_attention``; with v's slots before D it copied v to
+lay it out). They are stacked ``[L_kind, B, Hkv, C, D]`` (``[L_kind, B, Hkv, D, C]``) over the
+layers of each kind (full, or one window: the layers that
 share a capacity, ``CacheLayout.kinds``), and every kind a ``positions`` ``[B, C]`` int32
 array: the position of the token each slot holds, -1 for an empty slot. Attention masks by
 these positions alone (``attention.cache_attention``), so slots need not be in position order,
@@ -59,8 +61,9 @@ EMPTY = -1  # the position of an empty slot
 
 
 class KVCache(NamedTuple):
-  """``k``, ``v``: per kind of layer (``CacheLayout.kinds``) the ``[L_kind, B, Hkv, C_kind,
-  D]`` stack of its layers' keys or values; ``positions``: per kind ``[B, C_kind]`` int32."""
+  """``k``, ``v``: per kind of layer (``CacheLayout.kinds``) the stack of its layers' keys
+  ``[L_kind, B, Hkv, C_kind, D]`` or values ``[L_kind, B, Hkv, D, C_kind]``; ``positions``:
+  per kind ``[B, C_kind]`` int32."""
   k: tuple
   v: tuple
   positions: tuple
@@ -139,13 +142,14 @@ class CacheLayout:
   def capacity(self, kind) -> int:
     return self.full_capacity if kind is None else self.window_capacity(kind)
 
-  def kv_spec(self) -> P:
-    """Spec of one layer's k or v ``[B, Hkv, C, D]``."""
-    return P(DATA, self.heads_axis, self.slot_axes or None, None)
+  def kv_spec(self, values: bool = False) -> P:
+    """Spec of one layer's k ``[B, Hkv, C, D]`` (or, ``values``, v ``[B, Hkv, D, C]``)."""
+    slots = self.slot_axes or None
+    return P(DATA, self.heads_axis, *((None, slots) if values else (slots, None)))
 
-  def stack_spec(self) -> P:
-    """Spec of a kind's stack ``[L_kind, B, Hkv, C, D]``."""
-    return P(None, *self.kv_spec())
+  def stack_spec(self, values: bool = False) -> P:
+    """Spec of a kind's stack of k (or v), with the layers first."""
+    return P(None, *self.kv_spec(values))
 
   def positions_spec(self) -> P:
     return P(DATA, self.slot_axes or None)
@@ -163,13 +167,14 @@ class CacheLayout:
     return sum(4 * rows * self.capacity(kind) // self.slot_shards for kind in self.kinds)
 
   def shardings(self) -> KVCache:
-    stack = (NamedSharding(self.mesh, self.stack_spec()),) * len(self.kinds)
-    return KVCache(stack, stack,
+    stack = lambda values: (NamedSharding(self.mesh, self.stack_spec(values)),) * len(self.kinds)
+    return KVCache(stack(False), stack(True),
                    (NamedSharding(self.mesh, self.positions_spec()),) * len(self.kinds))
 
-  def stack_shape(self, kind) -> tuple[int, ...]:
-    return (self.stack_size(kind), self.batch, self.kv_heads, self.capacity(kind),
-            self.head_dim)
+  def stack_shape(self, kind, values: bool = False) -> tuple[int, ...]:
+    slots, d = self.capacity(kind), self.head_dim
+    return (self.stack_size(kind), self.batch, self.kv_heads,
+            *((d, slots) if values else (slots, d)))
 
 
 def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, kv_heads: int,
@@ -197,8 +202,9 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
 def empty_cache(layout: CacheLayout) -> KVCache:
   """Zeros and empty positions, created sharded (no device holds more than its shard)."""
   def make():
-    stacks = tuple(jnp.zeros(layout.stack_shape(kind), layout.dtype) for kind in layout.kinds)
-    return KVCache(stacks, tuple(jnp.zeros_like(x) for x in stacks),
+    stacks = lambda values: tuple(jnp.zeros(layout.stack_shape(kind, values), layout.dtype)
+                                  for kind in layout.kinds)
+    return KVCache(stacks(False), stacks(True),
                    tuple(jnp.full((layout.batch, layout.capacity(kind)), EMPTY, jnp.int32)
                          for kind in layout.kinds))
   return jax.jit(make, out_shardings=layout.shardings())()
@@ -208,10 +214,10 @@ def abstract_cache(layout: CacheLayout) -> KVCache:
   """The cache's ``ShapeDtypeStruct``s with their shardings (to lower the steps without
   allocating it, e.g. for GPUs this machine lacks: ``ulysses_jax.aot``)."""
   shardings = layout.shardings()
-  stacks = tuple(jax.ShapeDtypeStruct(layout.stack_shape(kind), jnp.dtype(layout.dtype),
-                                      sharding=shardings.k[n])
-                 for n, kind in enumerate(layout.kinds))
-  return KVCache(stacks, stacks,
+  stacks = lambda values, place: tuple(
+      jax.ShapeDtypeStruct(layout.stack_shape(kind, values), jnp.dtype(layout.dtype),
+                           sharding=place[n]) for n, kind in enumerate(layout.kinds))
+  return KVCache(stacks(False, shardings.k), stacks(True, shardings.v),
                  tuple(jax.ShapeDtypeStruct((layout.batch, layout.capacity(kind)), jnp.int32,
                                             sharding=shardings.positions[n])
                        for n, kind in enumerate(layout.kinds)))
@@ -255,45 +261,49 @@ def chunk_positions(layout: CacheLayout, kind, chunk, lengths_B):
   return _rolling_positions(layout.capacity(kind), last_B)
 
 
-def write_chunk(layout: CacheLayout, kind, stack_LBKCD, layer, new_BTKD, chunk, lengths_B):
-  """A kind's stack with chunk ``chunk`` (traced int) of layer ``layer``'s (its index in the
-  stack, an int or traced) k or v written.
+def write_chunk(layout: CacheLayout, kind, stack, layer, new_BTKD, chunk, lengths_B, *,
+                values: bool = False):
+  """A kind's stack of k (of v, with ``values``) with chunk ``chunk`` (traced int) of layer
+  ``layer``'s (its index in the stack, an int or traced) keys (values) written.
 
   ``new_BTKD``: the chunk's k or v ``[B, T, Hkv, D]`` sharded like the model's activations
   (tokens over the sequence axes). Full layers: each device writes its own tokens (after the
   Ulysses all-to-all when heads are split over ``seq``); rolling buffers: each slot takes the
   newest position of the chunk that maps to it, gathered from the devices holding it (one
-  reduce-scatter of ``[B, Hkv, C_W, D]``).
+  reduce-scatter of a layer's ``[B, Hkv, C_W, D]``).
   """
   act = P(DATA, sequence_axes(layout.mesh), None, None)
   capacity, t = layout.capacity(kind), layout.chunk_len // layout.slot_shards
+  slot_axis = 3 if values else 2  # in one layer's [b, k, C, D] or [b, k, D, C]
+  along_slots = lambda x_bC: x_bC[:, None, None, :] if values else x_bC[:, None, :, None]
 
-  def write(stack_LbkCD, new_btKD, layer, chunk, lengths_b):
+  def write(stack, new_btKD, layer, chunk, lengths_b):
     if layout.heads_axis is not None:
       new_btKD = seq_to_heads(new_btKD, layout.heads_axis)
-    new_bktD = new_btKD.transpose(0, 2, 1, 3).astype(stack_LbkCD.dtype)
+    new = new_btKD.transpose((0, 2, 3, 1) if values else (0, 2, 1, 3)).astype(stack.dtype)
     if kind is None:
-      return lax.dynamic_update_slice(stack_LbkCD, new_bktD[None], (layer, 0, 0, chunk * t, 0))
+      start = [layer, 0, 0, 0, 0]
+      start[1 + slot_axis] = chunk * t
+      return lax.dynamic_update_slice(stack, new[None], start)
     position_bC = chunk_positions(layout, kind, chunk, lengths_b)
     written_bC = position_bC >= chunk * layout.chunk_len
     index_bC = position_bC - chunk * layout.chunk_len - _slot_shard_index(layout) * t
     mine_bC = written_bC & (index_bC >= 0) & (index_bC < t)
-    taken = jnp.take_along_axis(new_bktD, jnp.clip(index_bC, 0, t - 1)[:, None, :, None],
-                                axis=2)
-    taken = jnp.where(mine_bC[:, None, :, None], taken, 0).astype(stack_LbkCD.dtype)
+    taken = jnp.take_along_axis(new, along_slots(jnp.clip(index_bC, 0, t - 1)), axis=slot_axis)
+    taken = jnp.where(along_slots(mine_bC), taken, 0).astype(stack.dtype)
     local = capacity // layout.slot_shards
     if layout.slot_axes:
-      taken = lax.psum_scatter(taken, layout.slot_axes, scatter_dimension=2, tiled=True)
+      taken = lax.psum_scatter(taken, layout.slot_axes, scatter_dimension=slot_axis, tiled=True)
       start = _slot_shard_index(layout) * local
       written_bC = lax.dynamic_slice_in_dim(written_bC, start, local, axis=1)
-    held = lax.dynamic_index_in_dim(stack_LbkCD, layer, keepdims=False)
-    updated = jnp.where(written_bC[:, None, :, None], taken, held)
-    return lax.dynamic_update_index_in_dim(stack_LbkCD, updated, layer, axis=0)
+    held = lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+    updated = jnp.where(along_slots(written_bC), taken, held)
+    return lax.dynamic_update_index_in_dim(stack, updated, layer, axis=0)
 
-  return jax.shard_map(write, mesh=layout.mesh,
-                       in_specs=(layout.stack_spec(), act, P(), P(), P(DATA)),
-                       out_specs=layout.stack_spec(), check_vma=False)(
-                           stack_LBKCD, new_BTKD, layer, chunk, lengths_B)
+  spec = layout.stack_spec(values)
+  return jax.shard_map(write, mesh=layout.mesh, in_specs=(spec, act, P(), P(), P(DATA)),
+                       out_specs=spec, check_vma=False)(stack, new_BTKD, layer, chunk,
+                                                        lengths_B)
 
 
 def token_slots(layout: CacheLayout, kind, step, positions_B):
@@ -307,31 +317,35 @@ def token_slots(layout: CacheLayout, kind, step, positions_B):
   return jnp.broadcast_to(slot, positions_B.shape).astype(jnp.int32)
 
 
-def write_token(layout: CacheLayout, cache, new, slots_B, layer: int | None = None):
-  """``cache`` (a kind's stack ``[L_kind, B, Hkv, C, D]`` with ``layer`` its index there, or a
-  positions array ``[B, C]``) with ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at
+def write_token(layout: CacheLayout, cache, new, slots_B, layer: int | None = None, *,
+                values: bool = False):
+  """``cache`` (a kind's stack of k, or of v with ``values``, and ``layer`` its index there; or
+  a positions array ``[B, C]``) with ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at
   ``slots_B``, in place: the device holding a row's slot writes the new value there, the
   others write back what the slot holds (one dynamic-update-slice per row, which XLA does in
   place on a donated cache)."""
   is_kv = layer is not None
-  spec = layout.stack_spec() if is_kv else layout.positions_spec()
+  spec = layout.stack_spec(values) if is_kv else layout.positions_spec()
   new_spec = P(DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
+  slot_axis = (4 if values else 3) if is_kv else 1
 
   def write(cache_c, new_b, slots_b):
-    local = cache_c.shape[-2 if is_kv else -1]
+    local = cache_c.shape[slot_axis]
     index_b = slots_b - _slot_shard_index(layout) * local
     mine_b = (index_b >= 0) & (index_b < local)
     index_b = jnp.clip(index_b, 0, local - 1)
-    # [b, 1, k, D] -> per row [1, 1, k, 1, D]; positions [b] -> per row [1, 1].
-    values = (new_b.transpose(0, 2, 1, 3)[:, None, None] if is_kv else new_b[:, None, None])
+    # Per row: k [1, 1, k, 1, D], v [1, 1, k, D, 1], a position [1, 1].
+    if is_kv:
+      values_b = new_b[:, 0, :, :, None] if values else new_b[:, 0, :, None, :]
+      values_b = values_b[:, None, None]
+    else:
+      values_b = new_b[:, None, None]
     for row in range(cache_c.shape[1 if is_kv else 0]):
-      if is_kv:
-        start = (layer, row, 0, index_b[row], 0)
-        size = (1, 1, cache_c.shape[2], 1, cache_c.shape[4])
-      else:
-        start, size = (row, index_b[row]), (1, 1)
+      start = [layer, row, 0, 0, 0] if is_kv else [row, 0]
+      start[slot_axis] = index_b[row]
+      size = values_b.shape[1:]
       held = lax.dynamic_slice(cache_c, start, size)
-      value = jnp.where(mine_b[row], values[row].astype(cache_c.dtype), held)
+      value = jnp.where(mine_b[row], values_b[row].astype(cache_c.dtype), held)
       cache_c = lax.dynamic_update_slice(cache_c, value, start)
     return cache_c
 

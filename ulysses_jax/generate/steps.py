@@ -79,7 +79,8 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
       def attention(x_BTE):
         q, k, v = layer.attn.project_qkv(x_BTE, positions_BT, norm=layer.attn_norm, **rope)
         written["k"] = cache_lib.write_chunk(layout, kind, k_stack, j, k, chunk, lengths_B)
-        written["v"] = cache_lib.write_chunk(layout, kind, v_stack, j, v, chunk, lengths_B)
+        written["v"] = cache_lib.write_chunk(layout, kind, v_stack, j, v, chunk, lengths_B,
+                                             values=True)
         if layout.chunks == 1:
           out = layer.attn.attend(q, k, v, sliding_window=window)
         else:
@@ -140,7 +141,7 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
       q, k, v = layer.attn.project_qkv(x_B1E, positions_B[:, None], norm=layer.attn_norm,
                                        **_rope(config, layer_type))
       ks[n] = cache_lib.write_token(layout, ks[n], k, slots_B, layer=j)
-      vs[n] = cache_lib.write_token(layout, vs[n], v, slots_B, layer=j)
+      vs[n] = cache_lib.write_token(layout, vs[n], v, slots_B, layer=j, values=True)
       return layer.attn.project_out(cache_attention(
           layout, q, ks[n][j], vs[n][j], positions_B[:, None], positions[n],
           scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i]))

@@ -53,8 +53,7 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: flo
     v = lax.dynamic_slice_in_dim(v_bKDC, start, block, axis=3)
     k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
     fresh = start + jnp.arange(block) >= j * block
-    scores = jnp.einsum("bkgtd,bkcd->bkgtc", q_bKGTD, k,
-                        preferred_element_type=jnp.float32) * scale
+    scores = _scores(q_bKGTD, k) * scale
     distance = q_pos_bT[:, :, None] - k_pos[:, None, :]
     visible = (k_pos[:, None, :] >= 0) & (distance >= 0) & fresh
     if window is not None:
@@ -77,13 +76,25 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: flo
   return o, lse
 
 
+# A decode step (T = 1) computes both products as a product and a sum over the cache's last
+# axis, which XLA fuses into one pass over the cache where it lies. As matrix products, XLA's
+# GPU compiler copies a layer's cache slice for them: v for a split-K product over the slots
+# (jax 0.10.2), k too for its GEMM fusion (jax 0.12). Products in float32 are exact, as the
+# matrix products' are.
+
+
+def _scores(q_bKGTD, k_bKCD):
+  """``q . k`` float32 ``[b, Hkv, G, T, C]``."""
+  if q_bKGTD.shape[3] == 1:
+    f32 = lambda x: x.astype(jnp.float32)
+    return (f32(q_bKGTD)[:, :, :, :, None, :] * f32(k_bKCD)[:, :, None, None]).sum(-1)
+  return jnp.einsum("bkgtd,bkcd->bkgtc", q_bKGTD, k_bKCD, preferred_element_type=jnp.float32)
+
+
 def _values_product(probs_bKGTC, v_bKDC):
-  """``probs @ v`` summed over the slots, float32: ``[b, Hkv, G, T, D]``. For a decode step
-  (T = 1) a product and a sum over v's last axis, which XLA fuses into one pass over v where
-  it lies; as a matrix product XLA's GPU compiler splits the long sum over the slots
-  (split-K) and copies v to do so."""
+  """``probs @ v`` summed over the slots, float32 ``[b, Hkv, G, T, D]``."""
   if probs_bKGTC.shape[3] == 1:
-    f32 = lambda x: x.astype(jnp.float32)  # exact products, as the matrix product's
+    f32 = lambda x: x.astype(jnp.float32)
     return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v_bKDC)[:, :, None, None]).sum(-1)
   return jnp.einsum("bkgtc,bkdc->bkgtd", probs_bKGTC, v_bKDC,
                     preferred_element_type=jnp.float32)

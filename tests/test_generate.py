@@ -258,3 +258,27 @@ def test_bad_input_is_one_error_line_before_the_model_loads(flags, message, refe
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
   assert re.search(message, err[0]), err[0]
+
+
+@pytest.mark.slow
+def test_workdir_generates_from_its_checkpoint(references, tmp_path):
+  """``--workdir``: a run of one step from the reference checkpoint (the learning rate warms up
+  from 0, so the weights are the reference's) generates transformers' tokens."""
+  from ulysses_jax import train
+  from ulysses_jax.checkpoint import CheckpointConfig
+  from ulysses_jax.data import DataConfig
+  from ulysses_jax.run_config import RunConfig, TrainConfig
+  ref = references("llama_gqa")
+  np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 128, 512))
+  train.train(str(tmp_path / "run"), RunConfig(
+      train=TrainConfig(init_from=str(ref.path), steps=1, mesh_data=2, mesh_seq=4,
+                        progress_bar=False, kernel_check=False),
+      data=DataConfig(source="files", paths=(str(tmp_path / "data.npy"),), seq_len=32,
+                      batch_size=2),
+      checkpoint=CheckpointConfig(async_save=False)))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ref.prompts))
+  result = generate_cli.run([f"--workdir={tmp_path / 'run'}", f"--prompts={prompts}",
+                             f"--max_new_tokens={NEW_TOKENS}", "--mesh_seq=8",
+                             "--platform=cpu", "--cpu_devices=8"])
+  assert [r["output_ids"] for r in result["results"]] == ref.expected

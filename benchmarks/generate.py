@@ -184,7 +184,8 @@ def main():
   print("prefill (one prompt)")
   common.print_table(prefill, PREFILL_COLUMNS)
   extra = dict(prefill=prefill, cpu_count=os.cpu_count(), model=MODEL.to_dict(),
-               torch_threads=theirs and theirs["torch_threads"])
+               torch_threads=theirs and theirs["torch_threads"],
+               load_average=os.getloadavg())  # other work on the machine while measuring
   if args.json:
     common.write_json(args.json, decode, **extra)
   if args.plot:

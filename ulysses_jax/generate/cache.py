@@ -317,16 +317,15 @@ def token_slots(layout: CacheLayout, kind, step, positions_B):
   return jnp.broadcast_to(slot, positions_B.shape).astype(jnp.int32)
 
 
-def write_token(layout: CacheLayout, cache, new, slots_B, layer: int | None = None, *,
-                values: bool = False):
-  """``cache`` (a kind's stack of k, or of v with ``values``, and ``layer`` its index there; or
-  a positions array ``[B, C]``) with ``new`` (``[B, 1, Hkv, D]``, or ``[B]``) written at
-  ``slots_B``, in place: the device holding a row's slot writes the new value there, the
-  others write back what the slot holds (one dynamic-update-slice per row, which XLA does in
-  place on a donated cache)."""
-  is_kv = layer is not None
+def write_token(layout: CacheLayout, cache, new, slots_B, *, values: bool = False):
+  """``cache`` (a kind's stack of k, or of v with ``values``; or a positions array ``[B, C]``)
+  with ``new`` (every layer's ``[L_kind, B, 1, Hkv, D]``, or ``[B]``) written at ``slots_B``,
+  in place: the device holding a row's slot writes the new values there, the others write
+  back what the slot holds (one dynamic-update-slice per row, which XLA does in place on a
+  donated cache)."""
+  is_kv = cache.ndim == 5
   spec = layout.stack_spec(values) if is_kv else layout.positions_spec()
-  new_spec = P(DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
+  new_spec = P(None, DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
   slot_axis = (4 if values else 3) if is_kv else 1
 
   def write(cache_c, new_b, slots_b):
@@ -334,19 +333,18 @@ def write_token(layout: CacheLayout, cache, new, slots_B, layer: int | None = No
     index_b = slots_b - _slot_shard_index(layout) * local
     mine_b = (index_b >= 0) & (index_b < local)
     index_b = jnp.clip(index_b, 0, local - 1)
-    # Per row: k [1, 1, k, 1, D], v [1, 1, k, D, 1], a position [1, 1].
-    if is_kv:
-      values_b = new_b[:, 0, :, :, None] if values else new_b[:, 0, :, None, :]
-      values_b = values_b[:, None, None]
-    else:
-      values_b = new_b[:, None, None]
-    for row in range(cache_c.shape[1 if is_kv else 0]):
-      start = [layer, row, 0, 0, 0] if is_kv else [row, 0]
+    rows = cache_c.shape[1 if is_kv else 0]
+    for row in range(rows):
+      if is_kv:  # [L, b, 1, k, D] -> this row's k [L, 1, k, 1, D] or v [L, 1, k, D, 1]
+        value = new_b[:, row:row + 1, 0]
+        value = value[..., None] if values else value[:, :, :, None, :]
+        start = [0, row, 0, 0, 0]
+      else:
+        value, start = new_b[row:row + 1, None], [row, 0]
       start[slot_axis] = index_b[row]
-      size = values_b.shape[1:]
-      held = lax.dynamic_slice(cache_c, start, size)
-      value = jnp.where(mine_b[row], values_b[row].astype(cache_c.dtype), held)
-      cache_c = lax.dynamic_update_slice(cache_c, value, start)
+      held = lax.dynamic_slice(cache_c, start, value.shape)
+      cache_c = lax.dynamic_update_slice(
+          cache_c, jnp.where(mine_b[row], value.astype(cache_c.dtype), held), start)
     return cache_c
 
   return jax.shard_map(write, mesh=layout.mesh, in_specs=(spec, new_spec, P(DATA)),

@@ -1,9 +1,9 @@
 """The jitted programs of generation, built from the model's own layers: prefill and decode.
 
 Both run ``Llama``'s embedding, layers (``DecoderLayer.block``) and final norm, with an
-attention sublayer that writes the KV cache (``cache.write_chunk``, ``cache.write_token``)
-from the layer's own projections (``UlyssesAttention.project_qkv``, ``project_out``), each
-layer into its slice of its kind's stack (a rolling buffer for a windowed layer), in place.
+attention sublayer built from the layer's own projections (``UlyssesAttention.project_qkv``,
+``project_out``), and write each layer's k and v into its slice of its kind's stack (a rolling
+buffer for a windowed layer), in place (``cache.write_chunk``, ``cache.write_token``).
 
 * ``prefill`` writes one chunk of T prompt tokens (a traced chunk index, one compile for all
   chunks), the layers in a ``lax.scan`` as in training. With the whole prompt in one chunk its
@@ -12,8 +12,9 @@ layer into its slice of its kind's stack (a rolling buffer for a windowed layer)
   written so far (``attention.cache_attention``). It keeps the last prompt token's hidden
   state of each row, never logits for the whole sequence.
 * ``first_token`` turns those hidden states into the first new token.
-* ``decode`` feeds one token per row, writes its k and v, attends the cache and returns the
-  next token. The cache is donated to both programs and comes back aliased.
+* ``decode`` feeds one token per row, attends the cache and the token itself, writes its k
+  and v and returns the next token. The cache is donated to both programs and comes back
+  aliased.
 """
 
 import jax
@@ -121,34 +122,42 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
            tokens_B, step, lengths_B):
   """Decode step ``step`` (traced int, from 0): feeds ``tokens_B`` (int ``[B]``, the new
   token of each row) at positions ``lengths_B + step``; returns ``(cache, next_tokens_B)``.
-  The layers run one by one (a Python loop: each reads its slice of the cache where it lies,
-  and writes one slot per row into it in place)."""
+
+  The layers run one by one (a Python loop), each attending the cache as it came in, where it
+  lies, plus the new token's own k and v; every layer's new k and v are written at the end,
+  one slot per row in each kind's stack, in place. (Writing each layer's before its attention
+  reads the cache would interleave reads and in-place writes of one buffer, which XLA's CPU
+  compiler resolves by copying the cache.) A rolling buffer's slot for the new token held a
+  position the window has left, so attending the old cache loses nothing."""
   model = nnx.merge(graphdef, params)
   config = model.config
   positions_B = lengths_B + step
-  positions = tuple(
-      cache_lib.write_token(layout, p, positions_B,
-                            cache_lib.token_slots(layout, kind, step, positions_B))
-      for kind, p in zip(layout.kinds, cache.positions))
-  ks, vs = list(cache.k), list(cache.v)
+  new = {n: ([], []) for n in range(len(layout.kinds))}
   x_B1E = model.embed(tokens_B[:, None])
   for i, layer_type in enumerate(config.attention_types()):
     layer = model.layer(i)
     n, j = layout.stack_index(i)
-    slots_B = cache_lib.token_slots(layout, layout.layer_kind(i), step, positions_B)
 
-    def attention(x_B1E, layer=layer, n=n, j=j, slots_B=slots_B, layer_type=layer_type, i=i):
+    def attention(x_B1E, layer=layer, n=n, j=j, layer_type=layer_type, i=i):
       q, k, v = layer.attn.project_qkv(x_B1E, positions_B[:, None], norm=layer.attn_norm,
                                        **_rope(config, layer_type))
-      ks[n] = cache_lib.write_token(layout, ks[n], k, slots_B, layer=j)
-      vs[n] = cache_lib.write_token(layout, vs[n], v, slots_B, layer=j, values=True)
+      new[n][0].append(k)
+      new[n][1].append(v)
       return layer.attn.project_out(cache_attention(
-          layout, q, ks[n][j], vs[n][j], positions_B[:, None], positions[n],
-          scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i]))
+          layout, q, cache.k[n][j], cache.v[n][j], positions_B[:, None], cache.positions[n],
+          scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i],
+          new_kv=(k, v)))
 
     x_B1E = layer.block(x_B1E, attention)
-  return KVCache(tuple(ks), tuple(vs), positions), _next_token(model, x_B1E[:, 0], sampling,
-                                                               step + 1)
+  ks, vs, positions = [], [], []
+  for n, kind in enumerate(layout.kinds):
+    slots_B = cache_lib.token_slots(layout, kind, step, positions_B)
+    ks.append(cache_lib.write_token(layout, cache.k[n], jnp.stack(new[n][0]), slots_B))
+    vs.append(cache_lib.write_token(layout, cache.v[n], jnp.stack(new[n][1]), slots_B,
+                                    values=True))
+    positions.append(cache_lib.write_token(layout, cache.positions[n], positions_B, slots_B))
+  return KVCache(tuple(ks), tuple(vs), tuple(positions)), _next_token(model, x_B1E[:, 0],
+                                                                      sampling, step + 1)
 
 
 def rows_sharding(layout: CacheLayout, ndim: int = 1) -> NamedSharding:

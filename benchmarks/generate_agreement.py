@@ -10,7 +10,9 @@ beside transformers' ``generate`` (one prompt at a time, no EOS):
 
 * ``float32`` against transformers in float32;
 * ``bfloat16``: our weights in float32, compute and cache in bfloat16, against transformers with
-  bfloat16 weights and compute, and against transformers in float32.
+  bfloat16 weights and compute, and against transformers in float32;
+* the baseline of what bfloat16 alone changes: transformers in bfloat16 against transformers in
+  float32 (``ours`` = ``transformers-bfloat16``).
 
 Per row: ``identical`` (the share of prompts whose continuations agree token for token),
 ``prefix`` (the mean share of new tokens before the first difference) and ``positions`` (the
@@ -93,6 +95,10 @@ def main():
       expected = {"float32": reference(theirs32, prompts, args.new_tokens),
                   "bfloat16": reference(theirs32.to(torch.bfloat16), prompts,
                                         args.new_tokens)}
+      rows.append({"family": family, "ours": "transformers-bfloat16",
+                   "transformers": "float32",
+                   **agreement(expected["bfloat16"], expected["float32"])})
+      print(rows[-1], flush=True)
       for dtype in ("float32", "bfloat16"):
         model = load_llama(path, mesh, dtype=dtype, rules=gen.PARAM_RULES)
         ours = gen.generate(model, prompts, max_new_tokens=args.new_tokens)

@@ -90,7 +90,11 @@ def _scores(q_bKGTD, k_bKCD, fused: bool):
   if fused:
     f32 = lambda x: x.astype(jnp.float32)
     return (f32(q_bKGTD)[:, :, :, :, None, :] * f32(k_bKCD)[:, :, None, None]).sum(-1)
-  return jnp.einsum("bkgtd,bkcd->bkgtc", q_bKGTD, k_bKCD, preferred_element_type=jnp.float32)
+  # The cache first: XLA's CPU compiler then multiplies it where it lies (second, it
+  # transposed a copy of each layer's k for its matrix product).
+  scores_bKCGT = lax.dot_general(k_bKCD, q_bKGTD, (((3,), (4,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32)
+  return scores_bKCGT.transpose(0, 1, 3, 4, 2)
 
 
 def _values_product(probs_bKGTC, v_bKDC, fused: bool):
@@ -98,8 +102,9 @@ def _values_product(probs_bKGTC, v_bKDC, fused: bool):
   if fused:
     f32 = lambda x: x.astype(jnp.float32)
     return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v_bKDC)[:, :, None, None]).sum(-1)
-  return jnp.einsum("bkgtc,bkdc->bkgtd", probs_bKGTC, v_bKDC,
-                    preferred_element_type=jnp.float32)
+  out_bKDGT = lax.dot_general(v_bKDC, probs_bKGTC, (((3,), (4,)), ((0, 1), (0, 1))),
+                              preferred_element_type=jnp.float32)
+  return out_bKDGT.transpose(0, 1, 3, 4, 2)
 
 
 def combine(o, lse, axes):

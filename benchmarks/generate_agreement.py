@@ -44,9 +44,11 @@ FAMILIES = {
     "qwen3_yarn": (transformers.Qwen3Config, dict(rope_parameters=dict(
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
         rope_theta=10_000.0))),
+    # Untied: with Gemma's embedding scale, random tied embeddings make every row repeat one
+    # token, which agrees trivially.
     "gemma3": (transformers.Gemma3TextConfig, dict(
         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-        query_pre_attn_scalar=32)),
+        query_pre_attn_scalar=32, tie_word_embeddings=False)),
 }
 COLUMNS = ["family", "ours", "transformers", "identical", "prefix", "positions"]
 

@@ -15,7 +15,8 @@ import pytest
 from ulysses_jax import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMANDS = ("train", "evaluate", "export", "aot", "plan", "doctor", "ruler", "preprocess")
+COMMANDS = ("train", "evaluate", "export", "aot", "plan", "doctor", "ruler", "preprocess",
+            "generate")
 
 
 def _scripts() -> dict[str, str]:

@@ -431,3 +431,22 @@ def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
   assert row["under_pressure_gib"] < row["compiled_device_gib"] - gap_gib
   assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)
   assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01)
+
+
+def test_generation_decode_step_updates_the_donated_cache_in_place():
+  """The decode step compiled for H100s aliases the whole cache (k, v and positions) to its
+  output and holds no copy of it: its temporaries stay below one layer's k (a copy per step is
+  the trap of tpu-inference issue 3459). A 1M-token cache dwarfs the tiny model's weights."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  config = preset("tiny-gqa", dtype="bfloat16", param_dtype="bfloat16", remat_policy="none")
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=1 << 20))
+  memory = aot_generate.lower_steps(generator, layout, cache)["decode"].compile(
+  ).memory_analysis()
+  assert memory.alias_size_in_bytes >= (layout.bytes_per_device()
+                                        + layout.positions_bytes_per_device())
+  one_layer_k = layout.bytes_per_device() // (2 * config.num_layers)
+  assert one_layer_k == 2 * ((1 << 20) + 128) // 8 * 16 * 2  # 2 KV heads, 1/8 of the slots
+  assert memory.temp_size_in_bytes < one_layer_k, memory.temp_size_in_bytes

@@ -46,3 +46,11 @@ def test_chat_example_trains_the_assistant_answers(tmp_path):
   lines = [line.removeprefix("    #   ") for line in shown.splitlines() if "..." != line[-3:]]
   for line in lines:
     assert line in out.splitlines(), line
+
+
+@pytest.mark.slow
+def test_generate_example():
+  """The Python example of "Generate from a long prompt": our greedy tokens are
+  transformers'."""
+  (example,) = [e for e in EXAMPLES if "ulysses_jax.generate" in e]
+  assert _run(example)[-1] == "True"

@@ -26,7 +26,9 @@ class ByteTokenizer:
   """UTF-8 bytes as ids 0..255; lossless for any file."""
   vocab_size = 256
 
-  def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+  def encode_batch(self, docs: Sequence[bytes], add_special_tokens: bool = False
+                   ) -> list[np.ndarray]:
+    """The bytes of each document (there are no special tokens to add)."""
     return [np.frombuffer(d, np.uint8) for d in docs]
 
   def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -57,10 +59,13 @@ class HFTokenizer:
     self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size()
 
-  def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+  def encode_batch(self, docs: Sequence[bytes], add_special_tokens: bool = False
+                   ) -> list[np.ndarray]:
+    """Each document's ids; ``add_special_tokens`` adds what the tokenizer's post-processor
+    adds (a BOS, as transformers' tokenizer does for a prompt), else none (training text)."""
     texts = [d.decode("utf-8", errors="replace") for d in docs]
     return [np.asarray(e.ids, np.uint32)
-            for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+            for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
   def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per text: its ids (no added special tokens) and each one's ``[start, end)`` character

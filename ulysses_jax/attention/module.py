@@ -187,21 +187,35 @@ class UlyssesAttention(nnx.Module):
     for name in ("q_proj", "k_proj", "v_proj"):
       bias = getattr(self, name).bias
       kernels[name + "_bias"] = None if bias is None else bias[...].astype(self.q_proj.dtype)
-    kernels["sinks"] = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+    kernels["sinks"] = self._sinks()
     return kernels
+
+  def _sinks(self) -> jax.Array | None:
+    """The float32 sinks ``[Hq]``, or None without."""
+    return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
   def _attend(self, x_BSE, kernels, positions, segment_ids, sliding_window, rotary, *,
               names: bool):
     """The layer on the heads ``kernels`` hold: ``[B, S, E]`` -> ``[B, S, E]``; ``rotary``:
     (RoPE base, scaling)."""
-    constrain = lambda x: sharding.constrain(x, _ACT, self.mesh, self.rules)
-    x_BSE = x_BSE.astype(self.q_proj.dtype)
     name = checkpoint_name if names else (lambda x, _: x)
+    q, k, v = (name(t, QKV) for t in self._project(x_BSE, kernels, positions, rotary))
+    out = self._ulysses(q, k, v, segment_ids, sliding_window, kernels["sinks"])
+    out = name(self._constrain(out), ATTN_OUT)
+    return self._output(out, kernels)
+
+  def _constrain(self, x_BSHD):
+    return sharding.constrain(x_BSHD, _ACT, self.mesh, self.rules)
+
+  def _project(self, x_BSE, kernels, positions, rotary):
+    """q ``[B, S, Hq, D]``, k and v ``[B, S, Hkv, D]`` in the compute dtype: projected,
+    q/k-normed, rotated by ``positions``."""
+    x_BSE = x_BSE.astype(self.q_proj.dtype)
 
     def project(kind):
       y = jnp.tensordot(x_BSE, kernels[kind], axes=1)
       bias = kernels[kind + "_bias"]
-      return constrain(y if bias is None else y + bias)
+      return self._constrain(y if bias is None else y + bias)
 
     q, k, v = (project(kind) for kind in ("q_proj", "k_proj", "v_proj"))
     if self.q_norm is not None:
@@ -210,15 +224,51 @@ class UlyssesAttention(nnx.Module):
     # YaRN scales cos and sin, so the attention logits by its square (1 for other kinds).
     factor = rope.attention_factor(rotary[1])
     q, k = (rope.apply_rope(t, positions, inv_freq, scale=factor) for t in (q, k))
-    q, k, v = (name(t, QKV) for t in (q, k, v))
-    out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
-                            segment_ids=segment_ids, backend=self.backend,
-                            sliding_window=sliding_window, scale=self.attention_scale,
-                            sinks=kernels["sinks"])
-    out = name(constrain(out), ATTN_OUT)
-    y_BSE = jnp.tensordot(out, kernels["o_proj"], axes=2)
+    return q, k, v
+
+  def _ulysses(self, q, k, v, segment_ids, sliding_window, sinks):
+    return ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
+                             segment_ids=segment_ids, backend=self.backend,
+                             sliding_window=sliding_window, scale=self.attention_scale,
+                             sinks=sinks)
+
+  def _output(self, out_BSHD, kernels):
+    y_BSE = jnp.tensordot(out_BSHD, kernels["o_proj"], axes=2)
     return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
                               self.rules)
+
+  # The pieces of the layer, for callers that attend in their own way (ulysses_jax.generate
+  # reads and writes a KV cache between them): always over all heads, whatever head_chunks.
+
+  def project_qkv(self, x_BSE: jax.Array, positions: jax.Array, *, norm=None,
+                  rope_theta: float | _Unset = _CONSTRUCTOR_VALUE,
+                  rope_scaling: rope.RopeScaling | None | _Unset = _CONSTRUCTOR_VALUE):
+    """``(q, k, v)`` of ``norm(x)`` as the layer attends with them: q ``[B, S, Hq, D]``, k and
+    v ``[B, S, Hkv, D]`` in the compute dtype, q/k-normed and rotated by ``positions`` (int
+    ``[B, S]``) with this call's RoPE (YaRN's attention factor included), sharded like x."""
+    _check_ids("positions", positions, x_BSE.shape)
+    given = lambda value, default: default if value is _CONSTRUCTOR_VALUE else value
+    rotary = (float(given(rope_theta, self.rope_theta)), given(rope_scaling, self.rope_scaling))
+    return self._project((norm or (lambda x: x))(x_BSE), self._kernels(), positions, rotary)
+
+  def attend(self, q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+             segment_ids: jax.Array | None = None, *,
+             sliding_window: int | None | _Unset = _CONSTRUCTOR_VALUE) -> jax.Array:
+    """The layer's sequence-parallel attention of ``project_qkv``'s outputs: ``[B, S, Hq, D]``,
+    sharded like q."""
+    window = self.sliding_window if sliding_window is _CONSTRUCTOR_VALUE else sliding_window
+    check_sliding_window(window, self.causal)
+    return self._constrain(self._ulysses(q_BSHD, k_BSKD, v_BSKD, segment_ids, window,
+                                         self._sinks()))
+
+  def project_out(self, out_BSHD: jax.Array) -> jax.Array:
+    """The output projection: attention output ``[B, S, Hq, D]`` -> ``[B, S, E]``."""
+    return self._output(out_BSHD.astype(self.q_proj.dtype),
+                        {"o_proj": self.o_proj.compute_kernel()})
+
+  def attention_scale_or_default(self) -> float:
+    """The score scale this layer applies: ``attention_scale``, or ``head_dim ** -0.5``."""
+    return self.head_dim ** -0.5 if self.attention_scale is None else self.attention_scale
 
   def _attend_in_chunks(self, x_BSE, norm, positions, segment_ids, sliding_window, rotary):
     """``_attend(norm(x))`` over ``head_chunks`` chunks of heads in a ``lax.scan``, summing

@@ -2,7 +2,8 @@
 
 Each command is a module here with ``main(argv) -> exit code``, run as a console script or
 with ``python -m``: ``ulysses-train`` (``python -m ulysses_jax.train``), ``ulysses-evaluate``,
-``ulysses-export``, ``ulysses-aot``, ``ulysses-plan``, ``ulysses-doctor``, ``ulysses-ruler``.
+``ulysses-export``, ``ulysses-aot``, ``ulysses-plan``, ``ulysses-doctor``, ``ulysses-ruler``,
+``ulysses-generate``.
 The library below takes config objects (a ``RunConfig``); ``cli.gin_config`` builds them
 from gin files.
 

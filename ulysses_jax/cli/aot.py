@@ -2,6 +2,9 @@
 
   ulysses-aot --gpu=h100 --topology=1x1x8 --gin_file=configs/llama1b_128k.gin \\
       [--gin_param=...] [--reserve_gib=G] [--json=PATH]
+  ulysses-aot --generate (--preset=NAME | --init_from=DIR) --prompt_len=S [--max_new_tokens=N]
+      [--batch=B] [--mesh_data=D] [--mesh_seq=P] [--mesh_ring=R] [--prefill_chunk=T]
+      [--dtype=bfloat16] [--fsdp_params] [--gpu=h100] [--topology=1x1x8] [--json=PATH]
 
 (or ``python -m ulysses_jax.aot``.) Builds the step ``ulysses-train`` would run for the config
 on that cluster (``step_builder.build_train_step``: same model, mesh, state layout, offload,
@@ -14,6 +17,12 @@ trainer gives XLA; the compile aims at the same budget as XLA does in the run
 (``aot.report.budget_options``). Exit codes (``ulysses_jax.cli``): 0 fits, 1 does not fit (the
 shortfall is printed), 2 bad input (unknown GPU, malformed topology, a config the trainer
 would refuse, no CUDA plugin).
+
+With ``--generate`` it compiles generation instead (``ulysses_jax.aot.generate``): the prefill
+(one pass, or one chunk of ``--prefill_chunk`` tokens) and one decode step of ``ulysses-generate``
+for the model of a preset or checkpoint, prints the KV cache and each program's memory per
+device, and predicts the prefill's and a token's time (compiled, not run); it fits when both
+programs do.
 """
 
 import os
@@ -37,11 +46,27 @@ def parser() -> cli.Parser:
                       f"NCCL; a step fits when it needs at most the rest (default: "
                       f"{RUNTIME_RESERVE_FRACTION * 100:.0f}%% of the GPU)")
   cli.add_json_flag(p)
+  g = p.add_argument_group("generation (--generate)")
+  g.add_argument("--generate", action="store_true", help="compile generation, not training")
+  g.add_argument("--preset", help="the model: a LlamaConfig preset")
+  g.add_argument("--init_from", help="the model: a Hugging Face checkpoint or workdir's")
+  g.add_argument("--prompt_len", type=int, help="tokens per prompt")
+  g.add_argument("--max_new_tokens", type=int, default=128)
+  g.add_argument("--batch", type=int, default=1, help="prompts at once")
+  g.add_argument("--mesh_data", type=int, default=-1)
+  g.add_argument("--mesh_seq", type=int, default=1)
+  g.add_argument("--mesh_ring", type=int, default=1)
+  g.add_argument("--prefill_chunk", type=int, default=0, help="0: the prompt in one pass")
+  g.add_argument("--dtype", default="bfloat16", help="compute, cache and weights dtype")
+  g.add_argument("--fsdp_params", action="store_true",
+                 help="weights sharded as in training (default: replicated)")
   return p
 
 
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
+  if args.generate:
+    return _generate(args)
   from ulysses_jax.aot.report import compile_and_report, format_report
   try:  # every input checked before the compile
     spec, nodes, built = _inputs(args)
@@ -62,3 +87,35 @@ def _inputs(args):
   config = gin_config.read(args.gin_file, args.gin_param)
   mesh = step_builder.run_mesh(config.train, gpu_devices(args.gpu, args.topology))
   return spec, slices * hosts, step_builder.build_train_step(config, mesh)
+
+
+def _generate(args) -> int:
+  from ulysses_jax.aot import generate  # pylint: disable=import-outside-toplevel
+  from ulysses_jax import finetune  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.mesh import make_mesh  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.models.config import preset  # pylint: disable=import-outside-toplevel
+  try:  # every input checked before the compile
+    if bool(args.preset) == bool(args.init_from):
+      raise ValueError("--generate needs the model: give --preset=NAME or --init_from=DIR")
+    if not args.prompt_len or args.prompt_len < 1:
+      raise ValueError("--generate needs --prompt_len=S (tokens per prompt, >= 1)")
+    dtypes = dict(dtype=args.dtype, param_dtype=args.dtype, remat_policy="none",
+                  attn_head_chunks=1)
+    config = (preset(args.preset, **dtypes) if args.preset else
+              finetune.model_config(args.init_from).replace(**dtypes))
+    setup = generate.GenerationSetup(
+        prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, batch=args.batch,
+        chunk_len=args.prefill_chunk or None, mesh_data=args.mesh_data,
+        mesh_seq=args.mesh_seq, mesh_ring=args.mesh_ring, fsdp_params=args.fsdp_params)
+    gpu_spec(args.gpu)
+    make_mesh(args.mesh_data, args.mesh_seq, args.mesh_ring,
+              devices=gpu_devices(args.gpu, args.topology))
+  except cli.BAD_INPUT as e:
+    return cli.report(e, args.debug)
+  report = generate.compile_generation(config, setup, args.gpu, args.topology,
+                                       args.reserve_gib)
+  print(generate.format_generation_report(report))
+  if args.json:
+    cli.write_json(args.json, report)
+  fits = report["prefill"]["fits"] and report["decode"]["fits"]
+  return cli.EXIT_OK if fits else cli.EXIT_FAILED

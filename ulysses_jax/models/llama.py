@@ -120,7 +120,8 @@ class MLP(nnx.Module):
     norm = norm or (lambda x: x)
     block = lambda x: _gated_mlp(ACTIVATIONS[self.activation],
                                  norm(x).astype(kernels[0].dtype), *kernels)
-    if not self.chunk:
+    # A sequence the shards do not divide (a decode step's one token) has nothing to tile.
+    if not self.chunk or x_BSE.shape[1] % sequence_shards(self.mesh):
       return block(x_BSE)
     x_NBPcE = sharding.to_local_chunks(x_BSE, mesh=self.mesh, chunk=self.chunk)
     tile = jax.checkpoint(block, prevent_cse=False)
@@ -160,11 +161,17 @@ class DecoderLayer(nnx.Module):
     self.rules = rules
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS, sliding):
-    constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
+    return self.block(x_BSE, lambda x: self._attention(x, positions_BS, segment_ids_BS,
+                                                       sliding))
+
+  def block(self, x_BSE, attention):
+    """The layer around ``attention(x_BSE) -> [B, S, E]``, the attention sublayer with its
+    pre-norm (``attn_norm``); ``__call__`` passes the training attention,
+    ``ulysses_jax.generate`` one that reads and writes a KV cache."""
+    constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     post = lambda norm, y: y if norm is None else norm(y)
-    x_BSE = constrain(x_BSE + post(self.attn_post_norm, self._attention(
-        x_BSE, positions_BS, segment_ids_BS, sliding)))
+    x_BSE = constrain(x_BSE + post(self.attn_post_norm, attention(x_BSE)))
     return constrain(x_BSE + post(self.mlp_post_norm, self.mlp(x_BSE, norm=self.mlp_norm)))
 
   def _attention(self, x_BSE, positions_BS, segment_ids_BS, sliding):
@@ -238,12 +245,7 @@ class Llama(nnx.Module):
                                                                     self.rules)
     tokens_BS, positions_BS, segment_ids_BS = map(constrain,
                                                   (tokens_BS, positions_BS, segment_ids_BS))
-    # Gathering the table first keeps the lookup local to each (data, seq) shard.
-    table_VE = sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh)
-    x_BSE = jnp.take(table_VE, tokens_BS, axis=0)
-    if self.config.embed_scale:
-      x_BSE = x_BSE * jnp.asarray(self.config.hidden_dim ** 0.5, self.config.dtype)
-    x_BSE = sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
+    x_BSE = self.embed(tokens_BS)
 
     graphdef, layer_states = nnx.split(self.layers)
     # The stacked layer weights may live in host memory (``MemoryOptions(offload_params=
@@ -281,6 +283,23 @@ class Llama(nnx.Module):
                           dict(state=layer_states, sliding=sliding_L))
     x_BSE, _ = jax.lax.scan(group, x_BSE, groups)
     return self.final_norm(x_BSE)
+
+  def embed(self, tokens_BS) -> jax.Array:
+    """The embeddings of int ``[B, S]`` tokens: ``[B, S, E]`` in the compute dtype (times
+    sqrt(E) with ``embed_scale``), sharded (data, seq)."""
+    # Gathering the table first keeps the lookup local to each (data, seq) shard.
+    table_VE = sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh)
+    x_BSE = jnp.take(table_VE, tokens_BS, axis=0)
+    if self.config.embed_scale:
+      x_BSE = x_BSE * jnp.asarray(self.config.hidden_dim ** 0.5, self.config.dtype)
+    return sharding.constrain(x_BSE, _ACT_BSE, self.mesh, self.rules)
+
+  def layer(self, index: int) -> DecoderLayer:
+    """Layer ``index`` (a Python int) as a module of its own, its parameters sliced from the
+    stack: for callers that run the layers one by one (``ulysses_jax.generate``, whose layers
+    each keep a cache of their own shape)."""
+    graphdef, layer_states = nnx.split(self.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[index], layer_states))
 
   def hidden_states(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
     """Final-normed hidden states ``[B, S, E]`` in the compute dtype, sharded (data, seq).

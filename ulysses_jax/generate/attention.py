@@ -1,0 +1,168 @@
+"""Attention of new tokens over the KV cache, split over the devices that hold it
+(distributed flash-decoding).
+
+Each device attends its queries over the slots it holds and returns a partial output and its
+float32 log-sum-exp; the partials of the devices along the cache's slot axes combine into the
+exact attention:
+
+    m = max_r lse_r,  w_r = exp(lse_r - m),  out = Σ_r w_r · o_r / Σ_r w_r
+
+all in float32 (a bfloat16 combine loses the precision vLLM's decode context parallelism
+lost, vLLM issue 41623). A device whose slots hold nothing a query may see (an empty shard:
+a short prompt in a long batch, or a window that ends before the shard) contributes the
+neutral state o = 0, lse = -inf, whose weight is 0; a query that sees nothing at all gets 0.
+
+A slot is visible to a query at position q when its position p (``cache.KVCache.positions``)
+satisfies ``0 <= p <= q`` and, in a layer with a sliding window W, ``q - p < W``.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from ulysses_jax.generate.cache import CacheLayout
+from ulysses_jax.kernels import target
+from ulysses_jax.mesh import DATA
+
+# Slots per step of a device's loop when queries times slots would make big score blocks
+# (chunked prefill); a decode step (one query per row) scores all its slots at once.
+BLOCK_SLOTS = 512
+MAX_SCORES = 1 << 22  # query x slot scores per head group beyond which slots are looped
+
+
+def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
+                      window: int | None, fused: bool = False):
+  """One device's partial attention: ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
+  ``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot here. The
+  cache's layout (heads first; k's D and v's slots last) makes both products batched matrix
+  products over (row, head) contracting the cache's last axis. ``fused``: a decode step's
+  products as fused products-and-sums (``_scores``), for XLA's GPU compiler."""
+  c = k_bKCD.shape[2]
+  t = q_bKGTD.shape[3]
+  block = c if t * c <= MAX_SCORES else min(c, BLOCK_SLOTS)
+  init = (jnp.full(q_bKGTD.shape[:4], -jnp.inf, jnp.float32),
+          jnp.zeros(q_bKGTD.shape[:4], jnp.float32),
+          jnp.zeros(q_bKGTD.shape, jnp.float32))
+
+  def update(j, carry):
+    row_max, denom, acc = carry
+    # The last block starts early enough to stay inside; slots before j * block are masked
+    # there, so none counts twice.
+    start = jnp.minimum(j * block, c - block)
+    k = lax.dynamic_slice_in_dim(k_bKCD, start, block, axis=2)
+    v = lax.dynamic_slice_in_dim(v_bKDC, start, block, axis=3)
+    k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
+    fresh = start + jnp.arange(block) >= j * block
+    scores = _scores(q_bKGTD, k, fused) * scale
+    distance = q_pos_bT[:, :, None] - k_pos[:, None, :]
+    visible = (k_pos[:, None, :] >= 0) & (distance >= 0) & fresh
+    if window is not None:
+      visible = visible & (distance < window)
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, scores.max(-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe_max[..., None])
+    correction = jnp.exp(row_max - safe_max)
+    denom = correction * denom + probs.sum(-1)
+    acc = correction[..., None] * acc + _values_product(probs.astype(v.dtype), v, fused)
+    return new_max, denom, acc
+
+  blocks = -(-c // block)
+  row_max, denom, acc = (update(0, init) if blocks == 1 else
+                         lax.fori_loop(0, blocks, update, init))
+  seen = denom > 0
+  o = acc / jnp.where(seen, denom, 1.0)[..., None]
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+  return o, lse
+
+
+# On GPUs a decode step (T = 1) computes both products as a product and a sum over the
+# cache's last axis, which XLA fuses into one pass over the cache where it lies. As matrix
+# products, XLA's GPU compiler copies a layer's cache slice for them: v for a split-K product
+# over the slots (jax 0.10.2), k too for its GEMM fusion (jax 0.12). Products in float32 are
+# exact, as the matrix products' are. XLA's CPU compiler runs matrix products faster (3x at 16K
+# slots).
+
+
+def _scores(q_bKGTD, k_bKCD, fused: bool):
+  """``q . k`` float32 ``[b, Hkv, G, T, C]``."""
+  if fused:
+    f32 = lambda x: x.astype(jnp.float32)
+    return (f32(q_bKGTD)[:, :, :, :, None, :] * f32(k_bKCD)[:, :, None, None]).sum(-1)
+  # The cache first: XLA's CPU compiler then multiplies it where it lies (second, it
+  # transposed a copy of each layer's k for its matrix product).
+  scores_bKCGT = lax.dot_general(k_bKCD, q_bKGTD, (((3,), (4,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32)
+  return scores_bKCGT.transpose(0, 1, 3, 4, 2)
+
+
+def _values_product(probs_bKGTC, v_bKDC, fused: bool):
+  """``probs @ v`` summed over the slots, float32 ``[b, Hkv, G, T, D]``."""
+  if fused:
+    f32 = lambda x: x.astype(jnp.float32)
+    return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v_bKDC)[:, :, None, None]).sum(-1)
+  out_bKDGT = lax.dot_general(v_bKDC, probs_bKGTC, (((3,), (4,)), ((0, 1), (0, 1))),
+                              preferred_element_type=jnp.float32)
+  return out_bKDGT.transpose(0, 1, 3, 4, 2)
+
+
+def combine(o, lse, axes):
+  """The exact attention from each device's ``(o, lse)`` along mesh ``axes`` (inside
+  shard_map): ``(o, lse)`` of all of them, float32; (0, -inf) where no device has a visible
+  slot."""
+  if axes:
+    top = lax.pmax(lse, axes)
+    weight = jnp.where(jnp.isfinite(lse),
+                       jnp.exp(lse - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    numerator = lax.psum(weight[..., None] * o, axes)
+    denominator = lax.psum(weight, axes)
+    o = numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+    lse = jnp.where(denominator > 0, top + jnp.log(jnp.where(denominator > 0, denominator,
+                                                             1.0)), -jnp.inf)
+  return jnp.where(jnp.isfinite(lse)[..., None], o, 0.0), lse
+
+
+def _with_new_token(o, lse, q_bKGTD, k_bKD, v_bKD, scale):
+  """``(o, lse)`` merged with the attention of each query to the new token itself (its own
+  key and value, visible to it whatever the window)."""
+  f32 = lambda x: x.astype(jnp.float32)
+  score = (f32(q_bKGTD) * f32(k_bKD)[:, :, None, None]).sum(-1) * scale  # [b, k, g, t]
+  top = jnp.maximum(lse, score)
+  old = jnp.where(jnp.isfinite(lse), jnp.exp(lse - top), 0.0)
+  new = jnp.exp(score - top)
+  return (old[..., None] * o + new[..., None] * f32(v_bKD)[:, :, None, None]) / (
+      old + new)[..., None]
+
+
+def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *,
+                    scale: float, window: int | None, new_kv=None):
+  """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
+  cache (k ``[B, Hkv, C, D]``, v ``[B, Hkv, D, C]`` and the slots' positions ``[B, C]``,
+  placed as ``layout`` says). ``new_kv``: a decode step's own k and v ``[B, 1, Hkv, D]``, not
+  in the cache yet, which each query (T = 1) sees besides the cache's slots. Returns
+  ``[B, T, Hq, D]`` in q's dtype, replicated over the slot axes."""
+  hq, hkv = q_BTHD.shape[2], k_BKCD.shape[1]
+  q_spec = P(DATA, None, layout.heads_axis, None)
+
+  def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, *new_kv):
+    b, t, h, d = q_bThD.shape
+    k_heads = k_bkCD.shape[1]
+    q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
+    o, lse = partial_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, scale=scale,
+                               window=window, fused=fused)
+    out, lse = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
+    if new_kv:
+      out = _with_new_token(out, lse, q, *(x[:, 0] for x in new_kv), scale)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_bThD.dtype)
+
+  if hq % hkv:
+    raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
+  new_kv = () if new_kv is None else tuple(new_kv)
+  on = target.of_mesh(layout.mesh)
+  fused = q_BTHD.shape[1] == 1 and on is not None and on.on_gpu
+  return jax.shard_map(attend, mesh=layout.mesh,
+                       in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(values=True), P(DATA),
+                                 layout.positions_spec(), *(q_spec,) * len(new_kv)),
+                       out_specs=q_spec, check_vma=False)(
+                           q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *new_kv)

@@ -417,20 +417,32 @@ def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
       lower()
 
 
-def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
-  """Llama-3.1-8B on 4x1x8 at 256K tokens per GPU, far below an H100's capacity: XLA keeps
-  buffers it could do without (jax 0.10.2: 21.52 GiB per GPU compiled as is, 2026-11-25, after
-  the ring's memory fix d9fd7da) and drops them when told memory is short (17.57,
-  ``aot.report.UNDER_PRESSURE``); the planner predicts the latter (19.20, +9.3 %). jax
-  0.12.0.1's compiler reaches 17.13 under pressure since the fix, which the planner's ring term
-  (fitted before it) over-predicts by 12.1 %: this fails there until the term is refitted."""
+@pytest.fixture(scope="module")
+def ring_layout_row():
+  """Llama-3.1-8B on 4x1x8 at 256K tokens per GPU, far below an H100's capacity, compiled as is
+  and under memory pressure (``aot.report.UNDER_PRESSURE``), beside the planner's figures."""
   from benchmarks import plan_vs_compiler
-  row = plan_vs_compiler.compare("configs/llama8b_32gpu_32m.gin", "4x1x8",
-                                 ("DataConfig.seq_len=8388608",), "h100")
+  return plan_vs_compiler.compare("configs/llama8b_32gpu_32m.gin", "4x1x8",
+                                  ("DataConfig.seq_len=8388608",), "h100")
+
+
+def test_xla_drops_buffers_it_could_do_without_under_memory_pressure(ring_layout_row):
+  """XLA keeps buffers it could do without (jax 0.10.2: 21.52 GiB per GPU compiled as is) and
+  drops them when told memory is short (17.57); jax 0.12.0.1 keeps fewer to begin with."""
+  row = ring_layout_row
   gap_gib = 2 if jax.__version_info__ < (0, 11) else 0.5
   assert row["under_pressure_gib"] < row["compiled_device_gib"] - gap_gib
-  assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)
   assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01)
+
+
+@pytest.mark.xfail(jax.__version_info__ >= (0, 11), strict=True,
+                   reason="the planner's ring term was fitted before the ring's memory fix "
+                          "(d9fd7da) and not refitted: 19.20 GiB predicted, 17.13 compiled "
+                          "under pressure by jax 0.12.0.1 (+12.1 %; jax 0.10.2: 17.57, +9.3 %)")
+def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure(ring_layout_row):
+  """The planner predicts the footprint under pressure, within 10 %."""
+  assert ring_layout_row["plan_device_gib"] == pytest.approx(
+      ring_layout_row["under_pressure_gib"], rel=0.1)
 
 
 def test_generation_decode_step_updates_the_donated_cache_in_place():

@@ -219,8 +219,8 @@ def run_parsed(args) -> dict:
       head_dim=config.head_dim, dtype=config.dtype, layer_windows=config.layer_windows(),
       chunk_len=args.prefill_chunk or None)
   # Every input checked: now the kernel and the weights.
-  attention = kernel_check.settle(config, mesh, check=not args.no_kernel_check,
-                                  segment_ids_given=False)
+  attention = kernel_check.settle(config, mesh, seq_len=layout.prompt_len,
+                                  check=not args.no_kernel_check, segment_ids_given=False)
   model = finetune.load_model(checkpoint.source, attention.model_config(config), mesh,
                               rules=sharding.DEFAULT_RULES if args.fsdp_params else
                               generate_lib.PARAM_RULES)

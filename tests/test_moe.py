@@ -1,0 +1,138 @@
+"""The mixture-of-experts layer (``models.moe``) against a dense single-device reference that
+runs every expert on every token: forward, router statistics and gradients, on meshes of 8
+devices, tiled and untiled, for each family's router and activation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from model_cases import assert_trees_close, mesh_of, relative_error
+from ulysses_jax import sharding
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.models.config import LlamaConfig, MoeConfig, preset
+from ulysses_jax.models.moe import MoE, RouterStats, load_balancing_loss
+
+E, X, K, F = 16, 6, 2, 8  # width, experts, experts per token, expert width
+# name: (MoeConfig, mesh (data, seq[, ring]), mlp_chunk). 24 tokens per row: 6, 12 or 3 per
+# device, so tiles of 4 or 2 leave a ragged last tile.
+CASES = {
+    "qwen3_moe_unnormalised": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F,
+                                         norm_topk_prob=False), (2, 4), 4),
+    "mixtral": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F), (4, 2), 0),
+    # A clamp low enough to bite on these activations.
+    "gpt_oss": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F,
+                          router="topk_softmax", router_bias=True, expert_bias=True,
+                          expert_activation="clamped_swiglu", swiglu_limit=0.5),
+                (1, 2, 4), 2),
+}
+BATCH, SEQ = 4, 24
+
+
+def reference(w, x_tE, valid_t, moe):
+  """Every expert on every token, weighted by a [t, X] matrix zero outside the top k."""
+  logits = x_tE @ w["router"] + w.get("router_bias", 0.0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  top = jnp.argsort(-logits, axis=-1)[:, :moe.experts_per_token]
+  rows = jnp.arange(x_tE.shape[0])[:, None]
+  if moe.router == "topk_softmax":
+    chosen = jax.nn.softmax(logits[rows, top], axis=-1)
+  else:
+    chosen = probs[rows, top]
+    if moe.norm_topk_prob:
+      chosen = chosen / chosen.sum(-1, keepdims=True)
+  gates_tX = jnp.zeros_like(probs).at[rows, top].set(chosen)
+  gate = jnp.einsum("te,xei->txi", x_tE, w["gate_proj"]) + w.get("gate_bias", 0.0)
+  up = jnp.einsum("te,xei->txi", x_tE, w["up_proj"]) + w.get("up_bias", 0.0)
+  if moe.expert_activation == "silu":
+    h = jax.nn.silu(gate) * up
+  else:
+    limit = moe.swiglu_limit
+    g = jnp.minimum(gate, limit)
+    h = (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(moe.swiglu_alpha * g)
+  y = jnp.einsum("txi,xie->txe", h, w["down_proj"]) + w.get("down_bias", 0.0)
+  valid = valid_t.astype(jnp.float32)
+  stats = RouterStats(valid @ (gates_tX > 0).astype(jnp.float32), valid @ probs, valid.sum())
+  return jnp.einsum("txe,tx->te", y, gates_tX), stats
+
+
+def random_weights(moe, seed):
+  rng = np.random.default_rng(seed)
+  shapes = dict(router=(E, X), gate_proj=(X, E, F), up_proj=(X, E, F), down_proj=(X, F, E))
+  if moe.router_bias:
+    shapes["router_bias"] = (X,)
+  if moe.expert_bias:
+    shapes.update(gate_bias=(X, F), up_bias=(X, F), down_bias=(X, E))
+  return {k: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_matches_dense_reference(case):
+  moe, mesh_shape, chunk = CASES[case]
+  mesh = mesh_of(*mesh_shape)
+  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  weights = random_weights(moe, 1)
+  shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
+  nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
+  rng = np.random.default_rng(2)
+  x_BSE = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+  valid_BS = jnp.asarray(rng.random((BATCH, SEQ)) < 0.8)
+  cotangent = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+  probs_cotangent = jnp.asarray(rng.normal(0, 1, (X,)), jnp.float32)
+
+  def objective(y, stats):  # reaches the router through the weights and the aux statistics
+    return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
+
+  def ours(state, x):
+    y, stats = nnx.merge(graphdef, state)(x, valid_BS)
+    return objective(y, stats), (y, stats)
+
+  def theirs(w, x):
+    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
+    return objective(y.reshape(x.shape), stats), (y.reshape(x.shape), stats)
+
+  (_, (y, stats)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(
+      state, x_BSE)
+  (_, (y_ref, stats_ref)), grads_ref = jax.jit(jax.value_and_grad(
+      theirs, argnums=(0, 1), has_aux=True))(weights, x_BSE)
+  assert relative_error(y, y_ref) < 1e-5
+  np.testing.assert_array_equal(stats.counts, stats_ref.counts)
+  assert stats.tokens == valid_BS.sum() and stats.counts.sum() == K * valid_BS.sum()
+  assert relative_error(stats.probs, stats_ref.probs) < 1e-6
+  ours_grads = {k: v.get_value() for k, v in grads[0].items()}
+  assert_trees_close(ours_grads, grads_ref[0], rtol=1e-5)
+  assert relative_error(grads[1], grads_ref[1]) < 1e-5
+  if moe.expert_activation == "clamped_swiglu":  # the clamp is active on both sides
+    up = jnp.einsum("te,xei->txi", x_BSE.reshape(-1, E), weights["up_proj"])
+    assert jnp.any(up > moe.swiglu_limit) and jnp.any(up < -moe.swiglu_limit)
+
+
+def test_load_balancing_loss_is_switch_transformers_over_all_layers():
+  counts = jnp.array([[3.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 2.0, 1.0]])  # layer 1 dense
+  probs = jnp.array([[1.5, 0.3, 0.2], [0.0, 0.0, 0.0], [0.5, 1.0, 0.5]])
+  stats = RouterStats(counts, probs, jnp.array([2.0, 0.0, 2.0]))
+  f, p = counts.sum(0) / 4, probs.sum(0) / 4
+  np.testing.assert_allclose(load_balancing_loss(stats), 3 * np.sum(f * p), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_experts=4, experts_per_token=5),
+     r"experts_per_token \(5\) must be <= num_experts \(4\)"),
+    (dict(router="sigmoid"),
+     r"MoeConfig.router must be one of 'softmax_topk', 'topk_softmax', got 'sigmoid'"),
+    (dict(expert_activation="gelu"), r"MoeConfig.expert_activation must be one of"),
+    (dict(mlp_only_layers=(0, 2)), r"mlp_only_layers \[2\] are not layers"),
+    (dict(decoder_sparse_step=3), r"leaves none of the 2 layers a mixture"),
+])
+def test_bad_moe_configs_are_rejected(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    LlamaConfig(preset="tiny", moe=MoeConfig(**fields))
+
+
+def test_moe_config_round_trips_through_json():
+  config = preset("tiny", moe=MoeConfig(num_experts=4, mlp_only_layers=(0,)),
+                  router_aux_loss_coef=0.01)
+  assert LlamaConfig.from_dict(config.to_dict()) == config
+  assert config.sparse_layers() == (False, True)

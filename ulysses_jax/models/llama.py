@@ -153,8 +153,8 @@ class DecoderLayer(nnx.Module):
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
         norm_offset_one=c.norm_offset_one, attention_scale=c.attention_scale,
-        qkv_bias=c.qkv_bias, norm_eps=c.norm_eps, backend=c.attention_backend,
-        head_chunks=c.attn_head_chunks, dtype=c.dtype,
+        qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, norm_eps=c.norm_eps,
+        backend=c.attention_backend, head_chunks=c.attn_head_chunks, dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
     sparse = c.sparse_layers()

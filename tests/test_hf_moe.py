@@ -5,15 +5,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from model_cases import relative_error  # noqa: E402
 from test_hf import TINY, check_load_and_round_trip, jax_logits, random_hf_model  # noqa: E402
-from ulysses_jax import make_mesh  # noqa: E402
+from ulysses_jax import hf, make_mesh  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
+from ulysses_jax.data import IGNORE_LABEL  # noqa: E402
 from ulysses_jax.hf import config_from_hf, config_to_hf, load_llama  # noqa: E402
 from ulysses_jax.hf_moe import dequantize_mxfp4, moe_from_hf, read_expert_param  # noqa: E402
 from ulysses_jax.models import moe as moe_lib  # noqa: E402
@@ -147,3 +149,36 @@ def test_moe_configs_round_trip_and_bad_ones_are_rejected():
     config_from_hf(dict(mixtral, num_experts_per_tok=5))
   with pytest.raises(ConfigError, match=r"quantization_config 'fp8'"):
     config_from_hf(dict(mixtral, quantization_config={"quant_method": "fp8"}))
+
+
+def test_whole_model_gradient_matches_float64_transformers(tokens, tmp_path):
+  """Loss (cross-entropy + coefficient x load-balancing loss) and the gradient of every
+  parameter, router and dense first layer included, on a sequence-sharded mesh with tiled
+  experts, against transformers' Qwen3-MoE in float64 (its gradients read into our layout by
+  the loader's own name mapping)."""
+  cls_name, overrides = FAMILIES["qwen3_moe"]
+  reference = random_hf_model(cls_name, **overrides, output_router_logits=True,
+                              router_aux_loss_coef=0.3)
+  reference.save_pretrained(tmp_path / "hf")
+  reference = reference.double()
+  reference.set_experts_implementation("eager")  # torch's grouped matmul has no float64
+  output = reference(torch.tensor(tokens), labels=torch.tensor(tokens))
+  output.loss.backward()
+  grads = _Tensors({name: p.grad for name, p in reference.named_parameters()})
+
+  model = load_llama(tmp_path / "hf", make_mesh(2, 4), mlp_chunk=3, loss_chunk=8)
+  labels = np.concatenate([tokens[:, 1:], np.full((2, 1), IGNORE_LABEL)], axis=1)
+  graphdef, state = nnx.split(model)
+
+  def objective(state):
+    sums = nnx.merge(graphdef, state).loss(jnp.asarray(tokens, jnp.int32),
+                                           jnp.asarray(labels, jnp.int32))
+    return sums.mean() + model.config.router_aux_loss_coef * sums.router_aux
+
+  loss, ours = jax.jit(jax.value_and_grad(objective))(state)
+  np.testing.assert_allclose(loss, output.loss.item(), rtol=1e-6)
+  flat = traverse_util.flatten_dict(nnx.to_pure_dict(ours))
+  assert {("layers", "moe"), ("layers", "mlp")} <= {k[:2] for k in flat}
+  for path, grad in flat.items():
+    expected = hf._read_param(grads, model.config, path, grad.shape, np.float64)
+    assert relative_error(grad, expected) < 1e-5, path

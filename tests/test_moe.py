@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from model_cases import assert_trees_close, mesh_of, relative_error
-from ulysses_jax import sharding
+from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
+                         relative_error, tree_on_host)
+from ulysses_jax import sharding, train_step
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.config import LlamaConfig, MoeConfig, preset
 from ulysses_jax.models.moe import MoE, RouterStats, load_balancing_loss
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
 E, X, K, F = 16, 6, 2, 8  # width, experts, experts per token, expert width
 # name: (MoeConfig, mesh (data, seq[, ring]), mlp_chunk). 24 tokens per row: 6, 12 or 3 per
@@ -136,3 +138,50 @@ def test_moe_config_round_trips_through_json():
                   router_aux_loss_coef=0.01)
   assert LlamaConfig.from_dict(config.to_dict()) == config
   assert config.sparse_layers() == (False, True)
+
+
+MOE_MODEL = preset("tiny-gqa", loss_chunk=8, mlp_chunk=3, router_aux_loss_coef=0.1,
+                   moe=MoeConfig(num_experts=4, experts_per_token=2, expert_mlp_dim=24,
+                                 mlp_only_layers=(0,)))
+
+
+def _one_step(mesh_shape, state, batch, **memory):
+  mesh = mesh_of(*mesh_shape)
+  # eps 1: Adam's first step is then about linear in the gradient, so the comparison measures
+  # the gradients (with a small eps it is sign(g) per element, chaotic where g is about 0).
+  optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=2,
+                                             eps=1.0))
+  memory = train_step.MemoryOptions(**memory)
+  graphdef, train_state = train_step.init_train_state(model_on(MOE_MODEL, mesh, state),
+                                                      optimizer, memory=memory)
+  step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh,
+                                    seq_len=batch["tokens"].shape[1], accum_steps=2,
+                                    memory=memory)
+  new_state, metrics = step(train_state, batch)
+  return tree_on_host(new_state.params), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def moe_step_single_device():
+  state = initial_state(MOE_MODEL)
+  batch = packed_batch(0, 4, 24, MOE_MODEL.vocab_size)
+  return state, batch, _one_step((1, 1), state, batch)
+
+
+# Slow (a train step compiles for ~15 s of CPU): the quick suite has the whole model's
+# gradient with the load-balancing loss against transformers (test_hf_moe).
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, memory", [((2, 4), {}),
+                                                ((1, 2, 4), dict(offload_optimizer=True))])
+def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, memory):
+  """Two micro-batches, each with its load-balancing loss (coefficient 0.1): the update and
+  the routing metrics of a sharded step equal one device's."""
+  state, batch, (want_params, want) = moe_step_single_device
+  params, metrics = _one_step(mesh_shape, state, batch, **memory)
+  assert_trees_close(params, want_params)
+  keys = {"router_aux_loss", "expert_share_min/layer_01", "expert_share_max/layer_01"}
+  assert keys <= set(metrics) and "expert_share_min/layer_00" not in metrics
+  for key in keys | {"loss", "grad_norm"}:
+    assert relative_error(metrics[key], want[key]) < 1e-5, key
+  assert metrics["expert_share_min/layer_01"] <= 0.25 <= metrics["expert_share_max/layer_01"]
+  assert metrics["router_aux_loss"] >= 1.0  # Switch's loss is at least 1 (even routing)

@@ -167,6 +167,8 @@ def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: 
   record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak_flops
   if "z_loss" in m and float(m["z_loss"]):
     record["z_loss"] = float(m["z_loss"])
+  record.update({k: float(v) for k, v in m.items()
+                 if k == "router_aux_loss" or k.startswith("expert_share_")})
   return record
 
 

@@ -170,11 +170,15 @@ class MoE(nnx.Module):
     bool, False for tokens that count in no statistic (the model's padding). ``norm`` runs
     inside each tile, so the normalised input never exists whole. The stats are summed over
     every device."""
-    norm = norm or (lambda x: x)
+    # The pre-norm (an nnx module) enters the shard_map as an argument: closed over, its
+    # parameter's gradient would be built with the outer (Auto) mesh's sharding inside it.
+    norm_graph, norm_state = nnx.split(norm or nnx.Module())
     moe, chunk, dtype = self.moe, self.chunk, self.dtype
     axes = (DATA, *sequence_axes(self.mesh))
 
-    def local(x_bsE, valid_bs, w):
+    def local(x_bsE, valid_bs, w, norm_state):
+      norm_module = nnx.merge(norm_graph, norm_state)
+      norm = norm_module if callable(norm_module) else (lambda x: x)
       b, s, e = x_bsE.shape
       c = min(chunk, s) if chunk else s
       pad = -s % c
@@ -193,8 +197,9 @@ class MoE(nnx.Module):
 
     act = P(DATA, sequence_axes(self.mesh))
     w = self._gathered()
-    w_specs = jax.tree.map(lambda _: P(), w)
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
     y_BSE, stats = jax.shard_map(
-        local, mesh=self.mesh, in_specs=(P(*act, None), act, w_specs),
-        out_specs=(P(*act, None), RouterStats(P(), P(), P())))(x_BSE, valid_BS, w)
+        local, mesh=self.mesh, in_specs=(P(*act, None), act, replicated(w),
+                                         replicated(norm_state)),
+        out_specs=(P(*act, None), RouterStats(P(), P(), P())))(x_BSE, valid_BS, w, norm_state)
     return y_BSE, stats

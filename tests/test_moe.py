@@ -13,6 +13,7 @@ from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, p
 from ulysses_jax import sharding, train_step
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.config import LlamaConfig, MoeConfig, preset
+from ulysses_jax.models.llama import count_params
 from ulysses_jax.models.moe import MoE, RouterStats, load_balancing_loss
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
@@ -185,3 +186,30 @@ def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape
     assert relative_error(metrics[key], want[key]) < 1e-5, key
   assert metrics["expert_share_min/layer_01"] <= 0.25 <= metrics["expert_share_max/layer_01"]
   assert metrics["router_aux_loss"] >= 1.0  # Switch's loss is at least 1 (even routing)
+
+
+# Published counts, in billions: Qwen3-30B-A3B's model card (30.5B, 3.3B activated with the
+# embeddings: 3.353B, truncated), Mixtral's announcement (46.7B, 12.9B per token),
+# gpt-oss's model card (arXiv 2508.10925: 20.91B, 3.61B active, counting the unembedding but
+# not the embedding). Each within its last digit (gpt-oss's second decimal rounded).
+@pytest.mark.parametrize("name, total, active, active_counts_embedding, digit", [
+    ("qwen3-30b-a3b", 30.5, 3.3, True, 0.1), ("mixtral-8x7b", 46.7, 12.9, True, 0.1),
+    ("gpt-oss-20b", 20.91, 3.61, False, 0.01)])
+def test_moe_presets_have_their_published_parameter_counts(name, total, active,
+                                                           active_counts_embedding, digit):
+  config = preset(name)
+  assert abs(count_params(config) / 1e9 - total) < digit
+  ours = count_params(config, active=True, include_embedding=active_counts_embedding)
+  assert abs(ours / 1e9 - active) < digit
+
+
+def test_mixed_models_count_only_the_mlp_each_layer_runs():
+  dense = preset("tiny")
+  mixed = MOE_MODEL.replace(num_heads=4, num_kv_heads=4)  # layer 0 dense, layer 1 MoE
+  e, f = dense.hidden_dim, dense.mlp_dim
+  moe = mixed.moe
+  experts = 3 * e * moe.expert_mlp_dim
+  assert count_params(mixed) == (count_params(dense) - 3 * e * f
+                                 + e * moe.num_experts + moe.num_experts * experts)
+  assert count_params(mixed, active=True) == (count_params(mixed) - (
+      moe.num_experts - moe.experts_per_token) * experts)

@@ -340,6 +340,30 @@ PRESETS.update({
                           for i in range(26)),
         sliding_rope_theta=10_000.0, attention_scale=256 ** -0.5, mlp_activation="gelu_tanh",
         norm_offset_one=True, post_norms=True, embed_scale=True),
+    # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised.
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151_936, hidden_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, mlp_dim=6144, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+        moe=MoeConfig(num_experts=128, experts_per_token=8, expert_mlp_dim=768)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14,336, 2 per token.
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32_000, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=1_000_000.0, norm_eps=1e-5,
+        moe=MoeConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=14_336)),
+    # openai/gpt-oss-20b: 32 experts, 4 per token (top-k logits, then softmax), clamped
+    # SwiGLU with biases; 128-token sliding layers alternating with full ones; YaRN x32.
+    # TODO(sinks): its learnable attention sinks come with the sinks branch.
+    "gpt-oss-20b": LlamaConfig(
+        vocab_size=201_088, hidden_dim=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+        head_dim=64, mlp_dim=2880, rope_theta=150_000.0, norm_eps=1e-5,
+        rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False),
+        qkv_bias=True, attn_out_bias=True, sliding_window=128,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(24)),
+        moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=2880,
+                      router="topk_softmax", router_bias=True, expert_bias=True,
+                      expert_activation="clamped_swiglu")),
     # ~25M parameters: CPU benchmarks.
     "small": LlamaConfig(
         vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,

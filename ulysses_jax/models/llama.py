@@ -25,7 +25,7 @@ padding is invisible to real tokens under the causal mask and carries no loss).
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -352,14 +352,29 @@ def init_llama(config: LlamaConfig, mesh: Mesh, *, seed: int = 0,
       lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(seed)), mesh, rules)
 
 
-def count_params(model_or_config, *, include_embedding: bool = True) -> int:
-  """Number of parameters of a model or config (from shapes alone)."""
+def count_params(model_or_config, *, include_embedding: bool = True,
+                 active: bool = False) -> int:
+  """Number of parameters of a model or config (from shapes alone). A layer's MLP that the
+  layer does not run (a model mixing dense and MoE layers holds both in every layer) does
+  not count; ``active=True`` counts the parameters one token runs: of each MoE layer's X
+  experts only its k (the router whole)."""
+  config = model_or_config if isinstance(model_or_config, LlamaConfig) else (
+      model_or_config.config)
   if isinstance(model_or_config, LlamaConfig):
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     model_or_config = nnx.eval_shape(lambda: Llama(model_or_config, mesh=mesh,
                                                    rngs=nnx.Rngs(0)))
-  state = nnx.state(model_or_config, nnx.Param)
-  total = sum(x.size for x in jax.tree.leaves(state))
+  state = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model_or_config, nnx.Param)))
+  sparse = sum(config.sparse_layers())
+  used_layers = {"mlp": config.num_layers - sparse, "moe": sparse}
+  total = 0
+  for path, x in state.items():
+    size = x.size
+    if path[0] == "layers" and path[1] in used_layers:
+      size = size // config.num_layers * used_layers[path[1]]
+      if active and path[1] == "moe" and path[2] not in ("router", "router_bias"):
+        size = size // config.moe.num_experts * config.moe.experts_per_token
+    total += size
   if not include_embedding:
     total -= model_or_config.embedding.size
   return total

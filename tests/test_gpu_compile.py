@@ -375,3 +375,46 @@ def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
   assert row["under_pressure_gib"] < row["compiled_device_gib"] - gap_gib
   assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)
   assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01)
+
+
+def _compile_moe_layer(backend, tokens=2048):
+  """A mixture-of-experts layer's forward and backward (32 experts of width 512, 4 per token,
+  model width 1024, bfloat16, tiles of 1024 tokens) compiled for one H100."""
+  from flax import nnx
+  from ulysses_jax.models.config import MoeConfig, preset
+  from ulysses_jax.models.moe import MoE
+  mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
+  config = preset("tiny", hidden_dim=1024, dtype="bfloat16", param_dtype="bfloat16",
+                  mlp_chunk=1024, expert_backend=backend,
+                  moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=512))
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  shardings = sharding.tree_shardings(state, mesh)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                       shardings)
+  replicated = NamedSharding(mesh, P())
+  x = jax.ShapeDtypeStruct((1, tokens, 1024), jnp.bfloat16, sharding=replicated)
+  valid = jax.ShapeDtypeStruct((1, tokens), jnp.bool_, sharding=replicated)
+
+  def loss(state, x, valid):
+    y, stats = nnx.merge(graphdef, state)(x, valid)
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(stats.probs)
+  return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x, valid).compile()
+
+
+def test_experts_compile_to_grouped_mosaic_kernels_not_a_dense_product():
+  """XLA:GPU rewrites ragged_dot into a dense product over the experts (X times the FLOPs and
+  a [rows, X·width] temporary); the default backend on Hopper runs the Mosaic grouped kernels:
+  9 per tile (3 forward, 6 backward) whose FLOPs (aot.cost) are those of the k experts only."""
+  from ulysses_jax.aot import cost
+  tokens, k, e, i = 2048, 4, 1024, 512
+  grouped = 3 * 2 * (tokens * k) * e * i * 3  # three matmuls, forward + two gradients
+  compiled = _compile_moe_layer("auto", tokens)
+  text = compiled.as_text()
+  assert text.count(MOSAIC) >= 9 and "grouped_matmul_mosaic/" in text
+  flops = sum(op.count * op.flops for op in cost.operations(text))
+  assert grouped <= flops < 1.05 * grouped
+  dense = _compile_moe_layer("ragged_dot", tokens)
+  assert MOSAIC not in dense.as_text()
+  assert sum(op.count * op.flops for op in cost.operations(dense.as_text())) > 20 * grouped
+  assert (dense.memory_analysis().temp_size_in_bytes
+          > 10 * compiled.memory_analysis().temp_size_in_bytes)

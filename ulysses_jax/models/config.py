@@ -19,6 +19,7 @@ from ulysses_jax.attention.backends import BACKENDS
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, above, at_least, check_fields
+from ulysses_jax.kernels.grouped_matmul import GROUPED_MATMUL_BACKENDS
 from ulysses_jax.rope import RopeScaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
@@ -136,7 +137,8 @@ class LlamaConfig:
   Mixture of experts: ``moe`` (a ``MoeConfig``; None = every layer dense) replaces the MLP
   of the layers its schedule names; ``mlp_chunk`` tiles it like the MLP. The load-balancing
   loss (Switch Transformer's, over every token of the step and every MoE layer) is added
-  to the objective times ``router_aux_loss_coef`` (0 = logged only).
+  to the objective times ``router_aux_loss_coef`` (0 = logged only). ``expert_backend``: the
+  experts' grouped matmul (one of ``kernels.grouped_matmul.GROUPED_MATMUL_BACKENDS``).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -174,6 +176,7 @@ class LlamaConfig:
   attn_out_bias: bool = _field()
   moe: MoeConfig | None = _field()
   router_aux_loss_coef: float = _field(0)
+  expert_backend: Literal[GROUPED_MATMUL_BACKENDS] = _field()
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -303,7 +306,7 @@ _DEFAULTS = dict(
     attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
     sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
     norm_offset_one=False, post_norms=False, embed_scale=False, attn_out_bias=False, moe=None,
-    router_aux_loss_coef=0.0)
+    router_aux_loss_coef=0.0, expert_backend="auto")
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

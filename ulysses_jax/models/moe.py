@@ -10,12 +10,13 @@ layer like every FSDP weight), for each tile of ``c`` local tokens per batch row
   softmax_topk  w, e = top_k(softmax(logits), k), w renormalised over the k if asked
   topk_softmax  l, e = top_k(logits, k); w = softmax(l)
   the t·k (token, expert) pairs sorted by expert: x_PE = x[token of pair p]   P = t·k
-  h_PI = act(x_PE @ gate[e_p], x_PE @ up[e_p])       grouped matmuls (``grouped_matmul``)
+  h_PI = act(x_PE @ gate[e_p], x_PE @ up[e_p])   grouped matmuls (``kernels.grouped_matmul``)
   y_PE = h_PI @ down[e_p];  y_tE = sum over its k pairs of w · y_PE
 
 so the router logits, the k copies of each token and the expert intermediates exist for one
 tile at a time. FLOPs of the expert matmuls are 6·t·k·E·I, a k/X share of running every
-expert on every token (where the grouped matmul is one: ``grouped_matmul``).
+expert on every token, where the grouped matmul is one (``kernels.grouped_matmul``: the
+Mosaic kernels on Hopper; ``jax.lax.ragged_dot`` elsewhere, which XLA:CPU computes densely).
 
 Load balancing (Switch Transformer, arXiv 2101.03961, eqs. 4-6, over all MoE layers as
 transformers' ``load_balancing_loss_func`` concatenates them): each layer returns
@@ -32,6 +33,7 @@ Parameters (one layer; stacked with a leading [L] by the decoder)::
   down_proj      [X, I, E]                       down_bias [X, E]           (expert_bias)
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -40,6 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ulysses_jax import sharding
+from ulysses_jax.kernels import grouped_matmul as grouped_matmul_lib
 from ulysses_jax.layers import param
 from ulysses_jax.mesh import DATA, sequence_axes
 from ulysses_jax.models.config import LlamaConfig, MoeConfig
@@ -88,17 +91,11 @@ def expert_activation(gate: jax.Array, up: jax.Array, moe: MoeConfig) -> jax.Arr
   return (up + 1) * gate * jax.nn.sigmoid(gate * jnp.asarray(moe.swiglu_alpha, gate.dtype))
 
 
-def grouped_matmul(x_PK: jax.Array, w_XKN: jax.Array, group_sizes_X: jax.Array) -> jax.Array:
-  """``x[p] @ w[g(p)]`` for rows sorted by group: the first ``group_sizes[0]`` rows with
-  ``w[0]``, and so on. ``jax.lax.ragged_dot``: a grouped matmul where the compiler has one;
-  XLA:CPU (and XLA:GPU, rewriting it) computes it as a masked dense product over the X
-  groups instead (see ``docs/DESIGN.md``)."""
-  return jax.lax.ragged_dot(x_PK, w_XKN, group_sizes_X)
-
-
-def experts_forward(x_tE, weights_tk, experts_tk, w: dict, moe: MoeConfig) -> jax.Array:
+def experts_forward(x_tE, weights_tk, experts_tk, w: dict, moe: MoeConfig, *,
+                    backend: str = "auto") -> jax.Array:
   """``sum_k weights · expert_k(x)`` ``[t, E]`` of the tokens ``x_tE`` (compute dtype) by
-  sorting their t·k pairs by expert; ``w``: the gathered expert weights (and biases)."""
+  sorting their t·k pairs by expert; ``w``: the gathered expert weights (and biases);
+  ``backend``: the grouped matmul's (``kernels.grouped_matmul``)."""
   t, k = experts_tk.shape
   experts_P = experts_tk.reshape(-1)
   order_P = jnp.argsort(experts_P, stable=True)
@@ -106,6 +103,7 @@ def experts_forward(x_tE, weights_tk, experts_tk, w: dict, moe: MoeConfig) -> ja
   x_PE = x_tE[order_P // k]
   sizes_X = jnp.bincount(experts_P, length=moe.num_experts).astype(jnp.int32)
   bias = lambda name: w[name][expert_of_P] if name in w else 0
+  grouped_matmul = functools.partial(grouped_matmul_lib.grouped_matmul, backend=backend)
   gate = grouped_matmul(x_PE, w["gate_proj"], sizes_X) + bias("gate_bias")
   up = grouped_matmul(x_PE, w["up_proj"], sizes_X) + bias("up_bias")
   y_PE = grouped_matmul(expert_activation(gate, up, moe), w["down_proj"], sizes_X)
@@ -115,14 +113,15 @@ def experts_forward(x_tE, weights_tk, experts_tk, w: dict, moe: MoeConfig) -> ja
   return jnp.einsum("tke,tk->te", y_tkE, weights_tk.astype(y_tkE.dtype))
 
 
-def moe_tile(x_tE, valid_t, w: dict, moe: MoeConfig, dtype) -> tuple[jax.Array, RouterStats]:
+def moe_tile(x_tE, valid_t, w: dict, moe: MoeConfig, dtype,
+             backend: str = "auto") -> tuple[jax.Array, RouterStats]:
   """One tile of tokens on one device: (output ``[t, E]``, its ``RouterStats``)."""
   logits_tX = jnp.dot(x_tE.astype(jnp.float32), w["router"],
                       precision=jax.lax.Precision.HIGHEST)
   if "router_bias" in w:
     logits_tX = logits_tX + w["router_bias"]
   weights_tk, experts_tk, probs_tX = route(logits_tX, moe)
-  y_tE = experts_forward(x_tE.astype(dtype), weights_tk, experts_tk, w, moe)
+  y_tE = experts_forward(x_tE.astype(dtype), weights_tk, experts_tk, w, moe, backend=backend)
   valid = valid_t.astype(jnp.float32)
   counts = jnp.zeros(moe.num_experts).at[experts_tk].add(
       jnp.broadcast_to(valid[:, None], experts_tk.shape))
@@ -151,6 +150,7 @@ class MoE(nnx.Module):
     self.up_bias = param(zeros((x, i)), ("experts", "expert_mlp"), **place) if biases else None
     self.down_bias = param(zeros((x, e)), ("experts", "embed"), **place) if biases else None
     self.moe = moe
+    self.backend = config.expert_backend
     self.chunk = config.mlp_chunk
     self.dtype = jnp.dtype(config.dtype)
     self.mesh = mesh
@@ -173,7 +173,7 @@ class MoE(nnx.Module):
     # The pre-norm (an nnx module) enters the shard_map as an argument: closed over, its
     # parameter's gradient would be built with the outer (Auto) mesh's sharding inside it.
     norm_graph, norm_state = nnx.split(norm or nnx.Module())
-    moe, chunk, dtype = self.moe, self.chunk, self.dtype
+    moe, chunk, dtype, backend = self.moe, self.chunk, self.dtype, self.backend
     axes = (DATA, *sequence_axes(self.mesh))
 
     def local(x_bsE, valid_bs, w, norm_state):
@@ -187,7 +187,7 @@ class MoE(nnx.Module):
       n = (s + pad) // c
       x_NtE = jnp.moveaxis(x_bsE.reshape(b, n, c, e), 1, 0).reshape(n, b * c, e)
       valid_Nt = jnp.moveaxis(valid_bs.reshape(b, n, c), 1, 0).reshape(n, b * c)
-      tile = lambda x, valid: moe_tile(norm(x), valid, w, moe, dtype)
+      tile = lambda x, valid: moe_tile(norm(x), valid, w, moe, dtype, backend)
       if n > 1:
         tile = jax.checkpoint(tile, prevent_cse=False)
       y_NtE, stats_N = jax.lax.map(lambda xs: tile(*xs), (x_NtE, valid_Nt))
@@ -198,8 +198,12 @@ class MoE(nnx.Module):
     act = P(DATA, sequence_axes(self.mesh))
     w = self._gathered()
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+    # check_vma=False: the Mosaic grouped matmul's outputs carry no varying-axes type. The
+    # gradients of the replicated inputs (weights, norm) are then summed over every device
+    # (shard_map's transpose), as they must be.
     y_BSE, stats = jax.shard_map(
         local, mesh=self.mesh, in_specs=(P(*act, None), act, replicated(w),
                                          replicated(norm_state)),
-        out_specs=(P(*act, None), RouterStats(P(), P(), P())))(x_BSE, valid_BS, w, norm_state)
+        out_specs=(P(*act, None), RouterStats(P(), P(), P())),
+        check_vma=False)(x_BSE, valid_BS, w, norm_state)
     return y_BSE, stats

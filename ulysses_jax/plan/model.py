@@ -94,7 +94,8 @@ import math
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.attention.ulysses import plan_heads
-from ulysses_jax.gpus import Gpu, gpu_named
+from ulysses_jax.plan import moe
+from ulysses_jax.plan.hardware import Hardware  # noqa: F401  (public here too)
 from ulysses_jax.train_step import MemoryOptions
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -121,60 +122,52 @@ class Model:
   mlp_chunk: int = 0
   loss_chunk: int = 1024
   layer_windows: tuple[int | None, ...] = ()  # per layer; () = every layer full attention
+  # Mixture of experts (``plan.moe``): how many layers have experts (0: a dense model).
+  moe_layers: int = 0
+  num_experts: int = 0
+  experts_per_token: int = 0
+  expert_mlp_dim: int = 0
+  expert_bias: bool = False
 
   @classmethod
   def from_config(cls, config):
-    fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows"}
+    experts = ("num_experts", "experts_per_token", "expert_mlp_dim", "expert_bias")
+    fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows", "moe_layers",
+                                                          *experts}
+    moe_fields = {} if config.moe is None else {
+        name: getattr(config.moe, name) for name in experts}
     return cls(**{name: getattr(config, name) for name in fields},
-               layer_windows=config.layer_windows())
+               layer_windows=config.layer_windows(), moe_layers=sum(config.sparse_layers()),
+               **moe_fields)
 
   def windows(self) -> tuple[int | None, ...]:
     return self.layer_windows or (None,) * self.num_layers
 
   @property
   def layer_params(self):
+    """Parameters each layer of the stack holds (a model mixing dense and MoE layers holds
+    both MLPs in every layer)."""
     e, d = self.hidden_dim, self.head_dim
+    dense = 3 * e * self.mlp_dim if self.moe_layers < self.num_layers else 0
+    experts = moe.layer_params(self) if self.moe_layers else 0
     return (e * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * e
-            + 3 * e * self.mlp_dim + 2 * e)
+            + dense + experts + 2 * e)
 
   @property
   def params(self):
     vocab = self.vocab_size * self.hidden_dim * (1 if self.tie_embeddings else 2)
     return self.num_layers * self.layer_params + vocab + self.hidden_dim
 
-
-# The share of a GPU's datasheet peaks (``ulysses_jax.gpus``) the time model assumes is reached:
-# about 40 % of the dense bf16 peak, two thirds of NVLink's per-direction rate for all-to-alls,
-# 90 % of InfiniBand's and of HBM's, 40 % of PCIe's for host transfers of pinned memory (on
-# an H100: 396 TFLOP/s, 300, 45 and 25.6 GB/s, 3.0 TB/s).
-_ACHIEVED = {"flops": 0.4, "nvlink": 2 / 3, "network": 0.9, "hbm": 0.9, "pcie": 0.4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  """Per-device memory budget and achieved speeds (bytes, per second); ``Hardware.of``
-  derives them from the GPU table."""
-  budget_bytes: float          # device bytes a step may use (``Gpu.budget_bytes``)
-  host_bytes: float            # host bytes per device
-  intra_node: int              # devices per node
-  intra_bw: float              # per device, all-to-all inside a node (NVLink)
-  inter_bw: float              # per device across nodes
-  hbm_bw: float
-  flops: float                 # achieved dense bf16 FLOP/s
-  pcie_bw: float               # per device, device <-> pinned host
-
-  @classmethod
-  def of(cls, gpu: Gpu | str = "h100", *, intra_node: int = 8,
-         host_gb_per_gpu: float = 256.0) -> "Hardware":
-    """``gpu`` (a table entry or its name) in nodes of ``intra_node``, with that much host
-    memory (GB) per GPU."""
-    gpu = gpu_named(gpu) if isinstance(gpu, str) else gpu
-    return cls(budget_bytes=gpu.budget_bytes, host_bytes=host_gb_per_gpu * _GB,
-               intra_node=intra_node, intra_bw=gpu.nvlink_bandwidth * _ACHIEVED["nvlink"],
-               inter_bw=gpu.network_bandwidth * _ACHIEVED["network"],
-               hbm_bw=gpu.memory_bandwidth * _ACHIEVED["hbm"],
-               flops=gpu.bf16_flops * _ACHIEVED["flops"],
-               pcie_bw=gpu.pcie_bandwidth * _ACHIEVED["pcie"])
+  @property
+  def compute_params(self):
+    """The parameters a token runs (2 FLOPs each forward): all of a dense model's; of a
+    mixture of experts not the X - k other experts, nor a layer's MLP it does not run."""
+    if not self.moe_layers:
+      return self.params
+    dense_layers = self.num_layers - self.moe_layers
+    unused = (self.moe_layers * 3 * self.hidden_dim * self.mlp_dim if dense_layers else 0)
+    unused += dense_layers * moe.layer_params(self)
+    return self.params - unused - self.moe_layers * moe.inactive_params(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +274,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
-      "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d)
-                           + _WORK_F * f_eff) + tiles + ring),
+      "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d))
+                  + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + ring),
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
@@ -291,6 +284,13 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms["host"] = (optimizer * offload + 2 * p * host_params / n
                    + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _mlp_working(model, t, c, f_eff, mlp_tokens):
+  """The larger of the dense MLP's and the experts' working set (layers of either kind)."""
+  dense = t * c * _WORK_F * f_eff if model.moe_layers < model.num_layers else 0
+  experts = moe.working_bytes(model, mlp_tokens, c) if model.moe_layers else 0
+  return max(dense, experts)
 
 
 def _chunk_heads(model, layout):
@@ -380,7 +380,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   # (about W with a window), over the heads as exchanged (padding computes too).
   keys = sum(mean_visible_keys(seq_len, w) for w in windows)
   attn_flops = 4 * keys * chunks * hq * d * t
-  forward = 2 * model.params * t + attn_flops
+  forward = 2 * model.compute_params * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
@@ -413,5 +413,6 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "offload_exposed_s": offload,
       "optimizer_transfer_s": update_streams / hardware.pcie_bw,
   }
+  experts = {"experts": moe.placement(model, t)} if model.moe_layers else {}
   return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
-          "step_s": sum(times.values())}
+          "step_s": sum(times.values()), **experts}

@@ -271,6 +271,8 @@ def run(argv: list[str] | None = None) -> dict:
   print(_format(rows[:args.top], args.batch, args.seq_len))
   print(f"recommended, of {len(rows)} feasible layouts (the best numerics within "
         f"{search.NEAR - 1:.0%} of the fastest), " + _recommendation(rows[0], args))
+  if "experts" in rows[0]["step"]:
+    print(f"experts: {rows[0]['step']['experts']['why']}")
   if args.verify:
     _verify(rows[0], args)
   return rows[0]

@@ -9,6 +9,7 @@ sequence length on some GPUs.
 compiles the recommendation with ``ulysses_jax.aot``).
 """
 
+from ulysses_jax.plan import moe  # noqa: F401
 from ulysses_jax.plan.model import (Hardware, Layout, Model, predict_memory,  # noqa: F401
                                     predict_step, ring_steps)
 from ulysses_jax.plan.search import (HEAD_CHUNKS, MLP_CHUNKS, PRECISIONS,  # noqa: F401

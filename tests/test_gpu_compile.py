@@ -380,25 +380,13 @@ def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure():
 def _compile_moe_layer(backend, tokens=2048):
   """A mixture-of-experts layer's forward and backward (32 experts of width 512, 4 per token,
   model width 1024, bfloat16, tiles of 1024 tokens) compiled for one H100."""
-  from flax import nnx
+  from benchmarks.moe_layer import compile_moe_layer
   from ulysses_jax.models.config import MoeConfig, preset
-  from ulysses_jax.models.moe import MoE
-  mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
   config = preset("tiny", hidden_dim=1024, dtype="bfloat16", param_dtype="bfloat16",
                   mlp_chunk=1024, expert_backend=backend,
                   moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=512))
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
-  shardings = sharding.tree_shardings(state, mesh)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                       shardings)
-  replicated = NamedSharding(mesh, P())
-  x = jax.ShapeDtypeStruct((1, tokens, 1024), jnp.bfloat16, sharding=replicated)
-  valid = jax.ShapeDtypeStruct((1, tokens), jnp.bool_, sharding=replicated)
-
-  def loss(state, x, valid):
-    y, stats = nnx.merge(graphdef, state)(x, valid)
-    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(stats.probs)
-  return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(state, x, valid).compile()
+  return compile_moe_layer(config, make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1")),
+                           tokens)
 
 
 def test_experts_compile_to_grouped_mosaic_kernels_not_a_dense_product():

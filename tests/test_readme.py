@@ -27,3 +27,14 @@ def test_model_example():
   shape, loss = _run(EXAMPLES[2])[-2:]
   assert shape == "(2, 32, 64)"
   assert float(loss) == pytest.approx(5.5, abs=0.2)
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_example():
+  example = README.read_text().split("### Mixtures of experts\n", 1)[1]
+  counts, metric_names, aux = _run(re.search(r"```python\n(.*?)```", example, re.S)[1])[-3:]
+  held, active = map(int, counts.split())
+  assert active < held
+  assert metric_names == ("['expert_share_max/layer_01', 'expert_share_min/layer_01', "
+                          "'router_aux_loss']")
+  assert float(aux) == pytest.approx(2.0, abs=0.3)  # k = 2 when balanced

@@ -34,6 +34,14 @@ def random_inputs(seed, batch, seq_len, q_heads, kv_heads, head_dim, *, dtype=jn
   return q, k, v, d_out, segment_ids
 
 
+def large_sinks(num_heads, seed=0):
+  """Attention sinks ``[num_heads]`` float32 of magnitude 2 to 4 and alternating signs (+ first):
+  large enough that dropping them, applying them twice or to the wrong heads fails every
+  comparison (zero-initialised sinks would barely change the output)."""
+  magnitudes = np.random.default_rng(seed).uniform(2.0, 4.0, num_heads)
+  return jnp.asarray(magnitudes * (-1.0) ** np.arange(num_heads), jnp.float32)
+
+
 def relative_error(actual, expected):
   """||actual - expected|| / ||expected||, with ||expected|| floored at 1.
 
@@ -44,65 +52,65 @@ def relative_error(actual, expected):
   return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1.0))
 
 
-def output_and_grads(attention_fn, q, k, v, d_out):
-  """Forward output and (dq, dk, dv) for the cotangent ``d_out``, in one compiled program."""
-  def run(q, k, v, d_out):
-    out, vjp = jax.vjp(attention_fn, q, k, v)
+def output_and_grads(attention_fn, q, k, v, d_out, *sinks):
+  """Forward output and (dq, dk, dv) for the cotangent ``d_out``, in one compiled program;
+  with ``sinks`` (``attention_fn(q, k, v, sinks)``) also d(sinks)."""
+  def run(d_out, *args):
+    out, vjp = jax.vjp(attention_fn, *args)
     return (out, *vjp(d_out))
-  return jax.jit(run)(q, k, v, d_out)
+  return jax.jit(run)(d_out, q, k, v, *sinks)
 
 
 def assert_matches_reference(attention_fn, q, k, v, d_out, *, causal, segment_ids, tol,
-                             sliding_window=None):
-  """Compares forward and dq/dk/dv of ``attention_fn(q, k, v)`` with ``dense_attention``."""
-  reference = lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                              kv_segment_ids=segment_ids,
-                                              sliding_window=sliding_window)
+                             sliding_window=None, sinks=None):
+  """Compares forward and dq/dk/dv of ``attention_fn(q, k, v)`` with ``dense_attention``;
+  with ``sinks`` ``[Hq]``, of ``attention_fn(q, k, v, sinks)``, d(sinks) included."""
+  reference = lambda q, k, v, sinks=None: dense_attention(
+      q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+      sliding_window=sliding_window, sinks=sinks)
   upcast = lambda x: x.astype(jnp.float32)
-  expected = output_and_grads(reference, upcast(q), upcast(k), upcast(v), upcast(d_out))
-  actual = output_and_grads(attention_fn, q, k, v, d_out)
-  for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+  given = () if sinks is None else (sinks,)
+  expected = output_and_grads(reference, upcast(q), upcast(k), upcast(v), upcast(d_out), *given)
+  actual = output_and_grads(attention_fn, q, k, v, d_out, *given)
+  for name, a, e in zip(("out", "dq", "dk", "dv", "dsinks"), actual, expected):
     assert a.shape == e.shape, f"{name}: shape {a.shape} != {e.shape}"
     assert np.all(np.isfinite(np.asarray(a, np.float32))), f"{name} has non-finite values"
     err = relative_error(a, e)
     assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e}"
 
 
-# Interpret-mode kernels become large XLA programs whose CPU compile dominates the test time;
-# skipping LLVM's optimisation passes compiles them ~3x faster and changes no result.
-INTERPRET_COMPILER_OPTIONS = ({"xla_backend_optimization_level": 0}
-                              if jax.default_backend() == "cpu" else {})
-
-
-def flash_outputs_and_grads(attention, q, k, v, d_out, d_lse):
-  """(out, lse, dq, dk, dv) of ``attention(q, k, v) -> (out, lse)`` for (d_out, d_lse)."""
-  def run(q, k, v, d_out, d_lse):
-    (out, lse), vjp = jax.vjp(attention, q, k, v)
+def flash_outputs_and_grads(attention, q, k, v, d_out, d_lse, *sinks):
+  """(out, lse, dq, dk, dv) of ``attention(q, k, v) -> (out, lse)`` for (d_out, d_lse); with
+  ``sinks`` (``attention(q, k, v, sinks)``) also d(sinks)."""
+  def run(d_out, d_lse, *args):
+    (out, lse), vjp = jax.vjp(attention, *args)
     return (out, lse, *vjp((d_out, d_lse)))
-  args = (q, k, v, d_out, d_lse)
-  return jax.jit(run).lower(*args).compile(compiler_options=INTERPRET_COMPILER_OPTIONS)(*args)
+  return jax.jit(run)(d_out, d_lse, q, k, v, *sinks)
 
 
 def check_flash_against_reference(q, k, v, d_out, *, causal, segment_ids=None,
                                   kv_segment_ids=None, tol=F32_TOL, sliding_window=None,
-                                  **kernel_args):
-  """Compares out, lse and the gradients (with a random lse cotangent) with dense_attention."""
+                                  sinks=None, **kernel_args):
+  """Compares out, lse and the gradients (with a random lse cotangent) with dense_attention;
+  with ``sinks`` ``[Hq]`` d(sinks) too."""
   kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
   d_lse = jax.random.normal(jax.random.PRNGKey(7), (q.shape[0], q.shape[2], q.shape[1]))
+  given = () if sinks is None else (sinks,)
   ours = flash_outputs_and_grads(
-      lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                                      kv_segment_ids=kv_segment_ids, return_lse=True,
-                                      sliding_window=sliding_window, **kernel_args),
-      q, k, v, d_out, d_lse)
+      lambda q, k, v, sinks=None: flash_attention(
+          q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+          return_lse=True, sliding_window=sliding_window, sinks=sinks, **kernel_args),
+      q, k, v, d_out, d_lse, *given)
   upcast = lambda x: x.astype(jnp.float32)
   expected = flash_outputs_and_grads(
-      lambda q, k, v: dense_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                      kv_segment_ids=kv_ids, return_lse=True,
-                                      sliding_window=sliding_window),
-      upcast(q), upcast(k), upcast(v), upcast(d_out), d_lse)
-  for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), ours, expected):
+      lambda q, k, v, sinks=None: dense_attention(
+          q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=kv_ids,
+          return_lse=True, sliding_window=sliding_window, sinks=sinks),
+      upcast(q), upcast(k), upcast(v), upcast(d_out), d_lse, *given)
+  for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), ours, expected):
     assert actual.shape == wanted.shape, f"{name}: shape {actual.shape} != {wanted.shape}"
-    assert actual.dtype == (jnp.float32 if name == "lse" else q.dtype), f"{name}: {actual.dtype}"
+    dtype = jnp.float32 if name in ("lse", "dsinks") else q.dtype
+    assert actual.dtype == dtype, f"{name}: {actual.dtype}"
     if name != "lse":
       assert np.all(np.isfinite(np.asarray(actual, np.float32))), f"{name} has non-finite values"
       err = relative_error(actual, wanted)

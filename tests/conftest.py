@@ -1,11 +1,17 @@
-"""Test setup: 8 virtual CPU devices, set before JAX is imported anywhere."""
+"""Test setup: 8 virtual CPU devices, set before JAX is imported anywhere; GPU tests skip
+without a GPU; a quick test over its time budget fails."""
 
 import logging
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  # Without LLVM's optimisation passes XLA compiles for the CPU ~1.6x faster (the CPU time of
+  # test_ring + test_train_step fell by 38 %; interpret-mode kernels ~3x), and on the tests'
+  # small shapes compiling, not running, is most of the time.
+  os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -26,6 +32,61 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+# The quick suite (`make test`, everything not marked slow) must stay within 10 minutes on CI's
+# 2 cores: a quick test's body, and the set-up of its fixtures, may each take this long (as
+# measured under CI's two workers; a module fixture's set-up counts once, at its first test).
+# Tests marked gpu_compile are not in it (they skip without JAX's CUDA plugin): they compile
+# for GPU clusters in their own stages, whose times `make ci-times` prints.
+# ULYSSES_QUICK_TEST_LIMIT_S changes it (0: off), e.g. on a much slower or busier machine.
+QUICK_TEST_LIMIT_S = float(os.environ.get("ULYSSES_QUICK_TEST_LIMIT_S", "30"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Fails a passing quick test whose set-up or body took over ``QUICK_TEST_LIMIT_S``."""
+  report = (yield).get_result()
+  if (report.passed and report.when in ("setup", "call") and QUICK_TEST_LIMIT_S
+      and report.duration > QUICK_TEST_LIMIT_S and "slow" not in item.keywords
+      and "gpu_compile" not in item.keywords):
+    report.outcome = "failed"
+    report.longrepr = (
+        f"{item.nodeid}: its {report.when} took {report.duration:.1f} s, over the quick "
+        f"suite's {QUICK_TEST_LIMIT_S:g} s: make it faster (smaller shapes, a shared "
+        f"fixture) or mark it @pytest.mark.slow (CI runs those in make test-slow)")
+
+
+def _without_compilation_cache():
+  """Compiles with JAX's persistent compilation cache (`make test` uses one) turned off, then
+  turns it back on. JAX decides once per process whether to use the cache: resetting it is the
+  only way back."""
+  from jax._src import compilation_cache  # pylint: disable=import-outside-toplevel
+  directory = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", directory)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def uncached_compiles():
+  """For a test that reads what XLA says while compiling (warnings, compile events): its
+  programs are compiled, never read from the persistent compilation cache, so that what it
+  checks happens."""
+  yield from _without_compilation_cache()
+
+
+@pytest.fixture(autouse=True)
+def _compile_only_gpu_programs_uncached(request):
+  """A `gpu_compile` test's programs stay out of the persistent cache: JAX writes them but
+  cannot load them back without a GPU client ("PjRtCompiler must be constructed with a Client
+  to call DeserializeLoadedExecutable"), so caching them only costs time and a warning."""
+  if request.node.get_closest_marker("gpu_compile") is None:
+    yield
+  else:
+    yield from _without_compilation_cache()
+
+
 @pytest.fixture(autouse=True)
 def _no_stale_log_handler():
   """A command line's main() run in a test adds a root handler writing to that test's
@@ -38,3 +99,17 @@ def _no_stale_log_handler():
     if type(handler) is logging.StreamHandler and handler not in before:
       root.removeHandler(handler)
   root.setLevel(level)
+
+
+@pytest.fixture
+def fault(monkeypatch):
+  """``fault(module, name, replacement)`` patches a function that jitted code calls (a fault
+  hook). JAX's caches are cleared before and after: module-level jits (``ulysses_attention``'s)
+  would otherwise run programs traced without the fault, or later with it."""
+  jax.clear_caches()
+  yield lambda module, name, replacement: monkeypatch.setattr(module, name, replacement)
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this file's hooks on sample tests

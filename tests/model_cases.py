@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from ulysses_jax import make_mesh, sharding
-from ulysses_jax.data import IGNORE_LABEL
+from ulysses_jax.packing import IGNORE_LABEL
 from ulysses_jax.models.llama import Llama
 
 F32_RTOL = 1e-5  # relative L2 error per array, float32

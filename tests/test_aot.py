@@ -116,7 +116,8 @@ def test_target_generation():
 
 @pytest.mark.parametrize("gpu,kind,capability", [
     ("h100", H100, "major: 9"), ("h200", "NVIDIA H200 141GB HBM3e", "major: 9"),
-    ("a100", "NVIDIA A100-SXM4-80GB", "major: 8"), ("b200", "NVIDIA B200", "major: 10")])
+    ("a100", "NVIDIA A100-SXM4-80GB", "major: 8"), ("b200", "NVIDIA B200", "major: 10"),
+    ("gb200", "NVIDIA GB200", "major: 10")])
 def test_target_descriptions(gpu, kind, capability):
   text = aot.targets.target_config(aot.GPUS[gpu])
   assert f'name: "{kind}"' in text and capability in text

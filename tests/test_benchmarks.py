@@ -260,3 +260,22 @@ def test_sliding_window_benchmark_counts_the_flops_compiled_for_an_h100():
   # forward, dq and dk/dv kernels: 4 + 6 + 8 times B Hq Sq Skv D / 2, nothing else counted
   assert rows[1]["fwd_bwd_gflop"] == pytest.approx((4 + 6 + 8) / 4 * rows[1]["forward_gflop"])
   assert rows[0]["fwd_bwd_ratio"] == pytest.approx(rows[0]["flop_ratio"], rel=1e-3)
+
+
+def test_data_pipeline_times_each_case_against_the_gpu_need(tmp_path):
+  pytest.importorskip("pyarrow")
+  pytest.importorskip("tokenizers")
+  from benchmarks import data_pipeline
+  rows = data_pipeline.main(["--tokens=200000", "--seq_len=4096", "--conversations=40",
+                             "--text_files=20", f"--json={tmp_path / 'data.json'}"])
+  assert [r["case"] for r in rows] == ["parquet_tokens", "jsonl_text", "token_dir",
+                                       "chat_generation", "chat_turns"]
+  assert rows[1]["tokens"] == rows[2]["tokens"]  # the same text, tokenized once
+  needs = data_pipeline.gpu_needs()
+  assert len(needs) == 7 and needs[0]["tok_s_per_host"] == 8 * 15_490
+  for r in rows:
+    assert r["tokens"] > 0 and r["load_s"] > 0 and r["pack_s"] > 0
+    assert r["ratio"] == pytest.approx(r["total_tok_s"] / max(n["tok_s_per_host"] for n in needs))
+  assert 150_000 < rows[0]["tokens"] <= 200_000  # whole documents up to --tokens
+  written = json.loads((tmp_path / "data.json").read_text())
+  assert written["rows"][0]["case"] == "parquet_tokens" and written["needs"] == needs

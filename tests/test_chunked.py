@@ -5,25 +5,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, output_and_grads,
-                             random_inputs, relative_error)
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, large_sinks,
+                             output_and_grads, random_inputs, relative_error)
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.attention.reference import dense_attention
 
 
-@pytest.mark.parametrize("shape,causal,num_segments,blocks", [
-    ((2, 64, 4, 4, 16), True, 0, (16, 16)),    # several blocks, causal skipping
-    ((1, 50, 8, 2, 8), True, 3, (16, 8)),      # ragged tail in both q and kv blocks
-    ((2, 37, 6, 1, 8), False, 4, (8, 32)),     # MQA, not causal
-    ((1, 24, 4, 4, 64), True, 0, (512, 512)),  # one block
+@pytest.mark.parametrize("shape,causal,num_segments,blocks,sinks", [
+    ((2, 64, 4, 4, 16), True, 0, (16, 16), False),    # several blocks, causal skipping
+    ((1, 50, 8, 2, 8), True, 3, (16, 8), True),       # ragged tails, packed, large sinks
+    ((2, 37, 6, 1, 8), False, 4, (8, 32), True),      # MQA, not causal, large sinks
+    ((1, 24, 4, 4, 64), True, 0, (512, 512), False),  # one block
 ])
-def test_matches_dense_reference(shape, causal, num_segments, blocks):
+def test_matches_dense_reference(shape, causal, num_segments, blocks, sinks):
   q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: chunked_attention(q, k, v, causal=causal, q_segment_ids=segment_ids,
-                                         kv_segment_ids=segment_ids, block_q=blocks[0],
-                                         block_kv=blocks[1])
+  fn = lambda q, k, v, sinks=None: chunked_attention(
+      q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+      block_q=blocks[0], block_kv=blocks[1], sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=F32_TOL)
+                           tol=F32_TOL, sinks=large_sinks(shape[2]) if sinks else None)
 
 
 def test_bfloat16_matches_dense_reference():
@@ -56,16 +56,22 @@ def test_offset_queries_and_lse_gradient(window):
     assert relative_error(a, e) < F32_TOL
 
 
-def test_query_without_visible_key_gives_zero_and_finite_gradients():
+@pytest.mark.parametrize("sinks", [None, large_sinks(2)], ids=["", "sinks"])
+def test_query_without_visible_key_gives_zero_and_finite_gradients(sinks):
+  """Output 0 and lse -inf (with sinks: the sink's logit, all the row's mass), zero dq."""
   q, k, v, d_out, _ = random_inputs(3, 1, 16, 2, 2, 8)
   q_segment_ids = jnp.zeros((1, 16), jnp.int32).at[0, 5].set(7)  # segment 7 has no keys
   kv_segment_ids = jnp.zeros((1, 16), jnp.int32)
   fn = lambda q, k, v: chunked_attention(q, k, v, q_segment_ids=q_segment_ids,
                                          kv_segment_ids=kv_segment_ids, block_q=4, block_kv=4,
-                                         return_lse=True)
+                                         return_lse=True, sinks=sinks)
   (out, lse), vjp = jax.vjp(fn, q, k, v)
-  assert np.all(out[0, 5] == 0) and np.all(np.isneginf(lse[0, :, 5]))
-  grads = vjp((d_out, jnp.zeros_like(lse)))
+  assert np.all(out[0, 5] == 0)
+  if sinks is None:
+    assert np.all(np.isneginf(lse[0, :, 5]))
+  else:
+    np.testing.assert_allclose(lse[0, :, 5], sinks)
+  grads = vjp((d_out, jnp.ones_like(lse)))
   assert all(np.all(np.isfinite(g)) for g in grads)
   assert np.all(grads[0][0, 5] == 0)
 
@@ -94,21 +100,22 @@ def test_memory_stays_linear_inside_a_differentiated_layer_scan():
   assert compiled.memory_analysis().temp_size_in_bytes < one_score_matrix // 2
 
 
-@pytest.mark.parametrize("shape,window,num_segments,blocks", [
-    ((1, 64, 4, 2, 8), 1, 3, (16, 16)),     # a query sees only itself
-    ((2, 64, 4, 4, 8), 5, 0, (16, 16)),     # window < block
-    ((1, 64, 2, 1, 8), 21, 4, (16, 8)),     # crosses block boundaries, MQA, packed
-    ((1, 50, 4, 2, 8), 13, 3, (16, 8)),     # ragged tails in q and kv blocks
-    ((1, 40, 2, 2, 8), 40, 2, (8, 8)),      # window = S: causal
-    ((1, 40, 2, 2, 8), 1000, 0, (16, 8)),   # window > S
+@pytest.mark.parametrize("shape,window,num_segments,blocks,sinks", [
+    ((1, 64, 4, 2, 8), 1, 3, (16, 16), True),      # a query sees only itself (and the sink)
+    ((2, 64, 4, 4, 8), 5, 0, (16, 16), False),     # window < block
+    ((1, 64, 2, 1, 8), 21, 4, (16, 8), True),      # crosses block boundaries, MQA, packed
+    ((1, 50, 4, 2, 8), 13, 3, (16, 8), False),     # ragged tails in q and kv blocks
+    ((1, 40, 2, 2, 8), 40, 2, (8, 8), False),      # window = S: causal
+    ((1, 40, 2, 2, 8), 1000, 0, (16, 8), False),   # window > S
 ])
-def test_sliding_window_matches_dense_reference(shape, window, num_segments, blocks):
+def test_sliding_window_matches_dense_reference(shape, window, num_segments, blocks, sinks):
   q, k, v, d_out, segment_ids = random_inputs(5, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: chunked_attention(q, k, v, q_segment_ids=segment_ids,
-                                         kv_segment_ids=segment_ids, sliding_window=window,
-                                         block_q=blocks[0], block_kv=blocks[1])
+  fn = lambda q, k, v, sinks=None: chunked_attention(
+      q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, sliding_window=window,
+      block_q=blocks[0], block_kv=blocks[1], sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
-                           tol=F32_TOL, sliding_window=window)
+                           tol=F32_TOL, sliding_window=window,
+                           sinks=large_sinks(shape[2], seed=1) if sinks else None)
 
 
 @pytest.mark.parametrize("window,causal,match", [

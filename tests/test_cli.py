@@ -15,7 +15,7 @@ import pytest
 from ulysses_jax import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMANDS = ("train", "evaluate", "export", "aot", "plan", "doctor", "ruler")
+COMMANDS = ("train", "evaluate", "export", "aot", "plan", "doctor", "ruler", "preprocess")
 
 
 def _scripts() -> dict[str, str]:

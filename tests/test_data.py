@@ -10,10 +10,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax import corpus, data, evaluate, ulysses_attention
+from ulysses_jax import batches, corpus, data, evaluate, packing, ulysses_attention
 from ulysses_jax.mesh import make_mesh
 
-IGNORE = data.IGNORE_LABEL
+IGNORE = packing.IGNORE_LABEL
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def _files(paths, **kw):
     (lambda d: _files(str(d / "small.txt"), batch_size=3), "not divide over the mesh's 'data'"),
     (lambda d: _files(str(d / "big.txt"), eval_fraction=1.0), "eval_fraction must be in"),
     (lambda d: _files(str(d / "big.txt"), eval_fraction=1e-6), "holds out nothing"),
-    (lambda d: _files(str(d / "bad.jsonl")), r"bad.jsonl:2: JSONL record has no string 'text'"),
+    (lambda d: _files(str(d / "bad.jsonl")), r"bad.jsonl:2: the record needs a string 'text'"),
     (lambda d: _files(str(d / "broken.jsonl")), r"broken.jsonl:1: not a JSON object"),
     (lambda d: _files(str(d / "big.txt"), tokenizer=str(d / "nope.json")), "tokenizer file not"),
     (lambda d: _files([str(d / "big.txt"), str(d / "t16.bin")]), "mix of token files"),
@@ -307,11 +307,11 @@ def test_token_files_with_documents(tmp_path, mesh):
 
 def test_make_global_batch_validates(mesh):
   ok = {"tokens": np.zeros((2, 8), np.int32)}
-  assert data.make_global_batch(ok, mesh)["tokens"].shape == (2, 8)
+  assert batches.make_global_batch(ok, mesh)["tokens"].shape == (2, 8)
   with pytest.raises(ValueError, match="seq_len=6 does not divide over the mesh's 'seq' axis of 4"):
-    data.make_global_batch({"tokens": np.zeros((2, 6), np.int32)}, mesh)
+    batches.make_global_batch({"tokens": np.zeros((2, 6), np.int32)}, mesh)
   with pytest.raises(ValueError, match="3 local rows do not split over"):
-    data.make_global_batch({"tokens": np.zeros((3, 8), np.int32)}, mesh)
+    batches.make_global_batch({"tokens": np.zeros((3, 8), np.int32)}, mesh)
 
 
 # ----------------------------------------------------------------------------- learnability

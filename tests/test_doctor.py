@@ -5,8 +5,10 @@ import json
 import jax.numpy as jnp
 import pytest
 
+from ulysses_jax.attention import ring
 from ulysses_jax.cli import doctor as doctor_cli
 from ulysses_jax.doctor import kernels as kernels_lib
+from ulysses_jax.kernel_check import cases
 
 
 @pytest.mark.slow  # `make doctor` runs the same command in CI
@@ -69,3 +71,38 @@ def test_doctor_refuses_a_json_path_it_cannot_write_before_any_work(tmp_path, ca
     doctor_cli.main(["--json", str(tmp_path / "file" / "doctor.json")])
   assert exit_info.value.code == 2
   assert "cannot make the folder of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--mesh_seq", "2"], "--mesh_seq=2 shapes the ring check, which needs --mesh_ring > 1"),
+    (["--mesh_ring", "3"], "--mesh_seq/--mesh_ring: seq=1 x ring=3 does not divide the 8 "
+                           "available devices"),
+])
+def test_doctor_refuses_a_ring_mesh_it_cannot_build_before_any_work(flags, expected, capsys):
+  assert doctor_cli.main(flags) == 2
+  captured = capsys.readouterr()
+  assert expected in captured.err and captured.out == ""
+
+
+@pytest.mark.slow  # two XLA rings (full, windowed) and the kernel rows
+def test_doctor_runs_the_ring_check_on_a_ring_mesh_and_names_a_failing_ring(monkeypatch, fault,
+                                                                            capsys):
+  """On a seq x ring mesh of the 8 CPU devices the doctor checks each backend a ring runs, for
+  full attention and a window, as a run on that mesh would; the ring's merge made faulty (it
+  drops the partial results' log-sum-exps), the XLA ring fails both and the doctor exits 1."""
+  monkeypatch.setattr(cases, "RING_CHECK_LEN", 16)
+  real = ring.merge
+  fault(ring, "merge", lambda out, lse, part, part_lse: (
+      out + part.astype(jnp.float32), real(out, lse, part, part_lse)[1]))
+  assert doctor_cli.main(["--seq-lens", "128", "--no-step", "--mesh_seq", "2", "--mesh_ring",
+                          "4"]) == 1
+  out = capsys.readouterr().out
+  assert "ring check on mesh {'data': 1, 'ring': 4, 'seq': 2}" in out
+  assert "  ring: 0 ok, 2 FAILED, 4 cannot run here" in out
+  for attention in ("full attention (checked on a ring of 4 x 16 tokens)",
+                    "sliding window 4096 (checked with window 6 on a ring of 4 x 16 tokens)"):
+    assert f"FAILED  ring xla chunked {attention}: {attention}: xla FAILED: error" not in out
+    assert f"FAILED  ring xla chunked {attention}: xla FAILED: error" in out
+    for kernel in ("ours mosaic", "ours triton"):
+      assert f"ring kernel={kernel} attention={attention} H=4 KV=2" in out
+  assert out.rstrip().splitlines()[-1].startswith("FAILED: ring xla chunked full attention")

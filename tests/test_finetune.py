@@ -25,7 +25,9 @@ from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
 from ulysses_jax.cli import export as export_cli  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
-from ulysses_jax.data import IGNORE_LABEL, DataConfig, make_global_batch  # noqa: E402
+from ulysses_jax.batches import make_global_batch  # noqa: E402
+from ulysses_jax.data import DataConfig  # noqa: E402
+from ulysses_jax.packing import IGNORE_LABEL  # noqa: E402
 from ulysses_jax.hf import save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models.config import LlamaConfig  # noqa: E402

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from ulysses_jax import data
+from ulysses_jax import data, packing
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
 
-IGNORE = data.IGNORE_LABEL
+IGNORE = packing.IGNORE_LABEL
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def test_text_field_is_configurable(tmp_path, mesh):
                            batch_size=2, eval_fraction=0)
   rows = _rows(data.document_windows(config, mesh), 2)
   assert bytes(rows[0]["tokens"].astype(np.uint8)) == b"hell"
-  with pytest.raises(ValueError, match=r"b.jsonl:1: JSONL record has no string 'text' field.*"
-                     r"DataConfig.text_field.*it has \['body'\]"):
+  with pytest.raises(ValueError, match=r"b.jsonl:1: the record needs a string 'text'.*"
+                     r"DataConfig.text_field.*its fields are \['body'\]"):
     data.make_datasets(data.DataConfig(source="files", paths=paths, seq_len=4, batch_size=2),
                        mesh)
 

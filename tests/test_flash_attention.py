@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference,
-                             check_flash_against_reference, flash_outputs_and_grads, mesh_of,
-                             random_inputs)
+                             check_flash_against_reference, flash_outputs_and_grads, large_sinks,
+                             mesh_of, random_inputs)
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import attention_mask, dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
@@ -93,6 +93,22 @@ def test_rows_with_no_visible_key_give_zero():
   empty = slice(10, 30)
   assert np.all(np.asarray(out[:, empty]) == 0.0)
   assert np.all(np.isneginf(np.asarray(lse[:, :, empty])))
+
+
+def test_sinks_match_reference():
+  """Large sinks applied through the kernels' lse: GQA, a window, packed segments with rows
+  that see no key (their output 0, their lse the sink); out, lse, dq, dk, dv and d(sinks)."""
+  q, k, v, d_out, _ = random_inputs(3, 1, 48, 4, 2, 64)
+  q_ids = jnp.array([[0] * 10 + [1] * 20 + [2] * 18], jnp.int32)
+  kv_ids = jnp.array([[0] * 10 + [3] * 20 + [2] * 18], jnp.int32)
+  sinks = large_sinks(4)
+  out, lse, *_ = check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=q_ids,
+                                               kv_segment_ids=kv_ids, sliding_window=12,
+                                               sinks=sinks, block_q=16, block_kv=16)
+  empty = slice(10, 30)
+  assert np.all(np.asarray(out[:, empty]) == 0.0)
+  np.testing.assert_allclose(np.asarray(lse[0, :, empty]),
+                             np.broadcast_to(np.asarray(sinks)[:, None], (4, 20)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -274,13 +290,13 @@ GPU_KERNELS = [("triton", "triton"), ("mosaic", "triton"), ("mosaic", "mosaic")]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_compiled_gpu_kernels_match_reference(kernels, head_dim, causal):
   """The kernels compiled for the GPU, default blocks, ragged length, GQA, with and without
-  segments."""
+  segments, and with large sinks."""
   forward_kernel, backward_kernel = kernels
   if backward_kernel == "mosaic" and head_dim not in flash_hopper_backward.HEAD_DIMS:
     pytest.skip(f"the Mosaic backward takes head dims {flash_hopper_backward.HEAD_DIMS}")
   q, k, v, d_out, segment_ids = random_inputs(8, 2, 1000, 8, 2, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
-  for ids in (None, segment_ids):
+  for ids, sinks in ((None, None), (segment_ids, None), (segment_ids, large_sinks(8))):
     check_flash_against_reference(q, k, v, d_out, causal=causal, segment_ids=ids, tol=BF16_TOL,
-                             interpret=False, forward_kernel=forward_kernel,
-                             backward_kernel=backward_kernel)
+                                  sinks=sinks, interpret=False, forward_kernel=forward_kernel,
+                                  backward_kernel=backward_kernel)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from attention_cases import (BF16_TOL, check_flash_against_reference, flash_outputs_and_grads,
-                             mesh_of, random_inputs, relative_error)
+                             large_sinks, mesh_of, random_inputs, relative_error)
 from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
@@ -53,15 +53,17 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
 # 128-row tiles, the last partly padding), GQA, packed segments crossing tiles; windows of one
 # key, inside a key block (50), across block edges and not a block multiple (200), and longer
 # than the sequence (as causal). Forward blocks: 128 keys; dq: 64 keys; dk/dv: 64 queries.
-# Slow like the Mosaic tests above (about 10 s each on jax 0.12, 60 s on jax 0.10).
+# The window of 200 runs with large attention sinks, applied through the kernels' lse (out, lse,
+# dq, dk, dv and d(sinks) compared). Slow like the Mosaic tests above (about 10 s each on jax
+# 0.12, 60 s on jax 0.10).
 @pytest.mark.slow
-@pytest.mark.parametrize("window", [1, 50, 200, 1000])
-def test_mosaic_kernels_with_a_sliding_window_match_reference(window):
+@pytest.mark.parametrize("window,sinks", [(1, False), (50, False), (200, True), (1000, False)])
+def test_mosaic_kernels_with_a_sliding_window_match_reference(window, sinks):
   q, k, v, d_out, segment_ids = random_inputs(13, 1, 400, 2, 1, 64, dtype=jnp.bfloat16,
                                               num_segments=3)
   check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
                            sliding_window=window, tol=BF16_TOL, forward_kernel="mosaic",
-                           backward_kernel="mosaic")
+                           backward_kernel="mosaic", sinks=large_sinks(2) if sinks else None)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from attention_cases import large_sinks
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
                          model_on, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
@@ -51,10 +52,12 @@ def reference_logits(config, params, tokens, positions, segment_ids):
     if c.qk_norm:
       q, k = norm(q, attn["q_norm"]), norm(k, attn["k_norm"])
     q, k = _rope(q, positions, inv_freq), _rope(k, positions, inv_freq)
+    sinks = attn["sinks"] if c.attention_sinks else None
     out = np.asarray(dense_attention(*(jnp.asarray(t, jnp.float32) for t in (q, k, v)),
                                      causal=True, q_segment_ids=segment_ids,
                                      kv_segment_ids=segment_ids, scale=c.attention_scale,
-                                     sliding_window=kind["sliding_window"]), np.float64)
+                                     sliding_window=kind["sliding_window"], sinks=sinks),
+                     np.float64)
     x = x + post(layer, "attn_post_norm", np.einsum("bshd,hde->bse", out,
                                                     attn["o_proj"]["kernel"]))
     mlp = layer["mlp"]
@@ -67,7 +70,18 @@ def reference_logits(config, params, tokens, positions, segment_ids):
 
 
 ALL_FEATURES = preset("tiny-gqa", tie_embeddings=True, qkv_bias=True, qk_norm=True,
-                      rope_scaling=RopeScaling(factor=4.0, original_max_position=16))
+                      rope_scaling=RopeScaling(factor=4.0, original_max_position=16),
+                      attention_sinks=True)
+
+
+def with_large_sinks(config, state):
+  """``state`` with attention sinks of magnitude 2 to 4 (they start near zero), when the model
+  has sinks."""
+  if config.attention_sinks:
+    sinks = state["layers"]["attn"]["sinks"]
+    sinks.set_value(np.stack([large_sinks(config.num_heads, seed=i)
+                              for i in range(config.num_layers)]))
+  return state
 
 
 # Windows of 3 and 6 tokens over documents of up to 20: several windows long.
@@ -95,7 +109,7 @@ def test_logits_match_reference(config, mesh_shape):
   keys = jax.random.split(jax.random.key(1), len(leaves))
   state = jax.tree.unflatten(treedef, [x + 0.05 * jax.random.normal(k, x.shape)
                                        for x, k in zip(leaves, keys)])
-  model = model_on(config, mesh, state)
+  model = model_on(config, mesh, with_large_sinks(config, state))
   batch = packed_batch(0, 2, 20, config.vocab_size)
   logits = nnx.jit(lambda m, b: m(b["tokens"], b["positions"], b["segment_ids"]))(model, batch)
   expected = reference_logits(config, tree_on_host(state), batch["tokens"],
@@ -120,8 +134,9 @@ def sp_reference():
 
   def get(name, seq_len):
     if name not in cache:
-      config = preset(name, loss_chunk=3, mlp_chunk=3)
-      state = initial_state(config)
+      # tiny-gqa with attention sinks, each device getting its heads' (replicated KV heads)
+      config = preset(name, loss_chunk=3, mlp_chunk=3, attention_sinks=name == "tiny-gqa")
+      state = with_large_sinks(config, initial_state(config))
       batch = packed_batch(1, 8, seq_len, config.vocab_size)
       cache[name] = (config, state, batch,
                      loss_and_grads(model_on(config, mesh_of(1, 1), state), batch))
@@ -280,6 +295,10 @@ def test_presets_have_published_parameter_counts():
   assert llama.count_params(preset("llama3.2-1b")) == 1_235_814_400
   assert llama.count_params(preset("llama3.1-8b")) == 8_030_261_248
   assert llama.count_params(preset("qwen2.5-7b")) == 7_615_616_512
+  # The shapes ALST and ArcticTraining train (transformers builds the same counts from
+  # hf.config_to_hf of these presets).
+  assert llama.count_params(preset("llama3.1-70b")) == 70_553_706_496
+  assert llama.count_params(preset("qwen3-32b")) == 32_762_123_264
   assert llama.count_params(preset("gemma3-1b")) == 999_885_952
 
 

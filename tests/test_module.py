@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from attention_cases import large_sinks
 from model_cases import assert_trees_close, mesh_of, packed_batch, relative_error
 from ulysses_jax.attention.module import UlyssesAttention
 from ulysses_jax.attention.reference import dense_attention
@@ -34,17 +35,26 @@ def _dense_reference(attn, x, positions, segment_ids, sliding_window=None):
   inv_freq = inverse_frequencies(D, attn.rope_theta, attn.rope_scaling)
   q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
   out = dense_attention(q, k, v, causal=True, q_segment_ids=segment_ids,
-                        kv_segment_ids=segment_ids, sliding_window=sliding_window)
+                        kv_segment_ids=segment_ids, sliding_window=sliding_window,
+                        sinks=None if attn.sinks is None else attn.sinks[...])
   return jnp.einsum("bshd,hde->bse", out, attn.o_proj.kernel[...])
 
 
+def _large_sinks(attn):
+  """``attn`` with sinks of magnitude 2 to 4 (they start near zero), when it has sinks."""
+  if attn.sinks is not None:
+    attn.sinks[...] = large_sinks(attn.sinks.shape[0])
+  return attn
+
+
 @pytest.mark.parametrize("mesh_shape,seq_len,features", [
-    ((2, 4), 30, dict(qk_norm=True, qkv_bias=True)),   # S % P != 0: padded inside
+    # S % P != 0: padded inside; sinks on padded heads (4 heads, 2 KV heads, 4 seq shards)
+    ((2, 4), 30, dict(qk_norm=True, qkv_bias=True, attention_sinks=True)),
     ((1, 8), 32, dict(rope_scaling=RopeScaling(factor=4.0, original_max_position=8))),
 ])
 def test_matches_dense_reference_with_gradients(mesh_shape, seq_len, features):
   mesh = mesh_of(*mesh_shape)
-  graphdef, state = nnx.split(_attention(mesh, **features))
+  graphdef, state = nnx.split(_large_sinks(_attention(mesh, **features)))
   # Random norm scales and biases, so every parameter matters.
   leaves, treedef = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(1), len(leaves) + 1)
@@ -92,11 +102,12 @@ def test_sliding_window_from_constructor_and_per_call(mesh_shape, head_chunks, c
 
 def test_head_chunks_with_the_norm_inside_match_the_plain_layer():
   """Heads in 2 chunks (1 query group each, padded to the 4 seq shards) with the pre-norm
-  applied inside each chunk: the same output and gradients (parameters, input, norm scale) as
-  the plain layer on the normalised input."""
+  applied inside each chunk: the same output and gradients (parameters, sinks included, input,
+  norm scale) as the plain layer on the normalised input."""
   mesh = mesh_of(2, 4)
-  graphdef, state = nnx.split(_attention(mesh, qkv_bias=True, qk_norm=True))
-  chunked = nnx.graphdef(_attention(mesh, qkv_bias=True, qk_norm=True, head_chunks=2))
+  features = dict(qkv_bias=True, qk_norm=True, attention_sinks=True)
+  graphdef, state = nnx.split(_large_sinks(_attention(mesh, **features)))
+  chunked = nnx.graphdef(_attention(mesh, **features, head_chunks=2))
   leaves, treedef = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(2), len(leaves) + 2)
   state = jax.tree.unflatten(treedef, [x + 0.1 * jax.random.normal(k, x.shape)

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from child_env import user_env
 from model_cases import mesh_of, relative_error
 from ulysses_jax import UlyssesAttention, sharding
 from ulysses_jax.layers import Dense, RMSNorm
@@ -103,7 +104,8 @@ def _count_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_optax_step_keeps_the_shardings_compiles_once_and_never_rematerialises(capfd):
+def test_optax_step_keeps_the_shardings_compiles_once_and_never_rematerialises(
+    capfd, uncached_compiles):
   mesh = mesh_of(2, 4)
   def make():
     model = OwnModel(mesh, nnx.Rngs(0))
@@ -146,8 +148,7 @@ def _readme_section_example():
 def test_readme_example_runs_as_written():
   result = subprocess.run([sys.executable, "-c", _readme_section_example()], text=True,
                           capture_output=True, timeout=300, check=True,
-                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                               "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+                          env=user_env())
   attn_spec, embed_spec, losses = result.stdout.strip().splitlines()[-3:]
   assert attn_spec == "P(('data', 'seq'), None, None)"
   assert embed_spec == "P(('data', 'seq'), None)"

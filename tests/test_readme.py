@@ -7,14 +7,15 @@ import sys
 
 import pytest
 
+from child_env import user_env
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
 def _run(example):
   result = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True,
-                          env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-                               "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+                          env=user_env(),
                           timeout=300, check=True)
   return result.stdout.strip().splitlines()
 
@@ -27,6 +28,24 @@ def test_model_example():
   shape, loss = _run(EXAMPLES[2])[-2:]
   assert shape == "(2, 32, 64)"
   assert float(loss) == pytest.approx(5.5, abs=0.2)
+
+
+def test_chat_example_trains_the_assistant_answers(tmp_path):
+  """"Your data": the conversations and template it writes, inspected as it shows."""
+  pytest.importorskip("jinja2")  # the data extra's; the newest-JAX environment goes without
+  example = next(e for e in EXAMPLES if "chatml.jinja" in e)
+  subprocess.run([sys.executable, "-c", example], cwd=tmp_path, check=True, timeout=60)
+  out = subprocess.run(
+      [sys.executable, "-m", "ulysses_jax.preprocess",
+       f"--gin_file={README.parent / 'configs' / 'finetune_tiny_cpu.gin'}",
+       "--gin_param=DataConfig.paths='runs/chat.jsonl'",
+       "--gin_param=DataConfig.chat_template='runs/chatml.jinja'", "--inspect=1"],
+      cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True,
+      env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}).stdout
+  shown = re.search(r"    #   (=== row 0.*?)\n    # Train", README.read_text(), re.S).group(1)
+  lines = [line.removeprefix("    #   ") for line in shown.splitlines() if "..." != line[-3:]]
+  for line in lines:
+    assert line in out.splitlines(), line
 
 
 @pytest.mark.slow

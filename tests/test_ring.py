@@ -1,11 +1,14 @@
 """Ring attention and the Ulysses x ring hybrid against the dense oracle, on 8 CPU devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import BF16_TOL, F32_TOL, assert_matches_reference, random_inputs
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, large_sinks,
+                             random_inputs)
 from ulysses_jax import hlo, make_mesh, ulysses_attention
 from ulysses_jax.attention import ulysses, zigzag
 from ulysses_jax.attention.baselines import ring_attention
@@ -17,84 +20,89 @@ def _mesh(data, seq, ring_shards):
                    devices=jax.devices()[:data * seq * ring_shards])
 
 
-# (data, seq, ring), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments.
-# ring=1 is plain Ulysses, seq=1 plain ring (through ulysses_attention).
+# (data, seq, ring), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments,
+# sinks (large attention sinks, applied once after the ring's merge). ring=1 is plain Ulysses,
+# seq=1 plain ring (through ulysses_attention).
 FAST = [
-    ((1, 1, 8), (1, 64, 4, 2, 8), True, 3),    # plain ring, GQA, packed
-    ((1, 2, 4), (1, 37, 4, 1, 8), True, 4),    # MQA (Hkv < seq*ring), S % 16 != 0, packed
-    ((1, 4, 2), (2, 40, 8, 2, 8), False, 3),   # not causal, Hkv < seq*ring, packed
-    ((1, 8, 1), (1, 24, 8, 8, 8), True, 2),    # plain Ulysses
+    ((1, 1, 8), (1, 64, 4, 2, 8), True, 3, True),    # plain ring, GQA, packed
+    ((1, 2, 4), (1, 37, 4, 1, 8), True, 4, True),    # MQA (Hkv < seq*ring), S % 16 != 0, packed
+    ((1, 4, 2), (2, 40, 8, 2, 8), False, 3, False),  # not causal, Hkv < seq*ring, packed
+    ((1, 8, 1), (1, 24, 8, 8, 8), True, 2, False),   # plain Ulysses
 ]
 SLOW = [
-    ((1, 1, 8), (1, 30, 2, 1, 8), False, 0),   # S % 8 != 0, not causal
-    ((1, 2, 4), (1, 48, 6, 3, 8), False, 2),   # Hq % seq != 0 after GQA: padded heads
-    ((1, 4, 2), (1, 44, 4, 4, 16), True, 3),   # MHA, S % 16 != 0
-    ((2, 2, 2), (2, 33, 4, 2, 8), True, 0),    # data x seq x ring, S odd
-    ((1, 8, 1), (1, 20, 4, 2, 8), False, 3),
+    ((1, 1, 8), (1, 30, 2, 1, 8), False, 0, True),   # S % 8 != 0, not causal
+    ((1, 2, 4), (1, 48, 6, 3, 8), False, 2, True),   # Hq % seq != 0 after GQA: padded heads
+    ((1, 4, 2), (1, 44, 4, 4, 16), True, 3, False),  # MHA, S % 16 != 0
+    ((2, 2, 2), (2, 33, 4, 2, 8), True, 0, True),    # data x seq x ring, S odd
+    ((1, 8, 1), (1, 20, 4, 2, 8), False, 3, False),
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments",
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments,sinks",
                          FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
-def test_hybrid_matches_dense_reference(mesh_shape, shape, causal, num_segments):
+def test_hybrid_matches_dense_reference(mesh_shape, shape, causal, num_segments, sinks):
   mesh = _mesh(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
-                                         segment_ids=segment_ids)
+  fn = lambda q, k, v, sinks=None: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                                     segment_ids=segment_ids, sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=F32_TOL)
+                           tol=F32_TOL, sinks=large_sinks(shape[2]) if sinks else None)
 
 
-@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", [
-    ((1, 8, 1), (1, 44, 4, 1, 8), True, 3),                                 # ring over seq
-    pytest.param((2, 4, 1), (2, 27, 2, 2, 8), False, 2, marks=pytest.mark.slow),
-    pytest.param((1, 2, 4), (1, 40, 4, 2, 8), True, 0, marks=pytest.mark.slow),  # ring x seq
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments,sinks", [
+    ((1, 8, 1), (1, 44, 4, 1, 8), True, 3, True),                           # ring over seq
+    pytest.param((2, 4, 1), (2, 27, 2, 2, 8), False, 2, False, marks=pytest.mark.slow),
+    pytest.param((1, 2, 4), (1, 40, 4, 2, 8), True, 0, True,                # ring x seq
+                 marks=pytest.mark.slow),
 ])
-def test_ring_attention_matches_dense_reference(mesh_shape, shape, causal, num_segments):
+def test_ring_attention_matches_dense_reference(mesh_shape, shape, causal, num_segments, sinks):
   mesh = _mesh(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(1, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=causal,
-                                      segment_ids=segment_ids)
+  fn = lambda q, k, v, sinks=None: ring_attention(q, k, v, mesh=mesh, causal=causal,
+                                                  segment_ids=segment_ids, sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=F32_TOL)
+                           tol=F32_TOL, sinks=large_sinks(shape[2], seed=2) if sinks else None)
 
 
 # The Pallas flash kernel as the ring's local attention (interpret mode on CPU): causal steps
 # after the first run as the zigzag layout's chunk tiles. Head dim 16, the kernel's smallest.
-@pytest.mark.parametrize("attention,mesh_shape,shape,causal,num_segments", [
-    (ulysses_attention, (1, 1, 8), (1, 64, 4, 2, 16), True, 3),   # plain ring, GQA, packed
-    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), True, 4),   # hybrid, MQA, padded, packed
-    (ring_attention, (1, 4, 1), (1, 44, 4, 1, 16), True, 3),      # ring over seq, padded
-    pytest.param(ulysses_attention, (1, 2, 2), (2, 40, 4, 2, 16), False, 2,
+@pytest.mark.parametrize("attention,mesh_shape,shape,causal,num_segments,sinks", [
+    (ulysses_attention, (1, 1, 8), (1, 64, 4, 2, 16), True, 3, False),  # plain ring, GQA, packed
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), True, 4, True),   # hybrid, MQA, padded
+    (ring_attention, (1, 4, 1), (1, 44, 4, 1, 16), True, 3, False),     # ring over seq, padded
+    pytest.param(ulysses_attention, (1, 2, 2), (2, 40, 4, 2, 16), False, 2, True,
                  marks=pytest.mark.slow),
 ])
 def test_pallas_backend_matches_dense_reference(attention, mesh_shape, shape, causal,
-                                                num_segments):
+                                                num_segments, sinks):
   mesh = _mesh(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(6, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: attention(q, k, v, mesh=mesh, causal=causal, segment_ids=segment_ids,
-                                 backend="pallas")
+  fn = lambda q, k, v, sinks=None: attention(q, k, v, mesh=mesh, causal=causal,
+                                             segment_ids=segment_ids, backend="pallas",
+                                             sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=F32_TOL)
+                           tol=F32_TOL, sinks=large_sinks(shape[2], seed=3) if sinks else None)
 
 
 # The Pallas kernels in a windowed ring (W <= S/R, natural layout): the own block under the
 # window, and the previous device's tail reversed into a causal attention. Windows of 2 (one
-# tail key), across device boundaries, and exactly S/R; padded lengths, packed segments.
-@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window", [
-    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 16), 3, 5),       # S/R = 8, GQA, packed
-    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), 4, 10),   # hybrid, MQA, S/R = 40/4 = W
-    (ring_attention, (1, 4, 1), (1, 44, 2, 2, 16), 0, 2),       # one key of the previous tail
+# tail key), across device boundaries, and exactly S/R; padded lengths, packed segments; sinks.
+@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window,sinks", [
+    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 16), 3, 5, True),       # S/R = 8, GQA, packed
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 1, 16), 4, 10, False),  # hybrid, MQA, S/R = W
+    (ring_attention, (1, 4, 1), (1, 44, 2, 2, 16), 0, 2, False),      # one key of the tail
 ])
 def test_pallas_backend_in_a_windowed_ring_matches_dense_reference(attention, mesh_shape, shape,
-                                                                   num_segments, window):
+                                                                   num_segments, window, sinks):
   mesh = _mesh(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(8, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: attention(q, k, v, mesh=mesh, segment_ids=segment_ids, backend="pallas",
-                                 sliding_window=window)
+  fn = lambda q, k, v, sinks=None: attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                             backend="pallas", sliding_window=window,
+                                             sinks=sinks)
   assert f"flash_attention_forward_causal_window{window}" in str(jax.make_jaxpr(fn)(q, k, v))
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
-                           tol=F32_TOL, sliding_window=window)
+                           tol=F32_TOL, sliding_window=window,
+                           sinks=large_sinks(shape[2], seed=4) if sinks else None)
 
 
 def test_the_mosaic_backend_runs_its_kernels_in_every_ring_step():
@@ -107,11 +115,11 @@ def test_the_mosaic_backend_runs_its_kernels_in_every_ring_step():
   q, k, v, _, segment_ids = random_inputs(7, 1, 128, 4, 2, 64, dtype=jnp.bfloat16,
                                           num_segments=3)
 
-  def loss(q, k, v):
+  def loss(q, k, v, sinks):  # sinks add no kernel: they are applied to the merged output
     out = ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
-                            backend="pallas_mosaic")
+                            backend="pallas_mosaic", sinks=sinks)
     return out.astype(jnp.float32).sum()
-  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  trace = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, large_sinks(4)))
   # Forward: a switch of the 3 step cases in the loop and one for the last step; backward: the
   # same two switches, each case a dq and a dk/dv kernel. Every call a Mosaic kernel (a grid of
   # three warpgroups).
@@ -157,14 +165,16 @@ def test_zigzag_layout_on_the_data_side(attention, mesh_shape):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_bfloat16(backend):
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_bfloat16(backend, sinks):
   mesh = _mesh(1, 2, 4)
   q, k, v, d_out, segment_ids = random_inputs(3, 1, 64, 4, 2, 16, dtype=jnp.bfloat16,
                                               num_segments=3)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
-                                         backend=backend)
+  fn = lambda q, k, v, sinks=None: ulysses_attention(q, k, v, mesh=mesh,
+                                                     segment_ids=segment_ids, backend=backend,
+                                                     sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
-                           tol=BF16_TOL)
+                           tol=BF16_TOL, sinks=large_sinks(4, seed=6) if sinks else None)
 
 
 def test_zigzag_is_an_invertible_permutation():
@@ -235,6 +245,22 @@ def test_backward_saves_local_blocks_only():
           (x.shape, x.dtype) for x in saved]
 
 
+def test_inside_a_differentiated_layer_scan_the_ring_keeps_no_block_per_step():
+  """A model runs attention inside a differentiated ``lax.scan`` over its layers: there too the
+  ring keeps only its own q, k, v, output and lse, never an array per ring step (``[R - 1,
+  ...]``: with a fori_loop JAX partial-evaluated the forward's loop, memory growing with R)."""
+  mesh = _mesh(1, 1, 8)
+  q, kv = jnp.ones((1, 128, 4, 16)), jnp.ones((1, 128, 2, 16))
+
+  def layers(q, k, v):
+    body = lambda c, _: (c + ulysses_attention(q + c, k, v, mesh=mesh, backend="xla").sum(),
+                         None)
+    return jax.lax.scan(body, jnp.zeros(()), None, length=2)[0]
+
+  jaxpr = str(jax.make_jaxpr(jax.grad(layers, argnums=(0, 1, 2)))(q, kv, kv))
+  assert not re.findall(r"\b\w+\[7,[0-9,]+\]", jaxpr)  # ring of 8: 7 steps from others
+
+
 def test_mesh_axes():
   assert make_mesh(data=2, seq=4).axis_names == (DATA, SEQ)
   mesh = make_mesh(seq=2, ring=2)
@@ -286,29 +312,32 @@ def test_padded_length():
 
 
 # (attention, (data, seq, ring), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments,
-# sliding_window, layout); the local length after padding is S/R.
+# sliding_window, layout, sinks); the local length after padding is S/R.
 WINDOW_CASES = [
-    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 8), 3, 3, "natural"),      # W < chunk: steps 0, 1
-    (ring_attention, (1, 4, 1), (1, 44, 2, 1, 8), 2, 1, "natural"),      # W = 1, padded, MQA
-    (ulysses_attention, (1, 2, 4), (1, 37, 4, 2, 8), 4, 12, "natural"),  # W > S/R: zigzag
-    (ring_attention, (1, 4, 1), (1, 32, 2, 2, 8), 3, 5, "zigzag"),       # zigzag inputs
-    (ulysses_attention, (1, 1, 8), (1, 48, 2, 2, 8), 0, 48, "natural"),  # W = S
+    (ring_attention, (1, 8, 1), (1, 64, 4, 2, 8), 3, 3, "natural", False),   # W < chunk
+    (ring_attention, (1, 4, 1), (1, 44, 2, 1, 8), 2, 1, "natural", False),   # W = 1, MQA
+    (ulysses_attention, (1, 2, 4), (1, 37, 4, 2, 8), 4, 12, "natural", True),  # W > S/R
+    (ring_attention, (1, 4, 1), (1, 32, 2, 2, 8), 3, 5, "zigzag", True),     # zigzag inputs
+    (ulysses_attention, (1, 1, 8), (1, 48, 2, 2, 8), 0, 48, "natural", False),  # W = S
 ]
 
 
-@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window,layout", WINDOW_CASES)
+@pytest.mark.parametrize("attention,mesh_shape,shape,num_segments,window,layout,sinks",
+                         WINDOW_CASES)
 def test_sliding_window_matches_dense_reference(attention, mesh_shape, shape, num_segments,
-                                                window, layout):
+                                                window, layout, sinks):
   mesh = _mesh(*mesh_shape)
   ring_shards = ring_size(mesh) if attention is ulysses_attention else mesh.shape[SEQ]
   q, k, v, d_out, segment_ids = random_inputs(7, *shape, num_segments=num_segments)
   zig, unzig = ((lambda x: zigzag.to_zigzag(x, ring_shards), lambda x: zigzag.from_zigzag(
       x, ring_shards)) if layout == "zigzag" else (lambda x: x, lambda x: x))
   seg = None if segment_ids is None else zig(segment_ids)
-  fn = lambda q, k, v: unzig(attention(zig(q), zig(k), zig(v), mesh=mesh, segment_ids=seg,
-                                       sliding_window=window, layout=layout))
+  fn = lambda q, k, v, sinks=None: unzig(attention(
+      zig(q), zig(k), zig(v), mesh=mesh, segment_ids=seg, sliding_window=window, layout=layout,
+      sinks=sinks))
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
-                           tol=F32_TOL, sliding_window=window)
+                           tol=F32_TOL, sliding_window=window,
+                           sinks=large_sinks(shape[2], seed=5) if sinks else None)
 
 
 def test_window_sources_are_the_ring_distances_a_window_reaches():

@@ -62,20 +62,25 @@ def test_scoring_equals_greedy_decoding_on_a_sequence_sharded_mesh(greedy, tmp_p
   assert result["examples"]["results"][1]["predicted_ids"] == cases[1]["answer_ids"]
 
 
-def test_ruler_report_keys_and_a_random_model_scores_nothing(greedy, tmp_path):
+def test_ruler_report_keys_default_lengths_skip_what_they_cannot_hold(greedy, tmp_path,
+                                                                       capsys):
   root, _ = greedy
   path = tmp_path / "r.json"
   evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_seq=8", "--tokenizer=byte",
-                 "--ruler=niah_single_1,variable_tracking", "--lengths=512,1024", "--samples=2",
-                 f"--json={path}", f"--plot={tmp_path / 'r.png'}"])
+                    "--ruler=niah_single_1,variable_tracking", "--samples=2", f"--json={path}",
+                    f"--plot={tmp_path / 'r.png'}"])
   report = json.loads(path.read_text())["ruler"]
-  assert set(report["tasks"]) == {"niah_single_1", "variable_tracking"}
-  for task in report["tasks"].values():
-    assert set(task["by_length"]) == {"512", "1024"}
-    assert all(v == {"accuracy": 0.0, "samples": 2} for v in task["by_length"].values())
-  assert report["mean_by_length"] == {"512": 0.0, "1024": 0.0}
-  assert report["effective_length"] is None
-  assert len(report["examples"]) == 8 and all(
+  assert "note: skipped RULER task variable_tracking does not fit 1,024 tokens" in \
+      capsys.readouterr().err
+  assert [(s["task"], s["length"]) for s in report["skipped"]] == [
+      ("niah_single_1", 128), ("niah_single_1", 256), ("niah_single_1", 512),
+      ("variable_tracking", 128), ("variable_tracking", 256), ("variable_tracking", 512),
+      ("variable_tracking", 1024)]
+  assert list(report["scoring"]) == ["strict"] and report["lengths"] == [1024]
+  assert report["tasks"] == {"niah_single_1": {"by_length": {"1024": {
+      "samples": 2, "strict": 0.0, "strict_stderr": 0.0}}}}  # a random model retrieves nothing
+  assert report["effective_length"] is None and report["threshold"] == 85.6
+  assert len(report["examples"]) == 2 and all(
       len(e["predicted_ids"]) == len(e["answer"].encode()) for e in report["examples"])
   assert (tmp_path / "r.png").stat().st_size > 0
 

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from child_env import child_env
 from ulysses_jax import cli, distributed, metrics, step_builder, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.cli import train as train_cli
@@ -53,10 +54,7 @@ def _command(workdir, params, gin_file=TINY, cache=None, extra=()):
            f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params] + list(extra))
 
 
-def _env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
-  return env
+_env = child_env
 
 
 def _run(workdir, params, cache, check=True, **kw):
@@ -266,6 +264,9 @@ def test_flops_per_token_formula():
   per_layer = 64 * 4 * 16 * 2 + 64 * 2 * 16 * 2 + 3 * 64 * 128 + 2 * 64  # attn, mlp, norms
   matmul_params = 2 * per_layer + 64 + 64 * 256  # + final norm + head (embedding excluded)
   assert metrics.flops_per_token(config, 512) == 6 * matmul_params + 6 * 2 * 512 * 4 * 16
+  # Attention sinks (L x Hq logits) take part in no matmul: the count stays.
+  assert metrics.flops_per_token(config.replace(attention_sinks=True), 512) == (
+      metrics.flops_per_token(config, 512))
 
 
 # ----------------------------------------------------------------------------- training

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionSpec as P
 
-from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, mesh_of,
+from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, large_sinks, mesh_of,
                              random_inputs, relative_error)
 from ulysses_jax import hlo, ulysses_attention
 from ulysses_jax.attention import backends, ulysses
@@ -19,50 +19,53 @@ from ulysses_jax.mesh import DATA, SEQ
 
 H100 = "NVIDIA H100 80GB HBM3"
 
-# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments
+# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), causal, num_segments, sinks
+# (large attention sinks, each device getting its heads' after the all-to-all).
 CASES = [
-    ((1, 8), (1, 64, 8, 8, 16), True, 0),      # MHA, Hq == P
-    ((1, 8), (1, 48, 16, 8, 8), False, 3),     # GQA, Hkv % P == 0, packed
-    ((1, 8), (1, 40, 8, 2, 8), True, 4),       # GQA, P % Hkv == 0: KV replicated
-    ((1, 8), (2, 24, 6, 3, 8), True, 0),       # neither divides, Hq % P != 0: padded
-    ((2, 4), (2, 64, 8, 1, 8), True, 3),       # MQA
-    ((2, 4), (2, 37, 6, 2, 8), True, 5),       # S % P != 0, Hq % P != 0, packed
-    ((2, 4), (2, 36, 12, 6, 8), False, 4),     # Hkv % P != 0 but Hq % P == 0: repeat by 2
-    ((4, 2), (4, 30, 3, 3, 8), False, 0),      # MHA, odd heads, not causal
-    ((4, 2), (4, 21, 4, 2, 16), True, 2),      # S odd
-    ((8, 1), (8, 16, 4, 2, 8), True, 2),       # pure data parallel
-    ((1, 2), (1, 33, 5, 1, 8), False, 3),      # two devices only, MQA, odd everything
+    ((1, 8), (1, 64, 8, 8, 16), True, 0, False),   # MHA, Hq == P
+    ((1, 8), (1, 48, 16, 8, 8), False, 3, False),  # GQA, Hkv % P == 0, packed
+    ((1, 8), (1, 40, 8, 2, 8), True, 4, True),     # GQA, P % Hkv == 0: KV replicated
+    ((1, 8), (2, 24, 6, 3, 8), True, 0, True),     # neither divides, Hq % P != 0: padded
+    ((2, 4), (2, 64, 8, 1, 8), True, 3, False),    # MQA
+    ((2, 4), (2, 37, 6, 2, 8), True, 5, True),     # S % P != 0, Hq % P != 0, packed
+    ((2, 4), (2, 36, 12, 6, 8), False, 4, True),   # Hkv % P != 0 but Hq % P == 0: repeat by 2
+    ((4, 2), (4, 30, 3, 3, 8), False, 0, False),   # MHA, odd heads, not causal
+    ((4, 2), (4, 21, 4, 2, 16), True, 2, False),   # S odd
+    ((8, 1), (8, 16, 4, 2, 8), True, 2, False),    # pure data parallel
+    ((1, 2), (1, 33, 5, 1, 8), False, 3, False),   # two devices only, MQA, odd everything
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", CASES)
-def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments):
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments,sinks", CASES)
+def test_matches_dense_reference_float32(mesh_shape, shape, causal, num_segments, sinks):
   mesh = mesh_of(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(0, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
-                                         segment_ids=segment_ids)
+  fn = lambda q, k, v, sinks=None: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                                     segment_ids=segment_ids, sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=F32_TOL)
+                           tol=F32_TOL, sinks=large_sinks(shape[2]) if sinks else None)
 
 
-# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments, sliding_window
+# (data, seq), (batch, seq_len, q_heads, kv_heads, head_dim), num_segments, sliding_window,
+# sinks
 WINDOW_CASES = [
-    ((1, 8), (1, 64, 8, 2, 8), 3, 1),       # a token sees only itself, GQA, packed
-    ((1, 8), (1, 64, 8, 8, 8), 0, 5),       # window < shard (8 tokens)
-    ((2, 4), (2, 37, 6, 2, 8), 5, 12),      # crosses shard boundaries, S % P != 0, packed
-    ((2, 4), (2, 40, 4, 1, 8), 0, 40),      # window = S, MQA
-    ((1, 8), (1, 24, 8, 4, 8), 2, 100),     # window > S
+    ((1, 8), (1, 64, 8, 2, 8), 3, 1, True),     # a token sees only itself, GQA, packed
+    ((1, 8), (1, 64, 8, 8, 8), 0, 5, False),    # window < shard (8 tokens)
+    ((2, 4), (2, 37, 6, 2, 8), 5, 12, True),    # crosses shards, S % P != 0, packed, padded
+    ((2, 4), (2, 40, 4, 1, 8), 0, 40, False),   # window = S, MQA
+    ((1, 8), (1, 24, 8, 4, 8), 2, 100, False),  # window > S
 ]
 
 
-@pytest.mark.parametrize("mesh_shape,shape,num_segments,window", WINDOW_CASES)
-def test_sliding_window_matches_dense_reference(mesh_shape, shape, num_segments, window):
+@pytest.mark.parametrize("mesh_shape,shape,num_segments,window,sinks", WINDOW_CASES)
+def test_sliding_window_matches_dense_reference(mesh_shape, shape, num_segments, window, sinks):
   mesh = mesh_of(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(9, *shape, num_segments=num_segments)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
-                                         sliding_window=window)
+  fn = lambda q, k, v, sinks=None: ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                                     sliding_window=window, sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=True, segment_ids=segment_ids,
-                           tol=F32_TOL, sliding_window=window)
+                           tol=F32_TOL, sliding_window=window,
+                           sinks=large_sinks(shape[2], seed=1) if sinks else None)
 
 
 def test_cudnn_window_is_transformers_window():
@@ -129,18 +132,19 @@ def test_negative_segment_ids_are_segments_like_any_other(causal):
                            tol=F32_TOL)
 
 
-@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", CASES[2:7:2])
-def test_matches_dense_reference_bfloat16(mesh_shape, shape, causal, num_segments):
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments,sinks", CASES[2:7:2])
+def test_matches_dense_reference_bfloat16(mesh_shape, shape, causal, num_segments, sinks):
   mesh = mesh_of(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(1, *shape, dtype=jnp.bfloat16,
                                               num_segments=num_segments)
-  fn = lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
-                                         segment_ids=segment_ids)
+  fn = lambda q, k, v, sinks=None: ulysses_attention(q, k, v, mesh=mesh, causal=causal,
+                                                     segment_ids=segment_ids, sinks=sinks)
   assert_matches_reference(fn, q, k, v, d_out, causal=causal, segment_ids=segment_ids,
-                           tol=BF16_TOL)
+                           tol=BF16_TOL, sinks=large_sinks(shape[2]) if sinks else None)
 
 
-@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments", [CASES[1], CASES[5]])
+@pytest.mark.parametrize("mesh_shape,shape,causal,num_segments",
+                         [CASES[1][:4], CASES[5][:4]])
 def test_allgather_baseline_matches_dense_reference(mesh_shape, shape, causal, num_segments):
   mesh = mesh_of(*mesh_shape)
   q, k, v, d_out, segment_ids = random_inputs(2, *shape, num_segments=num_segments)
@@ -259,6 +263,9 @@ def test_compiled_program_uses_all_to_all_and_never_gathers_qkv():
     (dict(mesh="no_seq"), r"lack \['seq'\]"),
     (dict(sliding_window=0), r"sliding_window must be a positive int"),
     (dict(sliding_window=4, causal=False), r"sliding_window \(4\) needs causal=True"),
+    (dict(sinks=jnp.zeros(2)), r"sinks must be a float32 array of shape \[query heads\] = "
+     r"\(4,\), one logit per query head, got float32\[2\]"),
+    (dict(sinks=jnp.zeros(4, jnp.int32)), r"sinks must be a float32 array .* got int32\[4\]"),
 ])
 def test_bad_input_errors(kwargs, message):
   q_shape = kwargs.get("q_shape", (2, 16, 4, 8))
@@ -274,4 +281,4 @@ def test_bad_input_errors(kwargs, message):
     ulysses_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
                       backend=kwargs.get("backend", "auto"), scale=kwargs.get("scale"),
                       causal=kwargs.get("causal", True),
-                      sliding_window=kwargs.get("sliding_window"))
+                      sliding_window=kwargs.get("sliding_window"), sinks=kwargs.get("sinks"))

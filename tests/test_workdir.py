@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from child_env import child_env
 from ulysses_jax.cli import gin_config
 from ulysses_jax.checkpoint import read_run_config
 from ulysses_jax.models.config import LlamaConfig
@@ -22,11 +23,10 @@ PARAMS = ["LlamaConfig.preset = 'tiny'", "DataConfig.seq_len = 128", "DataConfig
 
 def _train(workdir, params, cache=None):
   params = params + ([f"TrainConfig.compilation_cache = '{cache}'"] if cache else [])
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run([sys.executable, "-m", "ulysses_jax.train", f"--gin_file={TINY}",
                          f"--workdir={workdir}"] + [f"--gin_param={p}" for p in params],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                        cwd=REPO, env=child_env(), capture_output=True, text=True,
+                        timeout=300)
 
 
 def _read(path):
@@ -92,8 +92,8 @@ def test_readme_trains_from_python_without_gin_at_the_call(tmp_path):
     readme = f.read()
   start = readme.index("from ulysses_jax import distributed, train")
   code = readme[start:readme.index("```", start)]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(),
+                       capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0, out.stderr
   step, loss = eval(out.stdout.strip().splitlines()[-1])  # (40, loss): print(summary[...])

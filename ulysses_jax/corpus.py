@@ -8,14 +8,16 @@ into rows.
 
 import dataclasses
 import glob
-import json
 import os
 import sysconfig
 from collections.abc import Sequence
 
 import numpy as np
 
+from ulysses_jax import records
+
 SPLIT_SEED = 20250101  # fixes the train/eval split independently of the training seed
+TOKEN_DIR_INDEX = "ulysses_tokens.json"  # marks a directory of tokens ulysses_jax.preprocess wrote
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -27,7 +29,16 @@ class ByteTokenizer:
   def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
     return [np.frombuffer(d, np.uint8) for d in docs]
 
-  def decode(self, ids) -> str:
+  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per text: its ids and each one's ``[start, end)`` character range ``[n, 2]``."""
+    out = []
+    for text in texts:
+      char_of_byte = np.repeat(np.arange(len(text)), [len(c.encode("utf-8")) for c in text])
+      out.append((np.frombuffer(text.encode("utf-8"), np.uint8),
+                  np.stack([char_of_byte, char_of_byte + 1], axis=1)))
+    return out
+
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:  # bytes have no specials
     return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
 
 
@@ -51,8 +62,14 @@ class HFTokenizer:
     return [np.asarray(e.ids, np.uint32)
             for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-  def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in ids])
+  def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per text: its ids (no added special tokens) and each one's ``[start, end)`` character
+    range ``[n, 2]``."""
+    return [(np.asarray(e.ids, np.uint32), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 def make_tokenizer(name: str = "byte") -> ByteTokenizer | HFTokenizer:
@@ -65,9 +82,9 @@ def make_tokenizer(name: str = "byte") -> ByteTokenizer | HFTokenizer:
 class Corpus:
   """Documents as (array, start, length) over a list of 1-D token arrays (maybe memmaps).
 
-  ``targets``: None (every token is a target), or one bool array per token array, True where
-  the token may be a label (a completion token) and False where it is only context (a
-  prompt token).
+  ``targets``: None (every token is a target), or one bool array (or None: all targets) per
+  token array, True where the token may be a label (a completion token, an assistant turn)
+  and False where it is only context (a prompt token, a user turn).
   """
   arrays: list[np.ndarray]
   doc_array: np.ndarray  # int64 [n]
@@ -92,19 +109,36 @@ class Corpus:
     """Tokens ``[begin, begin + n)`` of document ``doc`` (int64) and their target flags."""
     a, start = self.doc_array[doc], self.doc_start[doc] + begin
     tokens = np.asarray(self.arrays[a][start:start + n], np.int64)
-    if self.targets is None:
+    if self.targets is None or self.targets[a] is None:
       return tokens, np.ones(len(tokens), bool)
     return tokens, np.asarray(self.targets[a][start:start + n], bool)
 
 
 def concat(parts: Sequence[Corpus]) -> Corpus:
+  """The documents of ``parts`` in order (which share one list of arrays)."""
   return Corpus(parts[0].arrays, *(np.concatenate([getattr(p, f) for p in parts])
                                     for f in ("doc_array", "doc_start", "doc_len")),
                 parts[0].targets)
 
 
+def merge(parts: Sequence[Corpus]) -> Corpus:
+  """The documents of ``parts`` in order, each with its own arrays (sources of a mixture)."""
+  arrays, targets, doc_arrays = [], [], []
+  for part in parts:
+    doc_arrays.append(part.doc_array + len(arrays))
+    arrays += part.arrays
+    targets += part.targets or [None] * len(part.arrays)
+  return Corpus(arrays, np.concatenate(doc_arrays),
+                *(np.concatenate([getattr(p, f) for p in parts]) for f in ("doc_start", "doc_len")),
+                None if all(t is None for t in targets) else targets)
+
+
 def resolve_paths(paths: str | Sequence[str]) -> list[str]:
-  """Expands globs; every entry must name at least one existing file."""
+  """Expands globs and dataset directories; every entry must name at least one existing file.
+
+  A directory is a dataset when it is a ``save_to_disk`` directory or holds ``*.parquet``
+  files (``records.data_files``: its files in order), or a token directory that
+  ``ulysses_jax.preprocess`` wrote (kept whole: ``TOKEN_DIR_INDEX``)."""
   files = []
   for pattern in [paths] if isinstance(paths, str) else paths:
     if glob.has_magic(pattern):
@@ -112,9 +146,15 @@ def resolve_paths(paths: str | Sequence[str]) -> list[str]:
       if not found:
         raise FileNotFoundError(f"data pattern {pattern!r} matched no files")
       files += found
+    elif os.path.isfile(os.path.join(pattern, TOKEN_DIR_INDEX)):
+      files.append(pattern)
     elif os.path.isdir(pattern):
-      raise IsADirectoryError(f"data path {pattern!r} is a directory; give files or a glob "
-                              f"such as {os.path.join(pattern, '**', '*.txt')!r}")
+      dataset = records.data_files(pattern)
+      if dataset is None:
+        raise IsADirectoryError(f"data path {pattern!r} is a directory but no dataset (no "
+                                "state.json, *.parquet or preprocessed tokens); give files or "
+                                f"a glob such as {os.path.join(pattern, '**', '*.txt')!r}")
+      files += dataset
     elif not os.path.isfile(pattern):
       raise FileNotFoundError(f"data file not found: {pattern!r}")
     else:
@@ -128,58 +168,6 @@ def stdlib_files() -> list[str]:
   root = sysconfig.get_paths()["stdlib"]
   return sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
                 if "site-packages" not in os.path.relpath(f, root).split(os.sep))
-
-
-def read_docs(path: str, text_field: str = "text") -> list[tuple[bytes, bytes]]:
-  """(prompt, text) pairs: one per plain-text file (no prompt), one per line of a ``.jsonl``.
-
-  A JSONL record holds either string fields ``"prompt"`` and ``"completion"`` (the loss
-  falls on the completion only) or the string field ``text_field`` (prompt ``b""``).
-  """
-  if not path.endswith(".jsonl"):
-    with open(path, "rb") as f:
-      return [(b"", f.read())]
-  docs = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
-      if not isinstance(record, dict):
-        raise ValueError(f"{path}:{lineno}: not a JSON object: {line.strip()[:40]!r}")
-      if "prompt" in record or "completion" in record:
-        fields = ("prompt", "completion")
-      else:
-        fields = (text_field,)
-      values = [record.get(k) for k in fields]
-      if not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{path}:{lineno}: JSONL record has no string "
-                         f"{' and '.join(repr(k) for k in fields)} field (records hold a "
-                         f"{text_field!r} field, set by DataConfig.text_field, or 'prompt' "
-                         f"and 'completion'); it has {sorted(record)}")
-      encoded = [v.encode("utf-8") for v in values]
-      docs.append(tuple(encoded) if len(encoded) == 2 else (b"", encoded[0]))
-  return docs
-
-
-def text_corpus(files: Sequence[str], tokenizer, text_field: str = "text") -> Corpus:
-  """Documents in file order; with any prompt/completion record, target flags (prompts
-  False)."""
-  pairs = [d for f in files for d in read_docs(f, text_field)]
-  prompts = tokenizer.encode_batch([p for p, _ in pairs])
-  texts = tokenizer.encode_batch([t for _, t in pairs])
-  docs = [(p, t) for p, t in zip(prompts, texts) if p.size + t.size]
-  lengths = np.array([p.size + t.size for p, t in docs], np.int64)
-  tokens = np.concatenate([x for d in docs for x in d]) if docs else np.zeros(0, np.uint8)
-  starts = np.cumsum(lengths) - lengths
-  targets = None
-  if any(p.size for p, _ in docs):
-    targets = [np.concatenate([np.full(x.size, i == 1) for d in docs
-                               for i, x in enumerate(d)])]
-  return Corpus([tokens], np.zeros(len(docs), np.int64), starts, lengths, targets)
 
 
 def split_corpus(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus | None]:

@@ -1,22 +1,23 @@
-"""Training batches: packing corpora (see corpus.py) into fixed-length rows, global arrays.
+"""Training data: ``DataConfig`` (what to read, how to cut it), and the datasets it makes.
 
-A batch is a dict of int32 arrays ``[B, S]`` (B global rows, S = ``seq_len``), sharded
-``P("data", "seq")``:
+A batch (``ulysses_jax.batches``) is a dict of int32 arrays ``[B, S]`` (B global rows, S =
+``seq_len``), sharded ``P("data", "seq")``:
 
 * ``tokens``: input ids.
-* ``labels``: the next token of the same document, or ``IGNORE_LABEL`` where there is none
-  (a document's last token, padding). Shifted here, before sharding, so the label of a
-  shard's last token comes from the next shard.
+* ``labels``: the next token of the same document where that token is a target, or
+  ``IGNORE_LABEL`` where there is none (a document's last token, padding, context: a prompt, a
+  user turn). Shifted here, before sharding, so the label of a shard's last token comes from
+  the next shard.
 * ``segment_ids``: 0, 1, 2, ... for the document pieces of a row, in order; padding takes
   the id after the last piece, so it never attends to real tokens.
 * ``positions``: restart at 0 at the start of every piece (and of the padding).
 
 Text rows are windows of S tokens (plus one for the last label) over the concatenation of
-documents; a document crossing a row boundary continues in the next window as a new piece.
-Training order is a seeded shuffle of documents, then of windows, per epoch: a pure
-function of the global row index, so an iterator's whole position is one integer. Tokens of
-a JSONL record's ``"prompt"`` are context only: no label names them, so the loss falls on
-the ``"completion"``.
+documents (``ulysses_jax.packing``); a document crossing a row boundary continues in the next
+window as a new piece. Training order is a seeded shuffle of documents, then of windows, per
+epoch; a mixture (``DataConfig.sources``) draws each row from one source by weight. Either
+way a row is a pure function of its global index, so an iterator's whole position is one
+integer. Which tokens are targets comes from the records (``ulysses_jax.documents``).
 
 ``document_windows`` gives evaluation rows instead: each document alone, cut into
 consecutive windows of S tokens (see ``ulysses_jax.evaluate``).
@@ -24,55 +25,25 @@ consecutive windows of S tokens (see ``ulysses_jax.evaluate``).
 
 import dataclasses
 import functools
+import os
+import re
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
+from ulysses_jax import chat
+from ulysses_jax.batches import Dataset, check_divisible
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.corpus import (Corpus, make_tokenizer, resolve_paths, split_corpus,
-                                stdlib_files, text_corpus)
-from ulysses_jax.mesh import DATA, make_mesh, sequence_axes, sequence_shards
-from ulysses_jax.sharding import batch_spec
-from ulysses_jax.token_files import TOKEN_DTYPES, token_corpus
+from ulysses_jax.corpus import (Corpus, make_tokenizer, merge, resolve_paths,
+                                split_corpus, stdlib_files)
+from ulysses_jax.documents import text_corpus
+from ulysses_jax.mesh import make_mesh
+from ulysses_jax.packing import DocumentWindows, MixedRows, PackedRows
+from ulysses_jax.retrieval import RetrievalRows, RetrievalTask
+from ulysses_jax.token_files import TOKEN_DTYPES, token_corpus, token_dir_corpus
 
-IGNORE_LABEL = -1
 SOURCES = ("stdlib", "files", "retrieval")
 LONG_DOCUMENTS = ("split", "truncate")
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalTask:
-  """Synthetic long-context retrieval; every row is one example of ``seq_len`` tokens.
-
-  Row: ``k1 v1 ... kn vn`` at positions 0..2n-1 (distinct keys, random values), random
-  filler, then ``QUERY kq`` at positions S-2, S-1 with ``kq`` one of the planted keys. The
-  only label sits at S-1: the value planted after ``kq``. The pairs and the question are
-  S tokens apart, so on a sequence-sharded mesh they sit on the first and last shards, and
-  answering needs attention across them (an induction head: two layers). Chance accuracy
-  is ``1 / num_values``. Ids: 0 = QUERY, then filler, keys, values.
-  """
-  num_pairs: int = dataclasses.field(default=2, metadata=at_least(1))
-  num_keys: int = dataclasses.field(default=16, metadata=at_least(1))
-  num_values: int = dataclasses.field(default=16, metadata=at_least(1))
-  num_filler: int = dataclasses.field(default=16, metadata=at_least(1))
-  eval_rows: int = dataclasses.field(default=256, metadata=at_least(1))
-
-  def __post_init__(self):
-    check_fields(self)
-    if self.num_keys < self.num_pairs:
-      raise ConfigError(f"RetrievalTask needs num_keys >= num_pairs (distinct keys), got "
-                        f"num_keys={self.num_keys} < num_pairs={self.num_pairs}")
-
-  @property
-  def vocab_size(self) -> int:
-    return 1 + self.num_filler + self.num_keys + self.num_values
-
-  @property
-  def chance(self) -> float:
-    return 1 / self.num_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +52,23 @@ class DataConfig:
 
   source: "stdlib" (the Python standard library's ``*.py`` files: real text present on
     every machine), "files" (``paths``: plain text files, one document each; ``.jsonl``,
-    one document per record: a ``text_field`` string, or ``"prompt"`` and ``"completion"``
-    strings with the loss on the completion only; or pre-tokenized ``.bin``/``.npy`` token
-    files), or "retrieval" (``RetrievalTask``).
-  paths: files or globs (``**`` recurses), for source="files".
+    ``.parquet`` and ``.arrow`` files, Parquet directories and ``save_to_disk`` directories,
+    one document per record (``ulysses_jax.documents``: text, prompt/completion with the loss
+    on the completion, chat ``messages`` or ShareGPT ``conversations`` with the loss on the
+    trained turns, pre-tokenized ``input_ids``); pre-tokenized ``.bin``/``.npy`` token files
+    and directories that ``ulysses_jax.preprocess --out`` wrote), or "retrieval"
+    (``RetrievalTask``).
+  paths: files, directories or globs (``**`` recurses), for source="files".
+  sources: a weighted mixture instead of ``paths``: ``"PATHS@WEIGHT,PATHS@WEIGHT,..."``, each
+    PATHS a file, directory or glob (``"books/*.parquet@0.3,short.jsonl@0.7"``); each training
+    row comes from one source, drawn by weight from the seed (``packing.MixedRows``); each
+    source holds out its own ``eval_fraction``.
   tokenizer: "byte" or the path of a Hugging Face ``tokenizer.json`` (for a fine-tune, the
-    checkpoint's own); its vocabulary must fit the model's ``vocab_size``.
-  text_field: the JSONL field holding a record's text.
+    checkpoint's own); its vocabulary must fit the model's ``vocab_size``. Conversations use
+    the chat template saved beside it (``ulysses_jax.chat``).
+  chat_template: a ``.jinja`` file to use instead of the tokenizer's own template.
+  roles_to_train: the roles of conversation turns that carry the loss (comma-separated).
+  text_field: the record field holding a text record's text.
   token_dtype: integer dtype of raw ``.bin`` token files (``.npy`` files carry their own).
   eos_id: in token files, the id ending each document; None: each file is one document.
   seq_len: S, tokens per row; must divide by the mesh's seq axis.
@@ -99,7 +80,10 @@ class DataConfig:
   """
   source: Literal[SOURCES] = "stdlib"
   paths: str | Sequence[str] = ()
+  sources: str = ""
   tokenizer: str = "byte"
+  chat_template: str = ""
+  roles_to_train: str = "assistant"
   text_field: str = "text"
   token_dtype: Literal[TOKEN_DTYPES] = "uint16"
   eos_id: int | None = None
@@ -116,236 +100,53 @@ class DataConfig:
     check_fields(self)
     if not 0 <= self.eval_fraction < 1:
       raise ConfigError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-    if self.source == "stdlib" and self.paths:
+    if self.source == "stdlib" and (self.paths or self.sources):
       raise ConfigError("DataConfig.source='stdlib' reads the Python standard library; it "
-                        "takes no paths (set DataConfig.source='files' to read them)")
+                        "takes no paths or sources (set DataConfig.source='files' to read them)")
+    if self.paths and self.sources:
+      raise ConfigError("give DataConfig.paths (one source) or DataConfig.sources (a weighted "
+                        "mixture), not both")
+    if not [r for r in self.roles_to_train.split(",") if r.strip()]:
+      raise ConfigError("DataConfig.roles_to_train names no role; give e.g. 'assistant'")
+    self.mixture()  # checks its syntax
+
+  def mixture(self) -> list[tuple[str, float]]:
+    """(paths, weight) of each source of ``sources``; [] for a single source."""
+    parts = []
+    for item in filter(None, (x.strip() for x in self.sources.split(","))):
+      paths, at, weight = item.rpartition("@")
+      try:
+        value = float(weight) if at and paths else -1.0
+      except ValueError:
+        value = -1.0
+      if not value > 0:
+        raise ConfigError(f"DataConfig.sources: {item!r} is not PATHS@WEIGHT with a weight "
+                          "> 0; write e.g. 'books/*.parquet@0.3,short.jsonl@0.7'")
+      parts.append((paths, value))
+    return parts
 
 
-# ----------------------------------------------------------------------------- rows
 
-def pack_row(tokens: np.ndarray, docs: np.ndarray, seq_len: int,
-              targets: np.ndarray | None = None) -> dict[str, np.ndarray]:
-  """One row from up to ``seq_len + 1`` consecutive stream tokens, their document ranks and
-  whether each may be a label (None: all)."""
-  n, m = min(len(tokens), seq_len), min(len(tokens) - 1, seq_len)
-  row = {k: np.zeros(seq_len, np.int32) for k in ("tokens", "segment_ids", "positions")}
-  row["tokens"][:n] = tokens[:n]
-  row["labels"] = np.full(seq_len, IGNORE_LABEL, np.int32)
-  if m > 0:
-    labelled = docs[1:m + 1] == docs[:m]
-    if targets is not None:
-      labelled &= targets[1:m + 1]
-    row["labels"][:m] = np.where(labelled, tokens[1:m + 1], IGNORE_LABEL)
-  seg = row["segment_ids"]
-  if n:
-    seg[1:n] = np.cumsum(docs[1:n] != docs[:n - 1])
-    seg[n:] = seg[n - 1] + 1
-  starts = np.flatnonzero(np.concatenate([[True], seg[1:] != seg[:-1]]))
-  row["positions"][:] = np.arange(seq_len) - starts[seg]
-  return row
-
-
-class _PackedRows:
-  """Rows over a corpus: shuffled epochs without end, or (``shuffle=False``) one pass."""
-
-  def __init__(self, corpus: Corpus, seq_len: int, seed: int, shuffle: bool):
-    self.corpus, self.seq_len, self.seed, self.shuffle = corpus, seq_len, seed, shuffle
-    total = corpus.num_tokens
-    self.windows = (total - 1) // seq_len if shuffle else -(-total // seq_len)
-    self.num_rows = None if shuffle else self.windows
-    self._epoch = functools.lru_cache(maxsize=2)(self._make_epoch)
-
-  def _make_epoch(self, epoch: int):
-    """(document order, cumulative ends, window order) of one epoch."""
-    if not self.shuffle:
-      return np.arange(len(self.corpus.doc_len)), np.cumsum(self.corpus.doc_len), None
-    rng = np.random.default_rng([self.seed, epoch])
-    order = rng.permutation(len(self.corpus.doc_len))
-    return order, np.cumsum(self.corpus.doc_len[order]), rng.permutation(self.windows)
-
-  def _read(self, order, ends, offset: int, n: int):
-    """Stream tokens [offset, offset + n), clipped at the end, each one's document rank and
-    target flag."""
-    c, pieces = self.corpus, [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))]
-    i = int(np.searchsorted(ends, offset, side="right"))
-    while n > 0 and i < len(ends):
-      d = order[i]
-      take = min(n, int(ends[i] - offset))
-      tokens, targets = c.read(d, int(offset - (ends[i] - c.doc_len[d])), take)
-      pieces.append((tokens, np.full(take, i), targets))
-      offset, n, i = offset + take, n - take, i + 1
-    return tuple(np.concatenate(p) for p in zip(*pieces))
-
-  def __call__(self, row: int) -> dict[str, np.ndarray]:
-    epoch, window = divmod(row, self.windows)
-    order, ends, windows = self._epoch(epoch)
-    if windows is not None:
-      window = windows[window]
-    tokens, docs, targets = self._read(order, ends, window * self.seq_len, self.seq_len + 1)
-    return pack_row(tokens, docs, self.seq_len, targets)
-
-
-class _DocumentWindows:
-  """One pass over a corpus's documents in order, each alone, cut into consecutive windows.
-
-  A document of n tokens gives ``ceil((n - 1) / S)`` rows; its window ``w`` holds tokens
-  ``[w*S, (w+1)*S)`` at positions ``0..S-1`` and their next tokens as labels; the last
-  window is padded (segment 1, no labels). A row never holds two documents.
-  """
-
-  def __init__(self, corpus: Corpus, seq_len: int):
-    windows = -(-np.maximum(corpus.doc_len - 1, 0) // seq_len)
-    self.corpus, self.seq_len = corpus, seq_len
-    self.row_doc = np.repeat(np.arange(len(windows)), windows)
-    self.row_window = np.arange(len(self.row_doc)) - np.repeat(np.cumsum(windows) - windows,
-                                                               windows)
-    self.num_rows = len(self.row_doc)
-
-  def __call__(self, row: int) -> dict[str, np.ndarray]:
-    d, begin = int(self.row_doc[row]), int(self.row_window[row]) * self.seq_len
-    n = min(self.seq_len + 1, int(self.corpus.doc_len[d]) - begin)
-    tokens, targets = self.corpus.read(d, begin, n)
-    return pack_row(tokens, np.zeros(n, np.int64), self.seq_len, targets)
-
-
-class _RetrievalRows:
-  """``RetrievalTask`` rows; row ``r`` depends only on (seed, split, r)."""
-
-  def __init__(self, task: RetrievalTask, seq_len: int, seed: int, split: str):
-    if seq_len < 2 * task.num_pairs + 2:
-      raise ValueError(f"seq_len={seq_len} cannot hold {task.num_pairs} key-value pairs and "
-                       f"the question: need at least {2 * task.num_pairs + 2}")
-    self.task, self.seq_len, self.seed = task, seq_len, seed
-    self.split = ("train", "eval").index(split)
-    self.num_rows = None if split == "train" else task.eval_rows
-
-  def __call__(self, row: int) -> dict[str, np.ndarray]:
-    t, s = self.task, self.seq_len
-    rng = np.random.default_rng([self.seed, self.split, row])
-    key0, value0 = 1 + t.num_filler, 1 + t.num_filler + t.num_keys
-    keys = key0 + rng.choice(t.num_keys, t.num_pairs, replace=False)
-    values = value0 + rng.integers(t.num_values, size=t.num_pairs)
-    tokens = 1 + rng.integers(t.num_filler, size=s)
-    tokens[0:2 * t.num_pairs:2], tokens[1:2 * t.num_pairs:2] = keys, values
-    asked = rng.integers(t.num_pairs)
-    tokens[s - 2], tokens[s - 1] = 0, keys[asked]
-    labels = np.full(s, IGNORE_LABEL)
-    labels[s - 1] = values[asked]
-    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32),
-            "segment_ids": np.zeros(s, np.int32), "positions": np.arange(s, dtype=np.int32)}
-
-
-# ----------------------------------------------------------------------------- batches
-
-def _data_coords(mesh) -> list[int]:
-  """Indices along the data axis of the mesh slices holding this process's devices."""
-  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(DATA), 0)
-  return [i for i, d in enumerate(devices)
-          if any(x.process_index == jax.process_index() for x in d.flat)]
-
-
-def _check_divisible(mesh, batch_size: int, seq_len: int):
-  shards, axes = sequence_shards(mesh), " x ".join(repr(a) for a in sequence_axes(mesh))
-  if seq_len % shards:
-    raise ValueError(f"seq_len={seq_len} does not divide over the mesh's {axes} axis of "
-                     f"{shards} devices; use a multiple of {shards}")
-  if batch_size % mesh.shape[DATA]:
-    raise ValueError(f"batch size {batch_size} does not divide over the mesh's {DATA!r} axis "
-                     f"of {mesh.shape[DATA]} devices; use a multiple of {mesh.shape[DATA]}")
-
-
-def make_global_batch(local_batch: dict[str, np.ndarray], mesh) -> dict[str, jax.Array]:
-  """Global int32 ``[B, S]`` arrays sharded ``sharding.batch_spec`` (``P(DATA, SEQ)``) from
-  this process's rows.
-
-  ``local_batch`` holds, in order, the rows of the data-axis slices that this process's
-  devices hold (all rows on one process); B = local rows * data size / local slices.
-  """
-  coords = _data_coords(mesh)
-  local_rows, seq_len = next(iter(local_batch.values())).shape
-  if local_rows % len(coords):
-    raise ValueError(f"{local_rows} local rows do not split over this process's "
-                     f"{len(coords)} slices of the {DATA!r} axis")
-  global_rows = local_rows // len(coords) * mesh.shape[DATA]
-  _check_divisible(mesh, global_rows, seq_len)
-  global_sharding = NamedSharding(mesh, batch_spec(mesh, seq_len))
-  return {k: jax.make_array_from_process_local_data(global_sharding, np.asarray(v, np.int32),
-                                                    (global_rows, seq_len))
-          for k, v in local_batch.items()}
-
-
-class Dataset:
-  """Batches of ``batch_size`` rows as global arrays; an iterator with a JSON-able position.
-
-  ``next(ds)`` returns the next batch (see the module docstring); ``batch(i)`` is batch i
-  from the start (random access, for evaluation: ``range(ds.num_batches)``). Each process
-  builds only its own rows. The position counts rows, so resuming with another batch size
-  continues where the last run stopped.
-  """
-
-  def __init__(self, rows, *, mesh, batch_size: int, vocab_size: int, fingerprint: str):
-    _check_divisible(mesh, batch_size, rows.seq_len)
-    self._rows, self.mesh, self.batch_size = rows, mesh, batch_size
-    self.seq_len, self.vocab_size, self.fingerprint = rows.seq_len, vocab_size, fingerprint
-    per_slice = batch_size // mesh.shape[DATA]
-    self._local = np.concatenate([np.arange(c * per_slice, (c + 1) * per_slice)
-                                  for c in _data_coords(mesh)])
-    self._next_row = 0
-
-  @property
-  def num_batches(self) -> int | None:
-    """Batches in one pass (the last padded), or None for an endless training stream."""
-    n = self._rows.num_rows
-    return None if n is None else -(-n // self.batch_size)
-
-  def local_batch(self, first_row: int) -> dict[str, np.ndarray]:
-    """This process's rows of global rows [first_row, first_row + batch_size); rows past
-    the end of a finite pass are padding."""
-    n, pad = self._rows.num_rows, pack_row(np.zeros(0), np.zeros(0), self.seq_len)
-    rows = [pad if n is not None and r >= n else self._rows(r)
-            for r in (first_row + self._local).tolist()]
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-
-  def batch(self, index: int) -> dict[str, jax.Array]:
-    return make_global_batch(self.local_batch(index * self.batch_size), self.mesh)
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, jax.Array]:
-    n = self._rows.num_rows
-    if n is not None and self._next_row >= n:
-      raise StopIteration
-    batch = make_global_batch(self.local_batch(self._next_row), self.mesh)
-    self._next_row += self.batch_size
-    return batch
-
-  def get_state(self) -> dict:
-    return {"next_row": self._next_row, "data": self.fingerprint}
-
-  def set_state(self, state: dict):
-    if state.get("data") != self.fingerprint:
-      raise ValueError(f"the saved data position belongs to a different data stream:\n"
-                       f"  saved: {state.get('data')}\n  now:   {self.fingerprint}\n"
-                       "resume with the same data config (batch_size may change)")
-    self._next_row = int(state["next_row"])
-
-
-def _load_corpus(config: DataConfig, vocab_size: int | None) -> tuple[Corpus, int, str]:
-  """(corpus in file order, smallest vocabulary it fits, a description) of a text or token
-  file config; documents truncated to ``seq_len`` when ``long_documents="truncate"``."""
-  files = stdlib_files() if config.source == "stdlib" else resolve_paths(config.paths)
-  tokenized = [f.endswith((".bin", ".npy")) for f in files]
-  if any(tokenized) and not all(tokenized):
-    raise ValueError("mix of token files (.bin/.npy) and text files: they need different "
-                     "tokenizers; give one kind")
-  if all(tokenized):
-    corpus, data_vocab = token_corpus(files, config.token_dtype, config.eos_id, vocab_size)
+def load_corpus(config: DataConfig, paths: str | Sequence[str] | None = None, *,
+                vocab_size: int | None = None, progress: bool = False
+                ) -> tuple[Corpus, int, str]:
+  """(corpus in file order, smallest vocabulary it fits, a description) of ``paths``
+  (default: ``config.paths``, or the standard library for source="stdlib"); documents cut to
+  ``seq_len`` when ``long_documents="truncate"``. ``progress``: a bar while tokenizing."""
+  files, tokenized = config_files(config, paths)
+  if tokenized:
+    dirs = [f for f in files if os.path.isdir(f)]
+    parts = [token_dir_corpus(d, vocab_size) for d in dirs]
+    if len(dirs) < len(files):
+      parts.append(token_corpus([f for f in files if not os.path.isdir(f)], config.token_dtype,
+                                config.eos_id, vocab_size))
+    corpus, data_vocab = merge([c for c, _ in parts]), max(v for _, v in parts)
   else:
-    tokenizer = make_tokenizer(config.tokenizer)
-    data_vocab = tokenizer.vocab_size
-    _check_vocab(data_vocab, vocab_size, f"tokenizer {config.tokenizer!r}")
-    corpus = text_corpus(files, tokenizer, config.text_field)
+    tokenizer, template = text_tokenizer(config)
+    _check_vocab(tokenizer.vocab_size, vocab_size, f"tokenizer {config.tokenizer!r}")
+    corpus = text_corpus(files, tokenizer, config.text_field, template=template,
+                         progress=progress)
+    data_vocab = max(tokenizer.vocab_size, _check_ids(corpus, vocab_size))
   if corpus.num_tokens == 0:
     raise ValueError(f"the {config.source} corpus is empty: {len(files)} file(s) but no tokens")
   if config.long_documents == "truncate":
@@ -353,7 +154,98 @@ def _load_corpus(config: DataConfig, vocab_size: int | None) -> tuple[Corpus, in
   name = (f"{config.source} files={len(files)} tokens={corpus.num_tokens} "
           f"tokenizer={config.tokenizer} text_field={config.text_field} "
           f"long_documents={config.long_documents} seq_len={config.seq_len}")
+  if config.chat_template or config.roles_to_train != "assistant":
+    name += f" chat_template={config.chat_template} roles_to_train={config.roles_to_train}"
   return corpus, data_vocab, name
+
+
+def config_files(config: DataConfig, paths: str | Sequence[str] | None = None
+                 ) -> tuple[list[str], bool]:
+  """The files of ``paths`` (default ``config.paths``; the standard library for
+  source="stdlib") and whether they are tokenized already (token files and directories)."""
+  files = stdlib_files() if config.source == "stdlib" else resolve_paths(
+      config.paths if paths is None else paths)
+  tokenized = [f.endswith((".bin", ".npy")) or os.path.isdir(f) for f in files]
+  if any(tokenized) and not all(tokenized):
+    raise ValueError("mix of token files (.bin/.npy, preprocessed directories) and text or "
+                     "record files: they need different tokenizers; give one kind")
+  return files, all(tokenized)
+
+
+def text_tokenizer(config: DataConfig):
+  """(the tokenizer, a function returning the ``chat.ChatTemplate``) of a text config."""
+  tokenizer = make_tokenizer(config.tokenizer)
+  return tokenizer, functools.partial(_chat_template, config, tokenizer)
+
+
+def _chat_template(config: DataConfig, tokenizer) -> chat.ChatTemplate:
+  template, special = chat.find_template(config.tokenizer, config.chat_template)
+  roles = [r.strip() for r in config.roles_to_train.split(",") if r.strip()]
+  return chat.ChatTemplate(template, special, tokenizer, roles)
+
+
+def _check_ids(corpus: Corpus, vocab_size: int | None) -> int:
+  """Max id + 1 of a tokenized corpus (pre-tokenized ``input_ids`` may exceed the tokenizer's
+  vocabulary); raises for a negative id or one beyond ``vocab_size``."""
+  tokens = corpus.arrays[0]
+  if not len(tokens):
+    return 0
+  low, high = int(tokens.min()), int(tokens.max())
+  if low < 0 or (vocab_size is not None and high >= vocab_size):
+    bad = low if low < 0 else high
+    raise ValueError(f"the data holds token id {bad} (pre-tokenized input_ids); ids must be in "
+                     f"[0, {vocab_size if vocab_size is not None else 'vocab_size'}): tokenize "
+                     "with the model's own tokenizer")
+  return high + 1
+
+
+class Rows(NamedTuple):
+  """What a ``DataConfig`` trains and evaluates on, before batching: row functions (index ->
+  row, ``packing``), the smallest vocabulary the data fits, the streams' fingerprints and, for
+  a mixture, each source's name in the metrics (its PATHS, other characters than letters,
+  digits and ``./-`` as ``_``)."""
+  train: object
+  eval: object | None
+  vocab_size: int
+  fingerprint: str
+  source_names: tuple[str, ...] = ()
+
+
+def make_rows(config: DataConfig, *, vocab_size: int | None = None,
+              progress: bool = False) -> Rows:
+  """The train and eval rows of ``config`` (no devices needed); every data problem raises."""
+  if config.source == "retrieval":
+    task = config.retrieval
+    _check_vocab(task.vocab_size, vocab_size, "the retrieval task")
+    return Rows(RetrievalRows(task, config.seq_len, config.seed, "train"),
+                RetrievalRows(task, config.seq_len, config.seed, "eval"), task.vocab_size,
+                f"retrieval {task} seq_len={config.seq_len} seed={config.seed}")
+  mixture = config.mixture() or [(config.paths, 1.0)]
+  trains, evals, vocab, names = [], [], 0, []
+  for k, (paths, _) in enumerate(mixture):
+    corpus, data_vocab, name = load_corpus(config, paths, vocab_size=vocab_size,
+                                           progress=progress)
+    where = f" (source {paths!r})" if config.sources else ""
+    train, eval_ = split_corpus(corpus, config.eval_fraction)
+    if eval_ is not None and eval_.num_tokens == 0:
+      raise ValueError(f"eval_fraction={config.eval_fraction} of {corpus.num_tokens} tokens"
+                       f"{where} holds out nothing; raise it, or set 0 for no evaluation split")
+    if train.num_tokens <= config.seq_len:
+      raise ValueError(f"the training split{where} has {train.num_tokens} tokens, too few for "
+                       f"one row of seq_len={config.seq_len} (+1 for its last label)")
+    seed = [config.seed, k] if config.sources else config.seed
+    trains.append(PackedRows(train, config.seq_len, seed, shuffle=True))
+    evals.append(eval_)
+    vocab, names = max(vocab, data_vocab), names + [name]
+  if config.sources:
+    train_rows = MixedRows(trains, [w for _, w in mixture], config.seed)
+    name = "mixture " + " + ".join(f"{w}: {n}" for (_, w), n in zip(mixture, names))
+  else:
+    train_rows, name = trains[0], names[0]
+  eval_rows = (None if config.eval_fraction == 0 else
+               PackedRows(merge(evals), config.seq_len, 0, shuffle=False))
+  return Rows(train_rows, eval_rows, vocab, f"{name} seed={config.seed}",
+              tuple(re.sub(r"[^\w./-]", "_", p) for p, _ in config.mixture()))
 
 
 def make_datasets(config: DataConfig = DataConfig(), mesh=None, *,
@@ -365,40 +257,25 @@ def make_datasets(config: DataConfig = DataConfig(), mesh=None, *,
   is the smallest model vocabulary the data fits.
   """
   mesh = make_mesh() if mesh is None else mesh
-  _check_divisible(mesh, config.batch_size, config.seq_len)
-  make = functools.partial(Dataset, mesh=mesh, batch_size=config.batch_size)
-  if config.source == "retrieval":
-    task = config.retrieval
-    _check_vocab(task.vocab_size, vocab_size, "the retrieval task")
-    name = f"retrieval {task} seq_len={config.seq_len} seed={config.seed}"
-    return tuple(make(_RetrievalRows(task, config.seq_len, config.seed, split),
-                      vocab_size=task.vocab_size, fingerprint=f"{split}: {name}")
-                 for split in ("train", "eval"))
-  corpus, data_vocab, name = _load_corpus(config, vocab_size)
-  train, eval_ = split_corpus(corpus, config.eval_fraction)
-  if eval_ is not None and eval_.num_tokens == 0:
-    raise ValueError(f"eval_fraction={config.eval_fraction} of {corpus.num_tokens} tokens "
-                     "holds out nothing; raise it, or set 0 for no evaluation split")
-  if train.num_tokens <= config.seq_len:
-    raise ValueError(f"the training split has {train.num_tokens} tokens, too few for one row "
-                     f"of seq_len={config.seq_len} (+1 for its last label)")
-  train_ds = make(_PackedRows(train, config.seq_len, config.seed, shuffle=True),
-                  vocab_size=data_vocab, fingerprint=f"train: {name} seed={config.seed}")
-  if eval_ is None:
-    return train_ds, None
-  return train_ds, make(_PackedRows(eval_, config.seq_len, 0, shuffle=False),
-                        vocab_size=data_vocab, fingerprint=f"eval: {name}")
+  check_divisible(mesh, config.batch_size, config.seq_len)
+  rows = make_rows(config, vocab_size=vocab_size)
+  make = functools.partial(Dataset, mesh=mesh, batch_size=config.batch_size,
+                           vocab_size=rows.vocab_size)
+  train = make(rows.train, fingerprint=f"train: {rows.fingerprint}",
+               source_names=rows.source_names)
+  return train, rows.eval and make(rows.eval, fingerprint=f"eval: {rows.fingerprint}")
 
 
 def document_windows(config: DataConfig, mesh, *, vocab_size: int | None = None) -> Dataset:
-  """Evaluation rows (``_DocumentWindows``) of every document of ``config``'s files, in file
-  order, ``config.batch_size`` rows per batch (the last batch padded); no split, no shuffle.
+  """Evaluation rows (``packing.DocumentWindows``) of every document of ``config``'s files, in
+  file order, ``config.batch_size`` rows per batch (the last batch padded); no split, no
+  shuffle.
   """
   if config.source == "retrieval":
     raise ConfigError("document_windows reads text or token files, not the retrieval task")
-  _check_divisible(mesh, config.batch_size, config.seq_len)
-  corpus, data_vocab, name = _load_corpus(config, vocab_size)
-  return Dataset(_DocumentWindows(corpus, config.seq_len), mesh=mesh,
+  check_divisible(mesh, config.batch_size, config.seq_len)
+  corpus, data_vocab, name = load_corpus(config, vocab_size=vocab_size)
+  return Dataset(DocumentWindows(corpus, config.seq_len), mesh=mesh,
                  batch_size=config.batch_size, vocab_size=data_vocab,
                  fingerprint=f"windows: {name}")
 

@@ -5,13 +5,19 @@ nothing of the package.
 Sources. The device facts (SM count, shared memory and registers per SM, clock, memory size and
 bandwidth, L2, compute capability) are those of XLA's published target descriptions
 (openxla/xla ``xla/backends/gpu/target_config/specs/h100_sxm.txtpb``, ``h200.txtpb``,
-``a100_sxm_80.txtpb``, ``b200.txtpb``), which record what the CUDA driver reports for each GPU.
+``a100_sxm_80.txtpb``, ``b200.txtpb``, ``gb200.txtpb``), which record what the CUDA driver
+reports for each GPU.
 Peak bfloat16 tensor-core rates and interconnect bandwidths are NVIDIA's datasheet figures
 (H100/H200 SXM: 989 TFLOP/s dense, NVLink 4 at 450 GB/s per direction, PCIe 5 x16 at 64 GB/s
 per direction; A100 SXM 80GB: 312 TFLOP/s, NVLink 3 at 300 GB/s, PCIe 4 x16 at 32 GB/s; HGX
 B200: 2.25 PFLOP/s dense (4.5 with sparsity), NVLink 5 at 900 GB/s per direction (1.8 TB/s
-both), PCIe 5 x16), and one 400 Gb/s (H100/H200/B200) or 200 Gb/s (A100) InfiniBand NIC per
-GPU as in NVIDIA's DGX systems.
+both), PCIe 5 x16; GB200 NVL72: 2.5 PFLOP/s dense per GPU (NVIDIA's 360 PFLOP/s of sparse
+FP16/BF16 per 72-GPU rack, halved), NVLink 5 at 900 GB/s per direction across the whole rack,
+and NVLink-C2C to the Grace CPU at 900 GB/s both ways, shared by the two GPUs of a superchip:
+225 GB/s per GPU per direction to host memory), and one 400 Gb/s (H100/H200/B200/GB200) or
+200 Gb/s (A100) InfiniBand NIC per GPU as in NVIDIA's DGX systems. ``nvlink_domain`` is how
+many GPUs one NVLink fabric joins: the 8 of an HGX/DGX board, the 72 of a GB200 NVL72 rack;
+traffic between domains crosses the network at ``network_bandwidth``.
 """
 
 import dataclasses
@@ -48,6 +54,7 @@ class Gpu:
   bf16_flops: float           # dense tensor-core peak, FLOP/s
   nvlink_bandwidth: float     # per GPU per direction, bytes/s
   network_bandwidth: float    # per GPU per direction across nodes (InfiniBand), bytes/s
+  nvlink_domain: int          # GPUs one NVLink fabric joins (a node; a GB200 NVL72 rack)
   pcie_bandwidth: float       # host <-> device per direction, bytes/s
   cudnn_version: tuple[int, int, int]
   # What the runtime holds outside XLA's program, as a share of memory_bytes.
@@ -81,7 +88,8 @@ _H100 = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
             shared_memory_per_sm=233472, shared_memory_per_block_optin=232448,
             clock_ghz=1.98, memory_bytes=84942979072, memory_bandwidth=3.35232e12,
             l2_bytes=52428800, bf16_flops=989.4e12, nvlink_bandwidth=450 * GB,
-            network_bandwidth=50 * GB, pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0))
+            network_bandwidth=50 * GB, nvlink_domain=8, pcie_bandwidth=64 * GB,
+            cudnn_version=(9, 10, 0))
 
 GPUS = {
     "h100": _H100,
@@ -93,13 +101,21 @@ GPUS = {
                 shared_memory_per_sm=167936, shared_memory_per_block_optin=166912,
                 clock_ghz=1.41, memory_bytes=85100068864, memory_bandwidth=2.03904e12,
                 l2_bytes=41943040, bf16_flops=312e12, nvlink_bandwidth=300 * GB,
-                network_bandwidth=25 * GB, pcie_bandwidth=32 * GB, cudnn_version=(8, 9, 4)),
+                network_bandwidth=25 * GB, nvlink_domain=8, pcie_bandwidth=32 * GB,
+                cudnn_version=(8, 9, 4)),
     "b200": Gpu(name="NVIDIA B200", compute_capability=(10, 0), accelerated_features=True,
                 sm_count=148, fp32_lanes_per_sm=128, shared_memory_per_sm=233472,
                 shared_memory_per_block_optin=232448, clock_ghz=1.965,
                 memory_bytes=191514411008, memory_bandwidth=7.67232e12, l2_bytes=132644864,
                 bf16_flops=2250e12, nvlink_bandwidth=900 * GB, network_bandwidth=50 * GB,
-                pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0)),
+                nvlink_domain=8, pcie_bandwidth=64 * GB, cudnn_version=(9, 10, 0)),
+    # One GPU of a GB200 NVL72 rack (XLA's gb200.txtpb): 72 GPUs share one NVLink domain.
+    "gb200": Gpu(name="NVIDIA GB200", compute_capability=(10, 0), accelerated_features=True,
+                 sm_count=152, fp32_lanes_per_sm=128, shared_memory_per_sm=233472,
+                 shared_memory_per_block_optin=232448, clock_ghz=2.062,
+                 memory_bytes=197897748480, memory_bandwidth=7.928064e12, l2_bytes=135528448,
+                 bf16_flops=2500e12, nvlink_bandwidth=900 * GB, network_bandwidth=50 * GB,
+                 nvlink_domain=72, pcie_bandwidth=225 * GB, cudnn_version=(9, 10, 0)),
 }
 
 

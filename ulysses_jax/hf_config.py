@@ -236,6 +236,10 @@ def model_type_of(config: LlamaConfig) -> str:
                       "(sliding_rope_theta); set it to None to export this model.")
   if config.qkv_bias and config.qk_norm:
     raise ConfigError("no Hugging Face architecture has both qkv_bias and qk_norm.")
+  if config.attention_sinks:
+    raise ConfigError("attention_sinks: of the Hugging Face architectures only gpt_oss has "
+                      "them, which this exporter does not write; set attention_sinks=False to "
+                      "export a model without them.")
   model_type = "qwen3" if config.qk_norm else "qwen2" if config.qkv_bias else "llama"
   windows = config.layer_windows()
   if model_type == "llama" and any(windows):

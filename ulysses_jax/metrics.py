@@ -10,7 +10,10 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
   dim), k the keys a query sees on average: S/2 under the causal mask over S tokens, about
   W under a sliding window W << S (``reference.mean_visible_keys``, per layer from
   ``LlamaConfig.layer_windows``). Rematerialisation is not counted (this is MFU, not
-  hardware FLOPs utilisation).
+  hardware FLOPs utilisation). Attention sinks (``LlamaConfig.attention_sinks``) take part in
+  no matmul: their L·Hq logits are not in N, and their elementwise work (a sigmoid per query
+  row and head, a product per output element) is not counted, so they leave the count as it
+  is.
 * ``peak_flops``: the measured matmul throughput, in the model's compute dtype, of all
   devices together (``measure_peak_flops``), or a given per-device figure times the
   device count.
@@ -19,6 +22,7 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
 import json
 import math
 import os
+import secrets
 import shutil
 import time
 
@@ -36,7 +40,8 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   A mixture of experts counts its active parameters: each MoE layer's router and the k of
   its X experts a token runs (``count_params(active=True)``)."""
   embedding = config.vocab_size * config.hidden_dim
-  matmul_params = count_params(config, active=True) - embedding + (
+  sinks = config.num_layers * config.num_heads if config.attention_sinks else 0
+  matmul_params = count_params(config, active=True) - embedding - sinks + (
       embedding if config.tie_embeddings else 0)
   keys = sum(mean_visible_keys(seq_len, window) for window in config.layer_windows())
   attention = 12 * keys * config.num_heads * config.head_dim
@@ -102,9 +107,43 @@ def peak_memory_gib() -> float | None:
   return max(peaks) / 2**30 if peaks else None
 
 
+WANDB_HINT = "pip install 'ulysses_jax[wandb]' (or pip install wandb)"
+
+
+class _WandbRun:
+  """A Weights & Biases run of the workdir: its id is kept in ``wandb_run_id``, so a resumed
+  run continues it (steps that the stopped run logged after its checkpoint stay there too).
+  The numbers are plotted against our ``step``. ``WANDB_MODE=offline`` keeps it on disk."""
+
+  def __init__(self, workdir: str, project: str, config: dict | None):
+    try:
+      import wandb  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise ImportError(f"TrainConfig.wandb_project needs wandb: {WANDB_HINT}") from e
+    id_file = os.path.join(workdir, "wandb_run_id")
+    if os.path.exists(id_file):
+      with open(id_file, encoding="utf-8") as f:
+        run_id = f.read().strip()
+    else:
+      run_id = secrets.token_hex(4)
+      with open(id_file, "w", encoding="utf-8") as f:
+        f.write(run_id + "\n")
+    self.run = wandb.init(project=project, id=run_id, resume="allow", dir=workdir,
+                          config=config)
+    self.run.define_metric("step")
+    self.run.define_metric("*", step_metric="step")
+
+  def log(self, numbers: dict):
+    self.run.log(numbers)
+
+  def close(self):
+    self.run.finish()
+
+
 class MetricsWriter:
   """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors every number
-  to TensorBoard event files under ``tensorboard/``.
+  to TensorBoard event files under ``tensorboard/`` and, with ``wandb_project``, to a
+  Weights & Biases run (``_WandbRun``; ``run_config`` as its config).
 
   Only process 0 writes (others get a writer that does nothing). On resume from step
   ``resume_step``, records of later steps (logged after that checkpoint by the run that
@@ -112,10 +151,12 @@ class MetricsWriter:
   events are rewritten from the kept records, so they hold each step once.
   """
 
-  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None):
+  def __init__(self, workdir: str, resume_step: int = 0, enabled: bool | None = None, *,
+               wandb_project: str = "", run_config: dict | None = None):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.tensorboard_dir = os.path.join(workdir, "tensorboard")
     self._enabled = jax.process_index() == 0 if enabled is None else enabled
+    self._wandb = None
     if not self._enabled:
       return
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
@@ -131,6 +172,8 @@ class MetricsWriter:
     for line in kept:
       self._to_tensorboard(json.loads(line))
     self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    if wandb_project:
+      self._wandb = _WandbRun(workdir, wandb_project, run_config)
 
   def write(self, record: dict):
     """Writes ``record``: ``step``, numbers and strings; None values (not measured) are left
@@ -144,6 +187,8 @@ class MetricsWriter:
     self._file.write(json.dumps({k: finite.get(k, text.get(k)) for k in record}) + "\n")
     self._file.flush()
     self._to_tensorboard(finite)
+    if self._wandb:
+      self._wandb.log(finite)
 
   def _to_tensorboard(self, record: dict):
     """The numbers of ``record`` (a resumed run replays its kept lines: strings, nulls too)."""
@@ -156,6 +201,8 @@ class MetricsWriter:
     if self._enabled:
       self._file.close()
       self._tb.close()
+    if self._wandb:
+      self._wandb.close()
 
 
 def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: int,

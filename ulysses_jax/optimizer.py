@@ -22,7 +22,7 @@ from flax import nnx
 from ulysses_jax import sharding
 from ulysses_jax.config_checks import above, at_least, check_fields
 
-_NO_DECAY = ("scale", "bias")
+_NO_DECAY = ("scale", "bias", "sinks")  # attention sinks: a logit per head, like a bias
 LAYER_AXIS = "layers"  # logical name of the stacked-layer axis (models.llama)
 
 
@@ -30,7 +30,8 @@ LAYER_AXIS = "layers"  # logical name of the stacked-layer axis (models.llama)
 class OptimizerConfig:
   """AdamW with linear warmup to ``learning_rate`` then cosine decay to
   ``learning_rate * final_lr_fraction`` at ``total_steps``; gradients clipped to global norm
-  ``clip_norm`` (0 = no clipping). Norm scales and biases get no weight decay."""
+  ``clip_norm`` (0 = no clipping). Norm scales, biases and attention sinks get no weight
+  decay."""
   learning_rate: float = dataclasses.field(default=3e-4, metadata=above(0))
   warmup_steps: int = dataclasses.field(default=100, metadata=at_least(0))
   total_steps: int = dataclasses.field(default=10_000, metadata=at_least(1))
@@ -58,7 +59,7 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  """True for every parameter except norm scales and biases."""
+  """True for every parameter except norm scales, biases and attention sinks."""
   return jax.tree_util.tree_map_with_path(
       lambda path, v: v.replace(path[-1].key not in _NO_DECAY), params,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -79,7 +80,7 @@ class Optimizer:
 
 
 def make_optimizer(config: OptimizerConfig) -> Optimizer:
-  """AdamW as ``config`` says; norm scales and biases get no weight decay."""
+  """AdamW as ``config`` says; norm scales, biases and attention sinks get no weight decay."""
   schedule = learning_rate_schedule(config)
   tx = optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
                    weight_decay=config.weight_decay, mask=_decay_mask)

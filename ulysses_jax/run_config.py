@@ -7,12 +7,14 @@ checkpoint). Python users build it directly; the command lines build it from gin
 """
 
 import dataclasses
+import importlib.util
 from typing import Any, Literal
 
 from ulysses_jax.checkpoint import CheckpointConfig
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
 from ulysses_jax.data import DataConfig
 from ulysses_jax.distributed import PLATFORMS
+from ulysses_jax.metrics import WANDB_HINT
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.optimizer import OptimizerConfig
 from ulysses_jax.ruler.tasks import TASKS
@@ -55,6 +57,8 @@ class TrainConfig:
     data's tokenizer: ``ruler_mean``, ``ruler_<task>``, ``ruler_mean_<L>`` in the metrics.
   kernel_check: before the first step, run the attention kernel on a small problem against
     the XLA attention and fall back down the chain if it fails (``ulysses_jax.kernel_check``).
+  wandb_project: also log the metrics to this Weights & Biases project ("" = off; the
+    ``wandb`` extra; ``WANDB_MODE=offline`` keeps the run on disk).
   """
   steps: int = dataclasses.field(default=1000, metadata=at_least(1))
   log_every: int = dataclasses.field(default=10, metadata=at_least(1))
@@ -81,9 +85,13 @@ class TrainConfig:
   ruler_tasks: str = ""
   ruler_samples: int = dataclasses.field(default=4, metadata=at_least(1))
   kernel_check: bool = True
+  wandb_project: str = ""
 
   def __post_init__(self):
     check_fields(self)
+    if self.wandb_project and importlib.util.find_spec("wandb") is None:
+      raise ConfigError(f"TrainConfig.wandb_project={self.wandb_project!r} needs wandb: "
+                        f"{WANDB_HINT}")
     if self.mesh_data == 0:
       raise ConfigError("TrainConfig.mesh_data must be >= 1, or -1 for the devices that "
                         "mesh_seq x mesh_ring leave, got 0")

@@ -1,4 +1,5 @@
-"""Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype.
+"""Pre-tokenized token files: ``.npy`` arrays and raw ``.bin`` streams of any integer dtype, and
+token directories (``TokenDirWriter``: what ``ulysses_jax.preprocess --out`` writes).
 
 Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (ids within
 ``[0, vocab_size)``, document ends) and converted to int64 one row window at a time
@@ -6,12 +7,13 @@ Files stay memory-mapped: they are checked in chunks of ``SCAN_CHUNK`` tokens (i
 not a ``.npy``, not a 1-D integer array) is a ``ValueError`` naming the file and the fault.
 """
 
+import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from ulysses_jax.corpus import Corpus, concat
+from ulysses_jax.corpus import TOKEN_DIR_INDEX, Corpus, concat
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
 SCAN_CHUNK = 1 << 24
@@ -94,3 +96,75 @@ def token_corpus(files: Sequence[str], dtype: str, eos_id: int | None,
     arrays.append(arr)
     parts.append(Corpus(arrays, np.full(len(starts), i, np.int64), starts, lengths))
   return concat(parts), top + 1
+
+
+class TokenDirWriter:
+  """Writes documents as they come (``add(tokens, targets)``, the sink of
+  ``documents.read_documents``) into a token directory; ``finish(description)`` completes it and
+  returns its index. Only the documents' starts and lengths stay in memory.
+
+  Files: ``tokens.bin`` (uint32 ids, the documents in order), ``targets.bin`` (one byte per
+  token: may it be a label; removed when every token may), ``documents.npy`` (int64 ``[n, 2]``:
+  start and length) and ``TOKEN_DIR_INDEX`` (JSON, written last: a directory without it was
+  not finished).
+  """
+
+  def __init__(self, directory: str):
+    os.makedirs(directory, exist_ok=True)
+    self.directory = directory
+    self._tokens = open(os.path.join(directory, "tokens.bin"), "wb")  # pylint: disable=consider-using-with
+    self._targets = open(os.path.join(directory, "targets.bin"), "wb")  # pylint: disable=consider-using-with
+    self._lengths, self._low, self._high, self._context = [], 0, -1, False
+
+  def add(self, tokens: np.ndarray, targets: np.ndarray | None):
+    if not len(tokens):
+      return
+    self._low, self._high = min(self._low, int(tokens.min())), max(self._high, int(tokens.max()))
+    if self._low < 0 or self._high >= 2**32:
+      raise ValueError(f"token id {self._low if self._low < 0 else self._high} cannot be "
+                       "stored: token ids are in [0, 2**32)")
+    self._tokens.write(np.asarray(tokens, np.uint32).tobytes())
+    flags = np.ones(len(tokens), bool) if targets is None else np.asarray(targets, bool)
+    self._context |= not flags.all()
+    self._targets.write(flags.tobytes())
+    self._lengths.append(len(tokens))
+
+  def finish(self, description: dict) -> dict:
+    self._tokens.close()
+    self._targets.close()
+    if not self._context:
+      os.remove(os.path.join(self.directory, "targets.bin"))
+    lengths = np.asarray(self._lengths, np.int64)
+    np.save(os.path.join(self.directory, "documents.npy"),
+            np.stack([np.cumsum(lengths) - lengths, lengths], axis=1).reshape(-1, 2))
+    index = {**description, "format": 1, "num_tokens": int(lengths.sum()),
+             "num_documents": len(lengths), "max_id": self._high,
+             "has_targets": self._context}
+    with open(os.path.join(self.directory, TOKEN_DIR_INDEX), "w", encoding="utf-8") as f:
+      json.dump(index, f, indent=1)
+    return index
+
+
+def token_dir_corpus(directory: str, vocab_size: int | None) -> tuple[Corpus, int]:
+  """The corpus of a token directory (memory-mapped) and max id + 1; ids are checked against
+  ``vocab_size`` from the index."""
+  with open(os.path.join(directory, TOKEN_DIR_INDEX), encoding="utf-8") as f:
+    index = json.load(f)
+  if index.get("format") != 1:
+    raise ValueError(f"{directory}: token directory format {index.get('format')!r}, this "
+                     "version reads format 1; run ulysses_jax.preprocess --out again")
+  tokens = load_token_file(os.path.join(directory, "tokens.bin"), "uint32")
+  documents = np.load(os.path.join(directory, "documents.npy"))
+  if len(tokens) != index["num_tokens"] or len(documents) != index["num_documents"]:
+    raise ValueError(f"{directory}: holds {len(tokens)} tokens and {len(documents)} documents, "
+                     f"its index says {index['num_tokens']} and {index['num_documents']}; "
+                     "run ulysses_jax.preprocess --out again")
+  if vocab_size is not None and index["max_id"] >= vocab_size:
+    raise ValueError(f"{directory}: token id {index['max_id']} is beyond the model's "
+                     f"vocab_size={vocab_size}: it was tokenized with {index.get('tokenizer')!r};"
+                     " preprocess with the model's own tokenizer")
+  targets = None
+  if index["has_targets"]:
+    targets = [np.memmap(os.path.join(directory, "targets.bin"), dtype=bool, mode="r")]
+  return (Corpus([tokens], np.zeros(len(documents), np.int64), documents[:, 0].copy(),
+                 documents[:, 1].copy(), targets), index["max_id"] + 1)

@@ -29,7 +29,8 @@ def write_configs(workdir: str, config: RunConfig, start: int):
 # Settings that change the train state's tree or shapes: a checkpoint saved with other values
 # cannot restore. (Placement, remat and tiling can change on resume.)
 STATE_FIELDS = {"model": ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
-                          "head_dim", "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm"),
+                          "head_dim", "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm",
+                          "attention_sinks"),
                 "train": ("master_weights",)}
 
 

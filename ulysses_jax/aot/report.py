@@ -24,7 +24,7 @@ from ulysses_jax.gpus import Gpu
 from ulysses_jax.metrics import device_breakdown, flops_per_token
 from ulysses_jax.run_config import RunConfig
 from ulysses_jax.step_builder import TrainStep, build_train_step, run_mesh
-from ulysses_jax.xla_log import remat_warning_explained
+from ulysses_jax.xla_log import xla_warnings_explained
 
 GIB = 2**30
 # XLA's GPU scheduler and rematerialisation trade time for memory only when their own estimate
@@ -77,12 +77,12 @@ def compile_and_report(built: TrainStep, gpu: Gpu, nodes: int,
   lowered = built.step.lower(built.state, built.batch)
   # The state is donated and comes back aliased: the arguments are the step's io.
   options = budget_options(gpu, argument_bytes((built.state, built.batch)))
-  with remat_warning_explained():
+  with xla_warnings_explained():
     compiled = lowered.compile(options)
   report = describe(compiled, built, gpu, nodes, compile_s=time.perf_counter() - start)
   report["compiler_options"] = options
   if under_pressure:
-    with remat_warning_explained(explain=False):  # the limit is low on purpose here
+    with xla_warnings_explained(explain=False):  # the limit is low on purpose here
       pressed = sum(device_breakdown(lowered.compile(UNDER_PRESSURE).memory_analysis()).values())
     report.update(device_bytes_under_pressure=pressed,
                   least_device_bytes=min(report["device_bytes"], pressed))

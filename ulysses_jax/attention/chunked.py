@@ -14,6 +14,7 @@ O(S^2).
 
 Masking rules are those of ``reference.dense_attention``. Segment ids must be >= 0: the
 negative ids -1 and -2 mark the padding added when S is not a multiple of the block size.
+Sinks (``sinks.apply_sinks``) are applied to the output and lse, outside the ``custom_vjp``.
 """
 
 import functools
@@ -23,7 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ulysses_jax.attention.common import fori_loop
 from ulysses_jax.attention.reference import check_sliding_window
+from ulysses_jax.attention.common import check_sinks
+from ulysses_jax.attention.sinks import apply_sinks
 
 # Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
 # so that padded queries and padded keys never match.
@@ -33,21 +37,24 @@ _KV_PAD_SEGMENT = _Q_PAD_SEGMENT + 1
 
 def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
                       kv_segment_ids=None, q_positions=None, kv_positions=None, scale=None,
-                      sliding_window=None, block_q=512, block_kv=512, return_lse=False):
+                      sliding_window=None, block_q=512, block_kv=512, return_lse=False,
+                      sinks=None):
   """Exact attention; same arguments, shapes and result as ``reference.dense_attention``.
 
   q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``; segment ids ``[B, S]`` int; positions
   ``[S]`` int (default ``arange``; they place queries and keys for the causal mask, e.g. a
   query shard at an offset). ``sliding_window``: None, or W >= 1 with ``causal`` (a query at
   position p sees keys at p' with ``0 <= p - p' < W``; transformers' definition); key blocks
-  outside every window of a query block are not visited. Returns ``[B, Sq, Hq, D]`` and,
-  with ``return_lse``, the differentiable log-sum-exp ``[B, Hq, Sq]`` float32 that ring
-  attention merges with.
+  outside every window of a query block are not visited. ``sinks``: None or ``[Hq]`` float
+  logits (``attention.sinks``). Returns ``[B, Sq, Hq, D]`` and, with ``return_lse``, the
+  differentiable log-sum-exp ``[B, Hq, Sq]`` float32 (the sink included) that ring attention
+  merges with.
   """
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither.")
   check_sliding_window(sliding_window, causal)
   b, sq, hq, d = q_BSHD.shape
+  check_sinks(sinks, hq, "chunked_attention")
   sk = k_BSKD.shape[1]
   scale = d ** -0.5 if scale is None else float(scale)
   block_q, block_kv = min(block_q, sq), min(block_kv, sk)
@@ -66,6 +73,8 @@ def chunked_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None
   out, lse = _attention(config, q, k, v, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32),
                         q_pos.astype(jnp.int32), kv_pos.astype(jnp.int32))
   out, lse = out[:, :sq], lse[:, :, :sq]
+  if sinks is not None:
+    out, lse = apply_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 
@@ -123,24 +132,6 @@ def _unblocks(x_NBb):
   return jnp.moveaxis(x_NBb, 0, 1).reshape(b, n * block, *x_NBb.shape[3:])
 
 
-def _fori_loop(lower, upper, body, init):
-  """``lax.fori_loop(lower, upper, body, init)`` that always lowers to a while loop.
-
-  A fori_loop with static bounds becomes a scan, and when this attention runs inside a
-  differentiated ``lax.scan`` (a model's layer stack) JAX then keeps every tile of that scan
-  as a residual, O(S^2) memory, even though the custom_vjp never differentiates it. A while
-  loop has no residuals to keep, and its bounds may be traced (the visible block range).
-  """
-  def cond(carry):
-    return carry[0] < upper
-
-  def step(carry):
-    i, value = carry
-    return i + 1, body(i, value)
-
-  return lax.while_loop(cond, step, (jnp.asarray(lower, jnp.int32), init))[1]
-
-
 def _block_visibility(config, q_pos, kv_pos):
   """``[Sq / block_q, Sk / block_kv]`` bool: False where the mask hides the whole tile.
 
@@ -172,7 +163,7 @@ def _visible_range(visible_N):
 def _visible_loop(visible_N, body, init):
   """Runs ``body(j, carry)`` for the visible ``j`` only, looping over their range alone."""
   first, end = _visible_range(visible_N)
-  return _fori_loop(first, end, lambda j, carry: lax.cond(
+  return fori_loop(first, end, lambda j, carry: lax.cond(
       visible_N[j], lambda c: body(j, c), lambda c: c, carry), init)
 
 

@@ -6,7 +6,8 @@ sharded over (``ring``, ``seq``). The all-to-alls (``ulysses.all_to_all_attentio
 ``ring.attend_shard`` completes the attention by rotating K/V over ``ring``. Heads need only
 divide (after ``plan_heads``) by P, not P·R, and only the K/V ring crosses the slower
 ``ring`` links. With R = 1 this is plain Ulysses (``ulysses.ulysses_attention``); with P = 1
-plain ring attention.
+plain ring attention. Sinks reach each device with its heads (``all_to_all_attention``) and
+the ring applies them once, after merging its steps.
 
 This module sits on top of ``ulysses.py`` and ``ring.py``, which do not know of each other or
 of it; ``ulysses_jax.ulysses_attention`` is the function defined here.
@@ -25,7 +26,8 @@ from ulysses_jax.mesh import RING, SEQ, ring_size
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       backend: str = "auto", scale: float | None = None,
-                      layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
+                      layout: Layout = "natural", sliding_window: int | None = None,
+                      sinks: jax.Array | None = None) -> jax.Array:
   """Exact attention over a sequence sharded on the mesh's ``seq`` (and ``ring``) axes.
 
   Args:
@@ -47,12 +49,15 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
       global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
       before it), within its segment.
+    sinks: None, or float ``[Hq]``: one learnable logit per query head in every row's softmax,
+      with no value (gpt-oss; ``ulysses_jax.attention.sinks``); differentiable. Every backend
+      but ``"cudnn"`` takes them.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` (``(data, (ring, seq))``) when the
     shard count divides S.
   """
-  args = dict(mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
+  args = dict(mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout, sinks=sinks)
   if not (isinstance(mesh, Mesh) and ring_size(mesh) > 1):  # plain meshes, and bad ones
     return ulysses.ulysses_attention(q, k, v, causal=causal, backend=backend,
                                      sliding_window=sliding_window, **args)
@@ -64,15 +69,17 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                                  num_q_heads=q.shape[2], num_kv_heads=k.shape[2], causal=causal,
                                  segment_ids_given=segment_ids is not None, mesh=mesh,
                                  sliding_window=sliding_window, layout=layout,
-                                 local_len=padded // ring_size(mesh))
-  return _hybrid_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
+                                 local_len=padded // ring_size(mesh),
+                                 sinks_given=sinks is not None)
+  return _hybrid_attention(q, k, v, segment_ids, sinks, mesh=mesh, causal=causal,
+                           backend=backend,
                            scale=None if scale is None else float(scale), layout=layout,
                            sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "causal", "backend", "scale", "layout",
                                              "sliding_window"))
-def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, layout,
+def _hybrid_attention(q, k, v, segment_ids, sinks, *, mesh, causal, backend, scale, layout,
                       sliding_window):
   ring_shards, seq_shards = ring_size(mesh), mesh.shape[SEQ]
   # The natural layout pads to the ring's length (its own next multiple); zigzag inputs
@@ -83,4 +90,4 @@ def _hybrid_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, lay
                              causal=causal, scale=scale, layout=layout, backend=backend,
                              sliding_window=sliding_window)
   return ulysses.all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, causal=causal,
-                                      seq_multiple=seq_multiple)
+                                      seq_multiple=seq_multiple, sinks_H=sinks)

@@ -15,8 +15,9 @@ Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
 ``q_proj.kernel [E, Hq, D]``, ``k_proj.kernel / v_proj.kernel [E, Hkv, D]`` (+ ``bias``
 ``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]`` (+ ``bias [E]`` with
 ``out_bias``), ``q_norm.scale / k_norm.scale [D]`` with ``qk_norm`` (the ``w`` of a factor
-``1 + w`` with ``norm_offset_one``). Kernels are FSDP-sharded along E over every device
-(``rules``), from the moment they are created (``ulysses_jax.layers.param``).
+``1 + w`` with ``norm_offset_one``), ``sinks [Hq]`` with ``attention_sinks`` (gpt-oss'
+``self_attn.sinks``, replicated: Hq numbers). Kernels are FSDP-sharded along E over every
+device (``rules``), from the moment they are created (``ulysses_jax.layers.param``).
 """
 
 import functools
@@ -32,7 +33,7 @@ from ulysses_jax.attention import backends
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.layers import Dense, RMSNorm
+from ulysses_jax.layers import Dense, RMSNorm, param
 
 # Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).
 QKV = "qkv"
@@ -69,6 +70,10 @@ class UlyssesAttention(nnx.Module):
       (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
     qkv_bias: biases on the q/k/v projections (Qwen2).
     out_bias: a bias on the output projection (gpt-oss).
+    attention_sinks: a learnable sink logit per query head, one more column of every row's
+      softmax with no value (gpt-oss; ``ulysses_jax.attention.sinks``); initialised normal(0,
+      ``init_std``) as transformers' ``GptOssPreTrainedModel`` does. Every backend but
+      ``"cudnn"`` takes them.
     norm_eps: epsilon of the qk-norm.
     backend: local attention backend, one of ``backends.BACKENDS``.
     head_chunks: run the layer over this many chunks of heads one after another (it must
@@ -92,6 +97,7 @@ class UlyssesAttention(nnx.Module):
                qk_norm: bool = False, norm_offset_one: bool = False,
                attention_scale: float | None = None, qkv_bias: bool = False,
                out_bias: bool = False,
+               attention_sinks: bool = False,
                norm_eps: float = 1e-6, backend: str = "auto", head_chunks: int = 1,
                dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
                rules: sharding.Rules = sharding.DEFAULT_RULES, rngs: nnx.Rngs):
@@ -112,6 +118,9 @@ class UlyssesAttention(nnx.Module):
                        f"{attention_scale}.")
     if backend not in backends.BACKENDS:
       raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}.")
+    if attention_sinks and backend == "cudnn":
+      raise ValueError(f"attention_sinks with backend='cudnn': {backends.NO_SINKS_IN_CUDNN}; "
+                       "use backend 'auto', 'pallas_mosaic', 'pallas' or 'xla'.")
     e, hq, hkv, d = embed_dim, num_heads, num_kv_heads, head_dim
     dense = dict(mesh=mesh, dtype=dtype, param_dtype=param_dtype, init_std=init_std,
                  rules=rules, rngs=rngs)
@@ -127,6 +136,8 @@ class UlyssesAttention(nnx.Module):
                 param_dtype=param_dtype, rules=rules)
     self.q_norm = RMSNorm(d, **norm) if qk_norm else None
     self.k_norm = RMSNorm(d, **norm) if qk_norm else None
+    self.sinks = (param(init_std * jax.random.normal(rngs.params(), (hq,), param_dtype),
+                        ("heads",), mesh=mesh, rules=rules) if attention_sinks else None)
     self.head_dim = d
     self.rope_theta = float(rope_theta)
     self.rope_scaling = rope_scaling
@@ -177,12 +188,14 @@ class UlyssesAttention(nnx.Module):
     return y_BSE
 
   def _kernels(self) -> dict:
-    """Compute-dtype, all-gathered projection kernels and q/k/v biases (None without)."""
+    """Compute-dtype, all-gathered projection kernels and q/k/v biases, and the float32
+    sinks (None without)."""
     kernels = {name: getattr(self, name).compute_kernel()
                for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     for name in ("q_proj", "k_proj", "v_proj"):
       bias = getattr(self, name).bias
       kernels[name + "_bias"] = None if bias is None else bias[...].astype(self.q_proj.dtype)
+    kernels["sinks"] = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
     return kernels
 
   def _attend(self, x_BSE, kernels, positions, segment_ids, sliding_window, rotary, *,
@@ -208,7 +221,8 @@ class UlyssesAttention(nnx.Module):
     q, k, v = (name(t, QKV) for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=self.mesh, causal=self.causal,
                             segment_ids=segment_ids, backend=self.backend,
-                            sliding_window=sliding_window, scale=self.attention_scale)
+                            sliding_window=sliding_window, scale=self.attention_scale,
+                            sinks=kernels["sinks"])
     out = name(constrain(out), ATTN_OUT)
     y_BSE = jnp.tensordot(out, kernels["o_proj"], axes=2)
     return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
@@ -223,7 +237,7 @@ class UlyssesAttention(nnx.Module):
     # Query head h belongs to key/value head h // (Hq/Hkv): splitting both head axes into n
     # contiguous chunks keeps each query group with its key/value head.
     heads_axis = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 0, "q_proj_bias": 0,
-                  "k_proj_bias": 0, "v_proj_bias": 0}
+                  "k_proj_bias": 0, "v_proj_bias": 0, "sinks": 0}
     chunked = {name: None if w is None else jnp.moveaxis(
         w.reshape(*w.shape[:heads_axis[name]], n, -1, *w.shape[heads_axis[name] + 1:]),
         heads_axis[name], 0) for name, w in kernels.items()}

@@ -9,7 +9,9 @@ short sequences. Masking rules shared by every backend:
   ``q_positions[i] - kv_positions[j] < sliding_window``, so it sees itself and the
   ``sliding_window - 1`` positions before it;
 * packed sequences: a query sees a key only if their segment ids are equal;
-* a query that sees no key returns 0 (and a log-sum-exp of -inf), never NaN.
+* a query that sees no key returns 0 (and a log-sum-exp of -inf), never NaN;
+* sinks (gpt-oss, ``attention.sinks``): one more logit per query head in every row's softmax,
+  with no value; a row that sees no key then returns 0 with a log-sum-exp equal to the sink.
 """
 
 import jax.numpy as jnp
@@ -46,12 +48,14 @@ def attention_mask(q_len, kv_len, *, causal, q_segment_ids=None, kv_segment_ids=
 
 def dense_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
                     kv_segment_ids=None, q_positions=None, kv_positions=None, scale=None,
-                    sliding_window=None, return_lse=False):
+                    sliding_window=None, return_lse=False, sinks=None):
   """Exact attention in float32; q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, Hq % Hkv == 0.
 
   Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Segment ids are ``[B, S]`` ints
-  (both or neither). Returns ``[B, Sq, Hq, D]`` in q's dtype, and with ``return_lse`` also the
-  log-sum-exp of the scaled scores, ``[B, Hq, Sq]`` float32.
+  (both or neither). ``sinks``: None, or ``[Hq]`` logits, one more (unscaled) column of every
+  row's scores whose probability multiplies no value (transformers' ``GptOssAttention``).
+  Returns ``[B, Sq, Hq, D]`` in q's dtype, and with ``return_lse`` also the log-sum-exp of
+  the scaled scores (and the sink), ``[B, Hq, Sq]`` float32.
   """
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither.")
@@ -65,11 +69,18 @@ def dense_attention(q_BSHD, k_BSKD, v_BSKD, *, causal=True, q_segment_ids=None,
                         kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                         kv_positions=kv_positions,
                         sliding_window=sliding_window)[:, None, None]
+  if sinks is not None:  # the sink: one more column, always visible
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, groups, 1, 1),
+                            scores.shape[:-1] + (1,))
+    scores = jnp.concatenate([scores, sink], axis=-1)
+    mask = jnp.concatenate([jnp.broadcast_to(mask, sink.shape[:-1] + (sk,)),
+                            jnp.ones(sink.shape, bool)], axis=-1)
   scores = jnp.where(mask, scores, -jnp.inf)
   row_max = jnp.max(scores, axis=-1, keepdims=True)
   row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   probs = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
   denom = jnp.sum(probs, axis=-1, keepdims=True)
+  probs = probs[..., :sk]  # the sink's column has no value
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs / jnp.where(denom == 0, 1.0, denom),
                    v_BSKD.astype(jnp.float32))
   out = out.reshape(b, sq, hq, d).astype(q_BSHD.dtype)

@@ -45,6 +45,12 @@ work) and needs shifts 0 and 1 only; there the flash kernels run too (``window_i
 ``ring_steps``). With W > S/R (zigzag, every distance a window reaches)
 the kernels would need positions they do not take, so only ``"xla"`` runs.
 
+**Sinks** (gpt-oss' per-head softmax sinks, ``attention.sinks``) are applied once, to the
+merged output and lse of all steps (a sink applied per step would be counted R times). The
+backward then holds the output and lse with the sink: with them every step's flash backward of
+the real keys is exact as it is (the sink lowers their probabilities, which ``exp(scores -
+lse)`` reflects), and ``sinks.sinks_grad`` gives the sinks' gradient.
+
 **Local attention** (``backend``): ``"xla"`` runs ``chunked.chunked_attention`` on each step's
 whole block, masking by global positions. ``"pallas"`` (``"pallas_mosaic"``) runs the Triton
 (Mosaic GPU) flash kernels, which know no positions: ``ring_steps`` cuts each step into calls
@@ -64,8 +70,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from ulysses_jax.attention import backends, chunked, zigzag
 from ulysses_jax.attention.ring_steps import (flash_step, flash_step_grads, flash_window_step,
                                               flash_window_step_grads, merge)
-from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
+from ulysses_jax.attention.common import Layout, fori_loop, pad_sequence, validate_inputs
 from ulysses_jax.attention.reference import check_sliding_window
+from ulysses_jax.attention.sinks import apply_sinks, sinks_grad
 from ulysses_jax.mesh import DATA, sequence_axes
 
 # --- The backend ------------------------------------------------------------------------
@@ -73,7 +80,7 @@ from ulysses_jax.mesh import DATA, sequence_axes
 def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
                     causal: bool, segment_ids_given: bool, mesh: Mesh | None = None,
                     sliding_window: int | None = None, layout: Layout = "natural",
-                    local_len: int | None = None) -> str:
+                    local_len: int | None = None, sinks_given: bool = False) -> str:
   """The ring's local attention: ``"xla"``, ``"pallas"`` or ``"pallas_mosaic"`` (``"auto"``:
   ``choose_backend``'s pick for ring attention: our Mosaic kernels on Hopper GPUs, the Triton
   ones on other GPUs; ``"xla"`` for a ``sliding_window`` the kernels cannot run in a ring,
@@ -93,11 +100,12 @@ def resolve_backend(backend: str, *, dtype, head_dim: int, num_q_heads: int, num
     return backends.choose_backend(
         dtype=dtype, head_dim=head_dim, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         causal=causal, segment_ids_given=segment_ids_given, mesh=mesh, ring_attention=True,
-        sliding_window=sliding_window, ring_window_in_two_steps=in_two_steps).backend
+        sliding_window=sliding_window, ring_window_in_two_steps=in_two_steps,
+        sinks_given=sinks_given).backend
   return backends.resolve_backend(backend, dtype=dtype, head_dim=head_dim,
                                   num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                   causal=causal, segment_ids_given=segment_ids_given, mesh=mesh,
-                                  sliding_window=sliding_window)
+                                  sliding_window=sliding_window, sinks_given=sinks_given)
 
 
 def window_in_two_steps(sliding_window: int | None, layout: Layout,
@@ -173,13 +181,15 @@ class _Ring:
 
 
 def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
-                 segment_ids_Bs: jax.Array | None, *, axis_name: str | tuple[str, ...],
-                 ring_size: int, causal: bool, scale: float | None, layout: Layout,
-                 backend: str, sliding_window: int | None = None) -> jax.Array:
+                 segment_ids_Bs: jax.Array | None, sinks_H: jax.Array | None = None, *,
+                 axis_name: str | tuple[str, ...], ring_size: int, causal: bool,
+                 scale: float | None, layout: Layout, backend: str,
+                 sliding_window: int | None = None) -> jax.Array:
   """Ring attention inside ``shard_map``: local ``[B, S/R, H, D]`` in, same shape out.
 
   The local blocks are the ring's R sequence shards in ring order (axis ``axis_name``), in
-  ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None. ``backend``
+  ``layout`` order; S/R must be even. ``segment_ids_Bs`` ``[B, S/R]`` or None; ``sinks_H``
+  ``[H]`` (the sinks of the local heads) or None. ``backend``
   is resolved (``resolve_backend``: ``"xla"`` for a ``sliding_window`` unless
   ``window_in_two_steps``).
 
@@ -202,7 +212,7 @@ def attend_shard(q_BsHD: jax.Array, k_BsKD: jax.Array, v_BsKD: jax.Array,
     q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs = (
         None if x is None else zigzag.exchange(x, axis_name, ring_size, inverse=False)
         for x in (q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs))
-  out = _ring_attention_shard(ring, q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs)
+  out = _ring_attention_shard(ring, q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, sinks_H)
   return zigzag.exchange(out, axis_name, ring_size, inverse=True) if exchange else out
 
 
@@ -222,13 +232,21 @@ def _attend_step(ring, q, k, v, q_seg, kv_seg, step):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention_shard(ring, q, k, v, segment_ids):
-  return _forward(ring, q, k, v, segment_ids)[0]
+def _ring_attention_shard(ring, q, k, v, segment_ids, sinks):
+  return _forward(ring, q, k, v, segment_ids, sinks)[0]
 
 
-def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
-  if ring.window is not None:
-    return _windowed_forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids)
+def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids, sinks_H):
+  """Output (q's dtype) and lse of the whole ring, the sinks applied once, after the merge."""
+  merged = _windowed_merged_steps if ring.window is not None else _merged_steps
+  out, lse = merged(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids)
+  if sinks_H is not None:
+    out, lse = apply_sinks(out, lse, sinks_H)
+  return out.astype(q_BSHD.dtype), lse
+
+
+def _merged_steps(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
+  """Every step's partial result merged: output (float32) and lse, without sinks."""
   b, s, h, d = q_BSHD.shape
 
   def step(t, carry):
@@ -239,25 +257,24 @@ def _forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
 
   init = (k_BSKD, v_BSKD, segment_ids, jnp.zeros((b, s, h, d), jnp.float32),
           jnp.full((b, h, s), -jnp.inf, jnp.float32))
-  k, v, kv_seg, out, lse = lax.fori_loop(0, ring.size - 1, step, init)
+  k, v, kv_seg, out, lse = fori_loop(0, ring.size - 1, step, init)  # a while loop: see there
   last = ring.size - 1
-  out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
-  return out.astype(q_BSHD.dtype), lse
+  return merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, last))
 
 
-def _windowed_forward(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
-  """``_forward`` with a window: only the needed blocks, each fetched from its owner."""
+def _windowed_merged_steps(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
+  """``_merged_steps`` with a window: only the needed blocks, each fetched from its owner."""
   b, s, h, d = q_BSHD.shape
   out, lse = jnp.zeros((b, s, h, d), jnp.float32), jnp.full((b, h, s), -jnp.inf, jnp.float32)
   for shift, perm in ring.window_sources(s):
     k, v, kv_seg = ring.fetch((k_BSKD, v_BSKD, segment_ids), perm)
     out, lse = merge(out, lse, *_attend_step(ring, q_BSHD, k, v, segment_ids, kv_seg, shift))
-  return out.astype(q_BSHD.dtype), lse
+  return out, lse
 
 
-def _forward_rule(ring, q, k, v, segment_ids):
-  out, lse = _forward(ring, q, k, v, segment_ids)
-  return out, (q, k, v, segment_ids, out, lse)
+def _forward_rule(ring, q, k, v, segment_ids, sinks):
+  out, lse = _forward(ring, q, k, v, segment_ids, sinks)
+  return out, (q, k, v, segment_ids, sinks, out, lse)
 
 
 def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
@@ -279,7 +296,7 @@ def _step_grads(ring, q, k, v, q_seg, kv_seg, out, lse, d_out, step):
 
 
 def _windowed_backward(ring, residuals, d_out):
-  """``_backward_rule`` with a window: each needed block fetched again, its dK/dV sent back
+  """``_ring_backward`` with a window: each needed block fetched again, its dK/dV sent back
   to its owner by the inverse permutation."""
   q, k, v, segment_ids, out, lse = residuals
   dq = jnp.zeros(q.shape, jnp.float32)
@@ -290,12 +307,20 @@ def _windowed_backward(ring, residuals, d_out):
                                    shift)
     dk_t, dv_t = ring.fetch((dk_t, dv_t), tuple((j, i) for i, j in perm))
     dq, dk, dv = dq + dq_t, dk + dk_t, dv + dv_t
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _backward_rule(ring, residuals, d_out):
-  if ring.window is not None:
-    return _windowed_backward(ring, residuals, d_out)
+  """(dq, dk, dv, None, d_sinks): every step's gradients given the final output and lse (the
+  sinks' included, module docstring), and the sinks' own."""
+  q, k, v, segment_ids, sinks, out, lse = residuals
+  d_sinks = None if sinks is None else sinks_grad(out, lse, d_out, sinks)
+  steps = _windowed_backward if ring.window is not None else _ring_backward
+  return (*steps(ring, (q, k, v, segment_ids, out, lse), d_out), None, d_sinks)
+
+
+def _ring_backward(ring, residuals, d_out):
+  """(dq, dk, dv) of the whole ring: K/V rotate again, their dK/dV travelling with them."""
   q, k, v, segment_ids, out, lse = residuals
 
   def accumulate(t, k, v, kv_seg, dq, dk, dv):
@@ -315,7 +340,7 @@ def _backward_rule(ring, residuals, d_out):
       (k, v, segment_ids, jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v)))
   dq, dk, dv = accumulate(ring.size - 1, k_last, v_last, seg_last, dq, dk, dv)
   dk, dv = ring.rotate((dk, dv))  # the last hop home
-  return dq.astype(q.dtype), dk, dv, None
+  return dq.astype(q.dtype), dk, dv
 
 
 _ring_attention_shard.defvjp(_forward_rule, _backward_rule)
@@ -326,7 +351,8 @@ _ring_attention_shard.defvjp(_forward_rule, _backward_rule)
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                    causal: bool = True, segment_ids: jax.Array | None = None,
                    backend: str = "auto", scale: float | None = None,
-                   layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
+                   layout: Layout = "natural", sliding_window: int | None = None,
+                   sinks: jax.Array | None = None) -> jax.Array:
   """Exact attention by ring over all the mesh's sequence axes; ``ulysses_attention``'s contract.
 
   Args:
@@ -347,12 +373,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       global position p sees the keys at p' with ``0 <= p - p' < W``; the ring then moves only
       the K/V blocks some window reaches. The flash kernels run it for W <= S/R in the natural
       layout (``window_in_two_steps``), else it needs ``"xla"`` (``"auto"`` picks it).
+    sinks: None, or float ``[Hq]``: one learnable logit per query head in every row's softmax,
+      applied once to the merged result (module docstring); differentiable.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype and the inputs' layout. S is padded inside to
     ``zigzag.padded_length(S, R)`` (natural layout) and the padding masked.
   """
-  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
+  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout,
+                  sinks=sinks)
   axes = sequence_axes(mesh)
   ring_size = math.prod(mesh.shape[a] for a in axes)
   zigzag.check_layout(layout, q.shape[1], ring_size)
@@ -361,15 +390,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                             num_kv_heads=k.shape[2], causal=causal,
                             segment_ids_given=segment_ids is not None, mesh=mesh,
                             sliding_window=sliding_window, layout=layout,
-                            local_len=padded // ring_size)
-  return _ring_attention(q, k, v, segment_ids, mesh=mesh, causal=causal,
+                            local_len=padded // ring_size, sinks_given=sinks is not None)
+  return _ring_attention(q, k, v, segment_ids, sinks, mesh=mesh, causal=causal,
                          scale=None if scale is None else float(scale), layout=layout,
                          backend=backend, sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "causal", "scale", "layout", "backend",
                                              "sliding_window"))
-def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backend,
+def _ring_attention(q, k, v, segment_ids, sinks, *, mesh, causal, scale, layout, backend,
                     sliding_window):
   s = q.shape[1]
   axes = sequence_axes(mesh)
@@ -383,6 +412,7 @@ def _ring_attention(q, k, v, segment_ids, *, mesh, causal, scale, layout, backen
                              sliding_window=sliding_window)
   act = P(DATA, axes, None, None)
   seg_spec = None if segment_ids is None else P(DATA, axes)
-  out = jax.shard_map(attend, mesh=mesh, in_specs=(act, act, act, seg_spec), out_specs=act,
-                      check_vma=False)(q, k, v, segment_ids)
+  sinks_spec = None if sinks is None else P()  # every device holds every head
+  out = jax.shard_map(attend, mesh=mesh, in_specs=(act, act, act, seg_spec, sinks_spec),
+                      out_specs=act, check_vma=False)(q, k, v, segment_ids, sinks)
   return out[:, :s]

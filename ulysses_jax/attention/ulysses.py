@@ -10,7 +10,9 @@ Heads that P does not divide are handled by ``plan_heads``: key/value heads are 
 the minimum number of times, and only if no replication works are query (and key/value)
 heads padded with zero heads, whose outputs are dropped. Padding costs compute and traffic
 in proportion to the padded head count. Sequences that P does not divide are padded at the
-end; the padding is masked out.
+end; the padding is masked out. Attention sinks (one logit per query head) follow their query
+heads through the same plan (zero for padded heads), and each device receives those of its
+H/P heads.
 
 This module is plain Ulysses and knows nothing of ring attention. ``all_to_all_attention`` is
 the exchange around any per-device attention; ``ulysses_attention`` here runs it with a local
@@ -32,8 +34,10 @@ from ulysses_jax.attention import backends
 from ulysses_jax.attention.common import Layout, pad_sequence, validate_inputs
 from ulysses_jax.mesh import DATA, SEQ, ring_size, sequence_axes
 
-# attend(q_BShD, k_BSkD, v_BSkD, segment_ids_BS or None) -> out_BShD, run inside shard_map.
-LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
+# attend(q_BShD, k_BSkD, v_BSkD, segment_ids_BS or None, sinks_h or None) -> out_BShD, run
+# inside shard_map; sinks_h are the sinks of the device's query heads.
+LocalAttention = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None, jax.Array | None],
+                          jax.Array]
 
 
 def seq_to_heads(x_BsHD: jax.Array, axis_name: str = SEQ) -> jax.Array:
@@ -104,6 +108,17 @@ def _spread_heads(plan, q_BSHD, k_BSKD, v_BSKD):
   return q, k, v
 
 
+def _spread_sinks(plan, sinks_H):
+  """Sinks ``[Hq]`` laid out like ``_spread_heads``' query heads (zero for padded heads,
+  whose outputs are dropped): ``[exchanged_q_heads]``, or None."""
+  if sinks_H is None:
+    return None
+  sinks = sinks_H.reshape(plan.kv_heads, plan.groups)
+  sinks = jnp.pad(sinks, [(0, plan.padded_kv_heads - plan.kv_heads),
+                          (0, plan.padded_groups - plan.groups)])
+  return sinks.reshape(plan.exchanged_q_heads)
+
+
 def _gather_heads(plan, out_BSHD):
   b, s, _, d = out_BSHD.shape
   out = out_BSHD.reshape(b, s, plan.padded_kv_heads, plan.padded_groups, d)
@@ -112,7 +127,8 @@ def _gather_heads(plan, out_BSHD):
 
 def all_to_all_attention(attend: LocalAttention, q_BSHD: jax.Array, k_BSKD: jax.Array,
                          v_BSKD: jax.Array, segment_ids_BS: jax.Array | None, *, mesh: Mesh,
-                         causal: bool, seq_multiple: int) -> jax.Array:
+                         causal: bool, seq_multiple: int,
+                         sinks_H: jax.Array | None = None) -> jax.Array:
   """The Ulysses exchange around a per-device attention ``attend``; call it under ``jit``.
 
   q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]``, segment_ids ``[B, S]`` or None, inputs already
@@ -123,7 +139,8 @@ def all_to_all_attention(attend: LocalAttention, q_BSHD: jax.Array, k_BSKD: jax.
 
     q, k, v  ``[B/data, S'/(R·P), H, D]`` -- seq_to_heads -> ``[B/data, S'/R, H/P, D]``
     segment_ids  ``[B/data, S'/(R·P)]`` -- all_gather over seq -> ``[B/data, S'/R]``
-    ``attend(q, k, v, segment_ids)`` -> ``[B/data, S'/R, H/P, D]``
+    sinks ``[H]`` (or None) -- sharded over seq -> ``[H/P]``: those of the device's heads
+    ``attend(q, k, v, segment_ids, sinks)`` -> ``[B/data, S'/R, H/P, D]``
     -- heads_to_seq -> ``[B/data, S'/(R·P), H, D]``
 
   ``seq_multiple`` must make S' divisible by R·P. Returns ``[B, S, Hq, D]``.
@@ -133,25 +150,29 @@ def all_to_all_attention(attend: LocalAttention, q_BSHD: jax.Array, k_BSKD: jax.
   q, k, v = _spread_heads(plan, q_BSHD, k_BSKD, v_BSKD)
   q, k, v, segment_ids = pad_sequence(seq_multiple, q, k, v, segment_ids_BS, causal=causal)
 
-  def exchange(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs):
+  def exchange(q_BsHD, k_BsKD, v_BsKD, segment_ids_Bs, sinks_h):
     q, k, v = (seq_to_heads(x) for x in (q_BsHD, k_BsKD, v_BsKD))
     # Segment ids are [B, S/P] ints, D*H times smaller than q: gathering them is cheap.
     full_segment_ids = (None if segment_ids_Bs is None else
                         lax.all_gather(segment_ids_Bs, SEQ, axis=1, tiled=True))
-    return heads_to_seq(attend(q, k, v, full_segment_ids))
+    return heads_to_seq(attend(q, k, v, full_segment_ids, sinks_h))
 
   act = P(DATA, sequence_axes(mesh), None, None)
   seg_spec = None if segment_ids is None else P(DATA, sequence_axes(mesh))
+  # seq_to_heads gives device i of the seq axis the i-th block of heads: so do the sinks.
+  sinks_spec = None if sinks_H is None else P(SEQ)
   # check_vma=False: the local backends carry loop state built from unvarying constants.
-  out = jax.shard_map(exchange, mesh=mesh, in_specs=(act, act, act, seg_spec),
-                      out_specs=act, check_vma=False)(q, k, v, segment_ids)
+  out = jax.shard_map(exchange, mesh=mesh, in_specs=(act, act, act, seg_spec, sinks_spec),
+                      out_specs=act, check_vma=False)(q, k, v, segment_ids,
+                                                      _spread_sinks(plan, sinks_H))
   return _gather_heads(plan, out[:, :s])
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       backend: str = "auto", scale: float | None = None,
-                      layout: Layout = "natural", sliding_window: int | None = None) -> jax.Array:
+                      layout: Layout = "natural", sliding_window: int | None = None,
+                      sinks: jax.Array | None = None) -> jax.Array:
   """Plain Ulysses: exact attention over a sequence sharded on the mesh's ``seq`` axis.
 
   ``ulysses_jax.ulysses_attention`` (``hybrid.py``) takes the same arguments, and meshes with
@@ -171,11 +192,14 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
     sliding_window: None, or W >= 1 with ``causal`` (transformers' definition): the query at
       global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
       before it), within its segment. Blocks outside the window are not computed.
+    sinks: None, or float ``[Hq]``: one learnable logit per query head in every row's softmax,
+      with no value (gpt-oss; ``ulysses_jax.attention.sinks``); differentiable.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` when P divides S.
   """
-  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout)
+  validate_inputs(q, k, v, mesh=mesh, segment_ids=segment_ids, scale=scale, layout=layout,
+                  sinks=sinks)
   if ring_size(mesh) > 1:
     raise ValueError(
         f"ulysses_jax.attention.ulysses.ulysses_attention is plain Ulysses and takes no ring, "
@@ -184,17 +208,19 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
   backend = backends.resolve_backend(backend, dtype=q.dtype, head_dim=q.shape[3],
                                      num_q_heads=q.shape[2], num_kv_heads=k.shape[2],
                                      causal=causal, segment_ids_given=segment_ids is not None,
-                                     mesh=mesh, sliding_window=sliding_window)
-  return _ulysses_attention(q, k, v, segment_ids, mesh=mesh, causal=causal, backend=backend,
-                            scale=None if scale is None else float(scale),
+                                     mesh=mesh, sliding_window=sliding_window,
+                                     sinks_given=sinks is not None)
+  return _ulysses_attention(q, k, v, segment_ids, sinks, mesh=mesh, causal=causal,
+                            backend=backend, scale=None if scale is None else float(scale),
                             sliding_window=sliding_window)
 
 
 @functools.partial(jax.jit,
                    static_argnames=("mesh", "causal", "backend", "scale", "sliding_window"))
-def _ulysses_attention(q, k, v, segment_ids, *, mesh, causal, backend, scale, sliding_window):
-  attend = lambda q, k, v, segment_ids: backends.local_attention(
+def _ulysses_attention(q, k, v, segment_ids, sinks, *, mesh, causal, backend, scale,
+                       sliding_window):
+  attend = lambda q, k, v, segment_ids, sinks: backends.local_attention(
       backend, q, k, v, causal=causal, segment_ids=segment_ids, scale=scale,
-      sliding_window=sliding_window)
+      sliding_window=sliding_window, sinks=sinks)
   return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, causal=causal,
-                              seq_multiple=mesh.shape[SEQ])
+                              seq_multiple=mesh.shape[SEQ], sinks_H=sinks)

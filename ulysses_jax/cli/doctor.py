@@ -1,9 +1,13 @@
 """ulysses-doctor [--json PATH] [--seq_lens 4096,16384,65536] [--no_step]
+    [--mesh_seq P --mesh_ring R]
 
 (or ``python -m ulysses_jax.doctor``.) Checks this machine's devices for training: environment,
 every attention kernel against the dense reference and its TFLOP/s, and one small training
-step against aot's prediction and compiled memory (see ``ulysses_jax.doctor``). Exit codes
-(``ulysses_jax.cli``): 0 every check passed, 1 a check failed, 2 bad arguments.
+step against aot's prediction and compiled memory (see ``ulysses_jax.doctor``). With
+``--mesh_ring`` R > 1 (and ``--mesh_seq`` P, default 1), also the ring check a run on that mesh
+does before its first step (``TrainConfig.mesh_seq``, ``mesh_ring``; the data axis takes the
+devices left), for every backend a ring runs. Exit codes (``ulysses_jax.cli``): 0 every check
+passed, 1 a check failed, 2 bad arguments.
 """
 
 import argparse
@@ -11,9 +15,12 @@ import argparse
 from ulysses_jax import cli
 from ulysses_jax.benchmarking import format_table
 from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.mesh import make_mesh
 
 KERNEL_COLUMNS = ["kernel", "S", "causal", "B", "H", "err_out", "err_grad", "fwd_tflops",
                   "bwd_tflops", "fa3_fwd_tflops", "status"]
+RING_COLUMNS = ["kernel", "attention", "H", "KV", "max_error", "tolerance", "seconds",
+                "status"]
 
 
 def parser() -> cli.Parser:
@@ -23,6 +30,10 @@ def parser() -> cli.Parser:
                  help="comma-separated sequence lengths of the kernel rows (default: "
                       "4096,16384,65536 on GPUs, 512,1024 on CPUs)")
   p.add_argument("--no_step", action="store_true", help="skip the training step")
+  p.add_argument("--mesh_seq", type=_positive, default=1,
+                 help="the ring check's seq axis (Ulysses, within a node); needs --mesh_ring")
+  p.add_argument("--mesh_ring", type=_positive, default=1,
+                 help="the ring check's ring axis (across nodes): > 1 runs the ring check")
   cli.add_platform_flags(p)
   return p
 
@@ -31,9 +42,20 @@ def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
 
   def body() -> int:
+    if args.mesh_seq > 1 and args.mesh_ring == 1:
+      raise ConfigError(f"--mesh_seq={args.mesh_seq} shapes the ring check, which needs "
+                        "--mesh_ring > 1 (without a ring the kernel rows check the attention "
+                        "a seq mesh runs)")
     cli.start_jax(args)  # the pool the trainer gives XLA, before JAX starts
     import ulysses_jax.doctor as doctor  # pylint: disable=import-outside-toplevel  (heavy)
-    report = doctor.run(args.seq_lens, with_step=not args.no_step, on_row=_print_row)
+    ring_mesh = None
+    if args.mesh_ring > 1:
+      try:
+        ring_mesh = make_mesh(data=-1, seq=args.mesh_seq, ring=args.mesh_ring)
+      except ValueError as e:
+        raise ConfigError(f"--mesh_seq/--mesh_ring: {e}") from e
+    report = doctor.run(args.seq_lens, with_step=not args.no_step, on_row=_print_row,
+                        ring_mesh=ring_mesh, on_ring_row=_print_ring_row)
     print(format_report(report))
     if args.json:
       cli.write_json(args.json, report, default=str)
@@ -62,13 +84,24 @@ def format_report(report: dict) -> str:
               + f"; memory {s['compiled_memory_gib']:.3f} GiB compiled"
               + (f", {s['peak_memory_gib']:.3f} GiB peak measured"
                  if s["peak_memory_gib"] is not None else "")]
+  if "ring" in report:
+    mesh = report["ring"][0]["mesh"]
+    lines += ["", f"ring check on mesh {mesh}: each backend's ring forward and backward "
+              "against the float32 XLA reference without the ring (as a run on this mesh checks "
+              "it before its first step)",
+              format_table([{**r, "status": r["status"][:60]} for r in report["ring"]],
+                           RING_COLUMNS)]
   verdict = {True: "ok", False: "FAILED", None: "cannot run here"}
-  kernel_checks = [c for c in report["checks"] if c["name"].startswith("kernel ")]
-  counts = {word: sum(c["passed"] is value for c in kernel_checks)
-            for value, word in verdict.items()}
-  lines += ["", "checks:", "  kernels: " + ", ".join(f"{n} {word}" for word, n in counts.items())]
+  lines += ["", "checks:"]
+  counted = []
+  for prefix, title in (("kernel ", "kernels"), ("ring ", "ring")):
+    group = [c for c in report["checks"] if c["name"].startswith(prefix)]
+    if group:
+      counts = {word: sum(c["passed"] is value for c in group) for value, word in verdict.items()}
+      lines.append(f"  {title}: " + ", ".join(f"{n} {word}" for word, n in counts.items()))
+      counted += group
   lines += [f"  {verdict[c['passed']]:7s} {c['name']}: {c['detail']}" for c in report["checks"]
-            if c not in kernel_checks or c["passed"] is False]
+            if c not in counted or c["passed"] is False]
   failed = [c["name"] for c in report["checks"] if c["passed"] is False]
   lines += ["", f"FAILED: {', '.join(failed)}" if failed else "every check that can run here "
             "passed"]
@@ -79,6 +112,21 @@ def _print_row(row: dict) -> None:
   """One kernel row as it is done (the table at the end repeats them all)."""
   print("kernel " + " ".join(f"{c}={row[c]:.4g}" if isinstance(row.get(c), float)
                              else f"{c}={row.get(c)}" for c in KERNEL_COLUMNS), flush=True)
+
+
+def _print_ring_row(row: dict) -> None:
+  print("ring " + " ".join(f"{c}={row[c]:.4g}" if isinstance(row.get(c), float)
+                           else f"{c}={row.get(c)}" for c in RING_COLUMNS), flush=True)
+
+
+def _positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+  return value
 
 
 def _lengths(text: str) -> tuple[int, ...]:

@@ -3,7 +3,8 @@ probes: a forward pass only (``ulysses_jax.evaluate``).
 
   ulysses-evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
       [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
-      [--seed=N] [--threshold=A]] [--examples=FILE.jsonl] [--mesh_data=N] [--mesh_seq=P]
+      [--seed=N] [--threshold=A] [--qa_data=PATHS]] [--examples=FILE.jsonl] [--mesh_data=N]
+      [--mesh_seq=P]
       [--platform=P] [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--tokenizer=T]
       [--token_dtype=int32] [--no_kernel_check]
 
@@ -26,11 +27,13 @@ position within the row in log-spaced ranges [0, 1), [1, 2), [2, 4), ... [S/2, S
 curve shows whether late tokens profit from the long context; ``--plot`` draws it (PNG).
 ``--passkey`` adds ``passkey``: retrieval accuracy by depth x length
 (``ulysses_jax.evaluate.passkey``) and, with ``--plot``, a heatmap next to it. ``--ruler``
-adds ``ruler``: accuracy of each task (``ulysses_jax.ruler.tasks``) by length, the mean over
-tasks by length, the effective length (the longest length up to which the mean stays at or
-above ``--threshold``) and every example with its predicted ids; ``--examples`` adds
-``examples``: ``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file. Both
-are scored as greedy decoding would score them (``ulysses_jax.ruler``).
+adds ``ruler``: RULER's tasks (``ulysses_jax.ruler.tasks``; the essay haystack from ``--data``,
+QA from ``--qa_data``), each task x length's score with its standard error and sample count,
+the mean over tasks by length, which scoring each number is (``ulysses_jax.ruler.scoring``),
+the effective length where it applies, the task x lengths that default lengths could not hold
+(``skipped``) and every example with its predicted ids; ``--examples`` adds ``examples``:
+``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file. Both are scored
+strictly, as greedy decoding would write the answer (``ulysses_jax.ruler``).
 
 Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
 failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
@@ -48,7 +51,7 @@ from flax import nnx
 from ulysses_jax import cli, finetune, kernel_check, ruler, step_builder
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import IGNORE_LABEL, DataConfig, document_windows
+from ulysses_jax.data import DataConfig, document_windows
 from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.ruler import tasks as tasks_lib
@@ -63,8 +66,8 @@ def parser() -> cli.Parser:
   add = p.add_argument
   add("--step", type=int, help="with --workdir: the step (default: newest)")
   add("--data", action="append", default=[],
-      help="files or globs, comma-separated or repeated: loss by position, and the "
-           "natural-text haystack of the RULER tasks that use one")
+      help="files or globs, comma-separated or repeated: loss by position, and the essay "
+           "haystack of the RULER tasks that use one (text files)")
   add("--seq_len", type=int, required=True)
   add("--batch_size", type=int, help="rows per batch (default: the mesh's data axis)")
   add("--tokenizer", help="'byte' or a tokenizer.json (default: the checkpoint's "
@@ -79,15 +82,17 @@ def parser() -> cli.Parser:
   add("--passkey", action="store_true", help="run the pass-key test")
   add("--passkey_trials", type=int, default=2, help="keys per cell")
   add("--ruler", nargs="?", const="all", type=_task_names,
-      help="RULER-style tasks, comma-separated (default: all; those with a natural-text "
-           f"haystack need --data): {', '.join(tasks_lib.TASKS)}")
+      help="RULER's tasks, comma-separated (default: all those whose input is given: the "
+           f"essay haystack needs --data, qa_1/qa_2 --qa_data): {', '.join(tasks_lib.TASKS)}")
+  add("--qa_data", action="append", default=[], help="SQuAD's dev-v2.0.json and HotpotQA's "
+      "hotpot_dev_distractor_v1.json, comma-separated or repeated (qa_1, qa_2)")
   add("--lengths", type=_ints, help="RULER lengths in tokens, comma-separated (default: S/8, "
-      "S/4, S/2, S)")
+      "S/4, S/2, S, each task at those that hold it)")
   add("--samples", type=int, default=8, help="RULER examples per task and length (the needle "
       "depth sweeps 0-100 %% over them)")
   add("--seed", type=int, default=0, help="RULER examples' seed")
   add("--threshold", type=float, default=ruler.THRESHOLD,
-      help="accuracy that defines the effective length (RULER: 0.856)")
+      help="score in percent that defines the effective length (RULER: 85.6)")
   add("--examples", help="JSONL of exact-match probes: "
       '{"prompt": str, "answer": str} or {"prompt_ids": [int], "answer_ids": [int]} per line')
   add("--no_kernel_check", action="store_true", help="skip the attention kernel's "
@@ -108,6 +113,8 @@ def _parse(argv):
     p.error("--passkey goes with --data (it reports beside the loss by position)")
   if args.lengths and max(args.lengths) > args.seq_len:
     p.error(f"--lengths {max(args.lengths)} exceeds --seq_len={args.seq_len}")
+  if not 1 < args.threshold <= 100:
+    p.error(f"--threshold is a percentage in (1, 100] (RULER: 85.6), got {args.threshold}")
   return args
 
 
@@ -134,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
   args = _parse(argv)
 
   def body() -> int:
-    evaluate(args)
+    try:
+      evaluate(args)
+    except kernel_check.KernelCheckError as e:
+      raise cli.Failed(str(e)) from e
     return cli.EXIT_OK
   # Bad input is found before the model is loaded; what fails after it is a traceback.
   return cli.run(body, args.debug, bad_input=(ConfigError, ValueError, OSError))
@@ -194,18 +204,26 @@ def evaluate(args) -> dict:
   make_dataset = lambda examples: ruler.dataset(
       examples, mesh, seq_len=args.seq_len, batch_size=data_config.batch_size,
       vocab_size=config.vocab_size)
+  skipped = None if args.lengths else []  # default lengths leave out what they cannot hold
   if args.ruler:
-    names = _ruler_tasks(args.ruler, has_text=windows is not None)
+    qa_paths = [q for flag in args.qa_data for q in flag.split(",") if q]
+    names = _ruler_tasks(args.ruler, has_essays=bool(data_config.paths),
+                         has_qa=bool(qa_paths))
+    essays, qa_sets = ruler.read_inputs(names, data_config.paths, qa_paths)
     lengths = args.lengths or sorted({args.seq_len >> k for k in range(4)})
-    text_ids = _text_ids(windows, max(lengths)) if tasks_lib.needs_text(names) else None
     examples = ruler.generate(names, lengths, args.samples, tokenizer, seed=args.seed,
-                              text_ids=text_ids)
+                              essays=essays, qa_sets=qa_sets, skipped=skipped)
+    for s in skipped or []:
+      print(f"note: skipped {s['reason']}", file=sys.stderr)
+    if not examples:
+      raise ValueError(f"no RULER task fits the lengths {lengths}; raise --seq_len")
     probes["ruler"] = examples, make_dataset(examples)
   if args.examples:
     examples = ruler.read_examples(args.examples, tokenizer)
     probes["examples"] = examples, make_dataset(examples)
   # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
-  attention = kernel_check.settle(config, mesh, check=not args.no_kernel_check)
+  attention = kernel_check.settle(config, mesh, seq_len=args.seq_len,
+                                  check=not args.no_kernel_check)
   graphdef, params = nnx.split(finetune.load_model(source, attention.model_config(config), mesh))
   print(f"attention: {attention.choice.reason}", file=sys.stderr)
   evaluator = PositionEval(graphdef)
@@ -216,7 +234,9 @@ def evaluate(args) -> dict:
     result["passkey"] = passkey.score(evaluator, params, trials, keys)
   for name, (examples, dataset) in probes.items():
     scored = ruler.score(evaluator, params, examples, dataset)
-    result[name] = (ruler.summarize(examples, scored, args.threshold) if name == "ruler" else
+    result[name] = ({**ruler.summarize(examples, scored, list(tasks_lib.TASKS),
+                                       args.threshold), "skipped": skipped or []}
+                    if name == "ruler" else
                     {"accuracy": float(np.mean([r["correct"] for r in scored])),
                      "results": scored})
   print(format_result(result))
@@ -227,23 +247,11 @@ def evaluate(args) -> dict:
   return result
 
 
-def _ruler_tasks(asked: str, has_text: bool) -> list[str]:
-  """The task names of ``--ruler``: "all" leaves out the natural-text ones without --data."""
+def _ruler_tasks(asked: str, has_essays: bool, has_qa: bool) -> list[str]:
+  """The task names of ``--ruler``: "all" leaves out those whose input is not given."""
   if asked != "all":
     return asked.split(",")
-  return [n for n in tasks_lib.TASKS if has_text or n not in tasks_lib.needs_text([n])]
-
-
-def _text_ids(windows, n: int) -> np.ndarray:
-  """The first ``n`` tokens of the --data documents (the haystack of the natural-text tasks)."""
-  if windows is None:
-    return None
-  parts, total = [], 0
-  for i in range(windows.num_batches):
-    batch = windows.local_batch(i * windows.batch_size)
-    for tokens, labels in zip(batch["tokens"], batch["labels"]):
-      parts.append(tokens[labels != IGNORE_LABEL])
-      total += len(parts[-1])
-    if total >= n:
-      break
-  return np.concatenate(parts)[:n]
+  need = tasks_lib.needs(tasks_lib.TASKS)
+  missing = set(need["essays"] if not has_essays else []) | set(
+      [] if has_qa else need["qa_squad"] + need["qa_hotpotqa"])
+  return [n for n in tasks_lib.TASKS if n not in missing]

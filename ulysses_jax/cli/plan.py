@@ -12,10 +12,20 @@ the flags of the same names; a fine-tuning gin file takes its checkpoint from
 ``--init_from``). The knobs a user would otherwise guess are searched unless given
 (``ulysses_jax.plan.search``): precision, MLP tile, remat policy and groups, head chunks,
 offload, mesh. It prints the feasible layouts, the recommendation first, and the
-recommendation as the trainer's ``--gin_param`` settings and as the library's calls. When
+recommendation as the trainer's ``--gin_param`` settings and as the library's calls, its step
+time by term (each collective with its group, NVLink or the network, and its bandwidth) and
+why its mesh places ``seq`` and ``ring`` where it does (``plan.report.placement``). When
 nothing fits it prints the longest sequence that fits on these devices (and how) and the
 fewest devices of this kind that fit the asked length, and exits 1; bad input exits 2; each
-with one ``error:`` line (``ulysses_jax.cli``'s exit codes).
+with one ``error:`` line (``ulysses_jax.cli``'s exit codes). ``--json=OUT`` writes the answer
+too: the question, the hardware, the recommendation (mesh, knobs, memory, step and its
+breakdown, why), every feasible row, or what fits instead (``nothing_fits``).
+
+Topology: GPUs come in NVLink domains of ``--intra_node`` (default: the ``--gpu``'s, 8 for
+H100/H200/A100/B200 nodes, 72 for a GB200 NVL72 rack), or give ``--nodes`` (the devices split
+evenly over them; with ``--nodes`` alone, ``--devices`` defaults to nodes x the GPU's
+domain); ``--network_gb_s`` is the network per GPU per direction (default: the GPU's, 50 GB/s:
+one 400 Gb/s NIC per GPU).
 
 Units: GPU memory in GB (10^9 bytes) per device, by default the ``--gpu``'s capacity, and the
 usable part is the budget ``aot``'s fit check uses (``Gpu.budget_bytes``); host memory in GB
@@ -33,86 +43,16 @@ import argparse
 import dataclasses
 
 from ulysses_jax import cli
-from ulysses_jax.cli import model_spec
-from ulysses_jax.gpus import GPUS
+from ulysses_jax.cli import model_spec, plan_text
+from ulysses_jax.gpus import GB as _GB, GPUS
 from ulysses_jax.models.llama import PRESETS
-from ulysses_jax.plan import search
+from ulysses_jax.plan import report, search
+from ulysses_jax.plan.hardware import Hardware
+from ulysses_jax.plan.model import DTYPE_BYTES as _DTYPE_BYTES, Model
 from ulysses_jax.run_config import RunConfig
-from ulysses_jax.plan.model import _DTYPE_BYTES, _GB, Hardware, Model
 
 _GIB = 2**30
 _HOST_GB_PER_GPU = 256.0
-
-
-def _on_host_label(layout):
-  return "opt+params" if layout.offload_params else "opt" if layout.offload_optimizer else "-"
-
-
-def _precision_label(precision):
-  short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[precision.param_dtype]
-  return short + ("+master" if precision.master_weights else "")
-
-
-def _format(rows, batch, seq_len):
-  header = (f"{'data':>4} {'seq':>4} {'ring':>4} {'remat':>12} {'group':>5} {'chunks':>6} "
-            f"{'on host':>10} {'params':>11} {'mlp tile':>8} "
-            f"{'mem GiB':>7} {'host GB':>7} {'a2a GB':>7} {'ring GB':>7} {'fsdp GB':>7} "
-            f"{'comm s':>7} {'step s':>8} {'tok/s':>9}")
-  lines = [header]
-  for r in rows:
-    lay, mem, step = r["layout"], r["memory"], r["step"]
-    comm = step["step_s"] - step["compute_s"]
-    lines.append(
-        f"{lay.data:>4} {lay.seq:>4} {lay.ring:>4} {lay.remat:>12} {lay.remat_group:>5} "
-        f"{lay.attn_head_chunks:>6} {_on_host_label(lay):>10} "
-        f"{_precision_label(r['precision']):>11} {r['mlp_chunk'] or 'none':>8} "
-        f"{mem['total'] / _GIB:>7.1f} "
-        f"{mem['host'] / _GB:>7.1f} {step['all_to_all_bytes'] / _GB:>7.2f} "
-        f"{step['ring_bytes'] / _GB:>7.2f} "
-        f"{step['fsdp_bytes'] / _GB:>7.2f} {comm:>7.3f} {step['step_s']:>8.2f} "
-        f"{batch * seq_len / step['step_s']:>9.0f}")
-  shown = {_precision_label(r["precision"]): r["precision"].trade_off for r in rows}
-  lines += [f"  {label}: {trade_off}" for label, trade_off in shown.items()]
-  return "\n".join(lines)
-
-
-def _settings(row: dict, args) -> dict:
-  """The row as the trainer's gin settings (``{"TrainConfig.mesh_seq": 8, ...}``)."""
-  best, precision = row["layout"], row["precision"]
-  settings = {
-      "TrainConfig.mesh_data": best.data, "TrainConfig.mesh_seq": best.seq,
-      "TrainConfig.mesh_ring": best.ring, "TrainConfig.accum_steps": args.accum_steps,
-      "TrainConfig.offload_optimizer": best.offload_optimizer,
-      "TrainConfig.offload_params": best.offload_params,
-      "TrainConfig.master_weights": precision.master_weights,
-      "LlamaConfig.remat_policy": best.remat, "LlamaConfig.remat_group": best.remat_group,
-      "LlamaConfig.attn_head_chunks": best.attn_head_chunks,
-      "LlamaConfig.mlp_chunk": row["mlp_chunk"],
-      "LlamaConfig.dtype": args.dtype, "LlamaConfig.param_dtype": precision.param_dtype,
-      "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
-  if args.init_from:
-    settings["TrainConfig.init_from"] = args.init_from
-  return settings
-
-
-def _gin_params(settings: dict) -> list[str]:
-  """``settings`` as ``--gin_param`` values (``'LlamaConfig.remat_policy="full"'``)."""
-  gin_value = lambda v: f'"{v}"' if isinstance(v, str) else v
-  return [f"{k}={gin_value(v)}" for k, v in settings.items()]
-
-
-def _recommendation(row: dict, args) -> str:
-  """The row as the trainer's ``--gin_param`` settings and as the library's calls."""
-  best, precision = row["layout"], row["precision"]
-  flags = " \\\n".join(f"  --gin_param='{p}'" for p in _gin_params(_settings(row, args)))
-  start = f"init_from={args.init_from!r}, " if args.init_from else ""
-  return (f"({precision.trade_off})\nfor python -m ulysses_jax.train:\n{flags}\n"
-          f"in Python: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}); "
-          f"LlamaConfig(remat_policy={best.remat!r}, remat_group={best.remat_group}, "
-          f"attn_head_chunks={best.attn_head_chunks}, mlp_chunk={row['mlp_chunk']}, "
-          f"param_dtype={precision.param_dtype!r}); TrainConfig({start}"
-          f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}, "
-          f"master_weights={precision.master_weights}, accum_steps={args.accum_steps})")
 
 
 def _mesh(text: str) -> tuple[int, int, int]:
@@ -133,13 +73,20 @@ def parser() -> cli.Parser:
       "config.json or a gin file")
   add("--init_from", help="with a fine-tuning gin --model: the checkpoint it starts from")
   add("--seq_len", type=int, help="tokens per sequence (DataConfig.seq_len)")
-  add("--devices", type=int, required=True)
+  add("--devices", type=int, help="GPUs in all (default with --nodes: nodes x the GPU's "
+      "NVLink domain)")
   add("--gpu", default="h100", choices=sorted(GPUS),
       help="the GPU: its memory, speeds, and what --verify compiles for")
   add("--gpu_mem", type=float, help="GB (10^9 bytes) per device (default: the --gpu's)")
   add("--reserve_gib", type=float, help="GiB per device left to the CUDA context, the "
       "libraries and NCCL, as in aot (default: a tenth of the GPU's memory)")
-  add("--intra_node", type=int, default=8, help="devices per node")
+  topology = p.add_mutually_exclusive_group()
+  topology.add_argument("--intra_node", type=int, help="GPUs per NVLink domain (a node; "
+                        "default: the --gpu's, 8, or 72 for gb200)")
+  topology.add_argument("--nodes", type=int, help="NVLink domains the devices are spread over "
+                        "evenly")
+  add("--network_gb_s", type=float, help="network GB/s per GPU per direction (default: the "
+      "--gpu's, 50: one 400 Gb/s NIC per GPU)")
   host = p.add_mutually_exclusive_group()
   host.add_argument("--host_mem_per_gpu", type=float,
                     help=f"free host GB per GPU (default {_HOST_GB_PER_GPU:g})")
@@ -164,6 +111,7 @@ def parser() -> cli.Parser:
       "optimizer's, or it and the layer parameters (default: searched)")
   add("--mesh", type=_mesh, help="DATAxSEQxRING (default: searched)")
   add("--top", type=int, default=12, help="rows to print")
+  cli.add_json_flag(p, "the answer")
   add("--verify", action="store_true", help="compile the recommendation for the GPUs with "
       "ulysses_jax.aot (needs JAX's CUDA plugin) and print its memory beside the prediction")
   return p
@@ -189,8 +137,29 @@ def _parse(argv):
   if args.seq_len is None:
     cli.fail("give --seq_len (tokens per sequence), or a gin --model that sets "
              "DataConfig.seq_len.")
+  _topology_flags(args)
   args.model_config, args.base = config, base
   return args
+
+
+def _topology_flags(args):
+  """``--devices``, ``--nodes`` and ``--intra_node`` made consistent (``args.intra_node``
+  set), or one error line."""
+  domain = GPUS[args.gpu].nvlink_domain
+  if args.devices is None and args.nodes is None:
+    cli.fail("give --devices (GPUs in all), or --nodes (then --devices defaults to nodes x "
+             f"{domain}, the {args.gpu}'s NVLink domain).")
+  for flag in ("devices", "nodes", "intra_node"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
+      cli.fail(f"--{flag} must be >= 1, got {getattr(args, flag)}.")
+  if args.nodes is not None:
+    args.devices = args.devices or args.nodes * domain
+    if args.devices % args.nodes:
+      cli.fail(f"--devices ({args.devices}) must split evenly over --nodes ({args.nodes}): "
+               f"give a multiple of {args.nodes}.")
+    args.intra_node = args.devices // args.nodes
+  elif args.intra_node is None:
+    args.intra_node = domain
 
 
 def _knobs(args, model: Model) -> search.Knobs:
@@ -228,7 +197,11 @@ def _hardware(args) -> Hardware:
   gpu = _gpu(args)
   per_gpu = (args.host_mem / min(args.devices, args.intra_node) if args.host_mem is not None
              else args.host_mem_per_gpu or _HOST_GB_PER_GPU)
-  return Hardware.of(gpu, intra_node=args.intra_node, host_gb_per_gpu=per_gpu)
+  try:
+    return Hardware.of(gpu, intra_node=args.intra_node, host_gb_per_gpu=per_gpu,
+                       network_gb_s=args.network_gb_s)
+  except ValueError as e:
+    cli.fail(str(e), debug=args.debug)
 
 
 def _header(args, model, hardware) -> str:
@@ -239,7 +212,9 @@ def _header(args, model, hardware) -> str:
     host += f" ({args.host_mem:g} GB per node, over {min(args.devices, args.intra_node)} GPUs)"
   return (f"{args.model}: {model.params / 1e9:.2f}B parameters, {args.batch} x "
           f"{args.seq_len:,} tokens (accum_steps={args.accum_steps}) on {args.devices} x "
-          f"{gpu.name}, {args.intra_node} per node\n"
+          f"{gpu.name}, {args.intra_node} per NVLink domain (NVLink "
+          f"{hardware.intra_bw / _GB:.0f} GB/s, network {hardware.inter_bw / _GB:.0f} GB/s per "
+          f"GPU, achieved)\n"
           f"usable GPU memory {hardware.budget_bytes / _GIB:.2f} GiB per device: {memory / _GB:g}"
           f" GB less the runtime reserve ({reserve / _GIB:.2f} GiB), the budget aot's fit check "
           f"uses; {host}")
@@ -253,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> dict:
-  """Prints the plan and returns its recommended row; exits 1 when no layout fits, 2 on bad
-  input."""
+  """Prints the plan (and writes ``--json``) and returns its recommended row; exits 1 when
+  no layout fits, 2 on bad input."""
   args = _parse(argv)
   model = Model.from_config(args.model_config)
   hardware = _hardware(args)
@@ -266,11 +241,22 @@ def run(argv: list[str] | None = None) -> dict:
   except ValueError as e:
     cli.fail(str(e), debug=args.debug)
   print(_header(args, model, hardware))
+  answer = {"question": _question(args, model), "hardware": dataclasses.asdict(hardware),
+            "fits": bool(rows), "recommendation": None, "rows": [], "nothing_fits": None}
   if not rows:
-    _no_fit(args, model, hardware, sizes)
-  print(_format(rows[:args.top], args.batch, args.seq_len))
+    answer["nothing_fits"], message = _no_fit(args, model, hardware, sizes)
+    _write_json(args, answer)
+    cli.fail(message, code=cli.EXIT_FAILED)
+  print(plan_text.format_rows(rows[:args.top], args.batch, args.seq_len))
   print(f"recommended, of {len(rows)} feasible layouts (the best numerics within "
-        f"{search.NEAR - 1:.0%} of the fastest), " + _recommendation(rows[0], args))
+        f"{search.NEAR - 1:.0%} of the fastest), " + plan_text.recommendation(rows[0], args))
+  why = report.placement(rows, hardware)
+  print(plan_text.breakdown(rows[0]) + "\nwhy this mesh: " + why["text"])
+  tokens = args.batch * args.seq_len
+  answer["recommendation"] = {**report.describe(rows[0], hardware, tokens), "why": why,
+                              "gin_params": plan_text.gin_params(plan_text.settings(rows[0], args))}
+  answer["rows"] = [report.describe(r, hardware, tokens) for r in rows]
+  _write_json(args, answer)
   if "experts" in rows[0]["step"]:
     print(f"experts: {rows[0]['step']['experts']['why']}")
   if args.verify:
@@ -278,35 +264,53 @@ def run(argv: list[str] | None = None) -> dict:
   return rows[0]
 
 
-def _no_fit(args, model, hardware, sizes):
-  """Says how far from fitting the question is, and exits 1."""
+def _question(args, model):
+  return {"model": args.model, "params": model.params, "seq_len": args.seq_len,
+          "batch": args.batch, "accum_steps": args.accum_steps, "devices": args.devices,
+          "gpu": args.gpu, "intra_node": args.intra_node,
+          "nodes": -(-args.devices // args.intra_node)}
+
+
+def _write_json(args, answer):
+  if args.json:
+    cli.write_json(args.json, answer)
+    print(f"wrote {args.json}")
+
+
+def _no_fit(args, model, hardware, sizes) -> tuple[dict, str]:
+  """How far from fitting the question is (printed, and as JSON) and the error line."""
   longest = search.longest_seq_len(model, devices=args.devices, hardware=hardware, **sizes)
+  answer = {"longest_seq_len": longest, "longest_layout": None, "fewest_devices": None,
+            "splits": True}
   if longest:
     row = search.plan(model, seq_len=longest, devices=args.devices, hardware=hardware,
                       **sizes)[0]
     lay = row["layout"]
+    answer["longest_layout"] = report.describe(row, hardware, args.batch * longest)
     print(f"longest sequence that fits on these {args.devices} devices: {longest:,} tokens "
           f"(mesh {lay.data}x{lay.seq}x{lay.ring}, remat {lay.remat}, group "
           f"{lay.remat_group}, head chunks {lay.attn_head_chunks}, on host "
-          f"{_on_host_label(lay)}, {_precision_label(row['precision'])}, MLP tile "
-          f"{row['mlp_chunk'] or 'none'}; plan it with --seq_len={longest})")
+          f"{plan_text.on_host_label(lay)}, {plan_text.precision_label(row['precision'])}, "
+          f"MLP tile {row['mlp_chunk'] or 'none'}; plan it with --seq_len={longest})")
     fits_here = f"the longest that fits is {longest:,} tokens"
   else:
     fits_here = f"not even {args.devices * search.LENGTH_STEP:,} tokens fit"
   if not search.splits(args.devices, batch=args.batch, seq_len=args.seq_len,
                        accum_steps=args.accum_steps):
-    cli.fail(f"no layout of {args.devices} devices splits the work as the trainer needs: data "
-             f"x accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq "
-             f"x ring must divide the sequence length ({args.seq_len}); change --batch, "
-             f"--accum_steps or --seq_len (e.g. a multiple of {args.devices}; {fits_here}).",
-             code=cli.EXIT_FAILED)
+    answer["splits"] = False
+    return answer, (
+        f"no layout of {args.devices} devices splits the work as the trainer needs: data "
+        f"x accum_steps ({args.accum_steps}) must divide the batch ({args.batch}) and seq "
+        f"x ring must divide the sequence length ({args.seq_len}); change --batch, "
+        f"--accum_steps or --seq_len (e.g. a multiple of {args.devices}; {fits_here}).")
   fewest = search.fewest_devices(model, seq_len=args.seq_len, hardware=hardware, **sizes)
+  answer["fewest_devices"] = fewest
   needed = (f"the fewest devices of this kind for {args.seq_len:,} tokens: {fewest:,}"
             if fewest else f"no count up to {search.MAX_DEVICES:,} devices of this kind fits "
             f"{args.seq_len:,} tokens")
   print(needed)
-  cli.fail(f"no layout fits {args.seq_len:,} tokens on {args.devices} devices: {fits_here} "
-           f"there; {needed}.", code=cli.EXIT_FAILED)
+  return answer, (f"no layout fits {args.seq_len:,} tokens on {args.devices} devices: "
+                  f"{fits_here} there; {needed}.")
 
 
 def _topology(devices: int, intra_node: int) -> str:
@@ -329,12 +333,18 @@ def _layout_config(row: dict, args) -> RunConfig:
     cli.fail(f"--verify compiles a preset, a checkpoint directory or a gin --model, got "
              f"{args.model!r}: give the directory holding it, or write the model as a gin file "
              f"(LlamaConfig.* bindings) and give --model=that.gin.")
+  return config_with_settings(args.base, plan_text.settings(row, args))
+
+
+def config_with_settings(base: RunConfig, settings: dict) -> RunConfig:
+  """``base`` with gin-style ``settings`` (``{"TrainConfig.mesh_seq": 8, ...}``, what the
+  recommendation prints for the trainer) put in."""
   changes = {}
-  for key, value in _settings(row, args).items():
+  for key, value in settings.items():
     cls, field = key.split(".")
     changes.setdefault(_CONFIG_FIELDS[cls], {})[field] = value
-  return dataclasses.replace(args.base, **{
-      name: dataclasses.replace(getattr(args.base, name), **fields)
+  return dataclasses.replace(base, **{
+      name: dataclasses.replace(getattr(base, name), **fields)
       for name, fields in changes.items()})
 
 

@@ -16,7 +16,7 @@ same command again to resume.
 import dataclasses
 import logging
 
-from ulysses_jax import cli, train
+from ulysses_jax import cli, kernel_check, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.config_checks import ConfigError
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                   compilation_cache=cfg.compilation_cache)
     try:
       summary = train.train(args.workdir, config)
-    except train.NonFiniteError as e:
+    except (train.NonFiniteError, kernel_check.KernelCheckError) as e:
       raise cli.Failed(str(e)) from e
     return cli.EXIT_STOPPED if summary["stopped"] else cli.EXIT_OK
 

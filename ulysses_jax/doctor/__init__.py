@@ -9,6 +9,8 @@ It checks what a training run relies on, on the machine it runs on, in a few min
   cuDNN, the XLA chunked backend) against the float32 dense reference (bf16 inputs, head dim
   128, causal and full, S = 4K / 16K / 64K on GPUs), then its forward and backward TFLOP/s
   beside published FlashAttention-3 figures where they exist for the shape;
+* with a ring mesh (``--mesh_seq``, ``--mesh_ring``), the trainer's first-contact check of
+  every backend a ring runs, on that mesh of this machine's devices (``doctor.ring``);
 * one training step of a small model on all devices present (``doctor.step``): its measured
   time against ``aot``'s roofline prediction of the same compiled step, and the runtime's peak
   memory against the compiled figure that ``aot``'s "fits" rests on.
@@ -23,9 +25,11 @@ import subprocess
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from ulysses_jax.attention import backends
 from ulysses_jax.doctor import kernels as kernels_lib
+from ulysses_jax.doctor import ring as ring_lib
 from ulysses_jax.doctor import step as step_lib
 from ulysses_jax.kernels import target as target_lib
 
@@ -76,7 +80,7 @@ def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> li
       for name, backend in KERNELS.items():
         row = {"kernel": name, "S": seq_len, "causal": causal, "B": batch, "H": heads,
                "fa3_fwd_tflops": FA3_FORWARD_TFLOPS.get((seq_len, causal))}
-        unavailable = _unavailable(backend, target)
+        unavailable = kernels_lib.unavailable(backend, target)
         if unavailable:
           row.update(status=unavailable, passed=None)
         else:
@@ -91,10 +95,12 @@ def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> li
   return rows
 
 
-def run(seq_lens=None, with_step: bool = True, on_row=None) -> dict:
+def run(seq_lens=None, with_step: bool = True, on_row=None, ring_mesh: Mesh | None = None,
+        on_ring_row=None) -> dict:
   """Every check on the devices of this process; the report (JSON-ready) with ``checks``
   (name, passed: True / False / None for "cannot run here", detail) and ``passed``.
-  ``on_row`` as in ``kernel_rows``."""
+  ``on_row`` as in ``kernel_rows``; with ``ring_mesh`` the ring check on it too
+  (``doctor.ring``), ``on_ring_row`` called as each of its rows is done."""
   devices = jax.devices()
   on_gpu = target_lib.of_device(devices[0]).on_gpu
   seq_lens = seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
@@ -111,22 +117,16 @@ def run(seq_lens=None, with_step: bool = True, on_row=None) -> dict:
                                   on_row=on_row)}
   checks = [{"name": f"kernel {r['kernel']} S={r['S']} causal={r['causal']}",
              "passed": r["passed"], "detail": r["status"]} for r in report["kernels"]]
+  if ring_mesh is not None:
+    report["ring"] = ring_lib.ring_rows(ring_mesh, HEAD_DIM, on_row=on_ring_row)
+    checks += [{"name": f"ring {r['kernel']} {r['attention']}", "passed": r["passed"],
+                "detail": r["status"]} for r in report["ring"]]
   if with_step:
     report["step"] = step_lib.run_step(devices, on_gpu)
     checks += step_lib.checks(report["step"], on_gpu)
   report["checks"] = checks
   report["passed"] = all(c["passed"] is not False for c in checks)
   return report
-
-
-def _unavailable(backend: str, target) -> str | None:
-  """Why ``backend`` cannot run on ``target`` (None if it can)."""
-  if backend != "xla" and not target.on_gpu:
-    return "needs a GPU"
-  if backend == "pallas_mosaic" and (target.compute_capability or 0.0) < 9.0:
-    return (f"not for this GPU: needs compute capability >= 9.0 (Hopper), "
-            f"{target.device_kind} has {target.compute_capability}")
-  return None
 
 
 def _nvidia_driver() -> str:

@@ -105,3 +105,13 @@ def backend_fn(backend: str, causal: bool, head_dim: int):
   scale = head_dim ** -0.5
   return lambda q, k, v: backends.local_attention(backend, q, k, v, causal=causal,
                                                   segment_ids=None, scale=scale)
+
+
+def unavailable(backend: str, target) -> str | None:
+  """Why ``backend`` cannot run on ``target`` (None if it can)."""
+  if backend != "xla" and not target.on_gpu:
+    return "needs a GPU"
+  if backend == "pallas_mosaic" and (target.compute_capability or 0.0) < 9.0:
+    return (f"not for this GPU: needs compute capability >= 9.0 (Hopper), "
+            f"{target.device_kind} has {target.compute_capability}")
+  return None

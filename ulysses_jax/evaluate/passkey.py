@@ -14,7 +14,8 @@ import numpy as np
 
 from ulysses_jax import ruler
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.data import Dataset, pack_row
+from ulysses_jax.batches import Dataset
+from ulysses_jax.packing import pack_row
 
 DIGITS = 5
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
@@ -34,7 +35,7 @@ class Trial:
 def make_rows(tokenizer, seq_len: int, lengths=None, depths=DEPTHS, trials: int = 2,
               seed: int = 0) -> tuple[list[Trial], list[dict[str, np.ndarray]]]:
   """(trials, rows): ``trials`` random keys for every (length, depth), each row a
-  ``data.pack_row`` dict of ``seq_len`` tokens (padded beyond ``length``) whose labels are
+  ``packing.pack_row`` dict of ``seq_len`` tokens (padded beyond ``length``) whose labels are
   the key's tokens only.
 
   ``tokenizer``: a ``corpus`` tokenizer (``encode_batch``). ``lengths``: row lengths in

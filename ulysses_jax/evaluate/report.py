@@ -25,10 +25,11 @@ def plot(result: dict, path: str):
       title, ylabel = f"pass-key accuracy, overall {p['overall']:.2f}", "needle depth"
     else:
       r = result["ruler"]
-      rows, columns = [*r["tasks"], "mean"], r["lengths"]
-      grid = [[t["by_length"][str(n)]["accuracy"] for n in columns] for t in r["tasks"].values()]
-      grid.append([r["mean_by_length"][str(n)] for n in columns])
-      title, ylabel = f"RULER accuracy, effective length {r['effective_length'] or 'none'}", "task"
+      scoring = ruler_scoring(r)
+      rows, columns, grid = [*r["tasks"], "mean"], r["lengths"], ruler_grid(r, scoring)
+      grid = [[float("nan") if v is None else v / 100 for v in row] for row in grid]
+      title = (f"RULER ({scoring} score), effective length {r['effective_length'] or 'none'}")
+      ylabel = "task"
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xticks=range(len(columns)), xticklabels=columns, yticks=range(len(rows)),
            yticklabels=rows, xlabel="context length (tokens)", ylabel=ylabel, title=title)
@@ -51,13 +52,21 @@ def format_result(result: dict) -> str:
   if "ruler" in result:
     r = result["ruler"]
     width = max(map(len, r["tasks"]))
-    lines.append(f"  RULER accuracy (effective length at {r['threshold']:.1%}: "
-                 f"{r['effective_length']})  " + " ".join(f"{n:>8}" for n in r["lengths"]))
-    rows = [(name, [t["by_length"][str(n)]["accuracy"] for n in r["lengths"]])
-            for name, t in r["tasks"].items()]
-    rows.append(("mean", [r["mean_by_length"][str(n)] for n in r["lengths"]]))
-    lines += [f"    {name:<{width}}  " + " ".join(f"{a:>8.2f}" for a in accuracies)
-              for name, accuracies in rows]
+    for scoring in r["scoring"]:
+      samples = sorted({c["samples"] for t in r["tasks"].values()
+                        for c in t["by_length"].values()})
+      lines.append(f"  RULER, {scoring} score (percent +- standard error, "
+                   f"{'/'.join(map(str, samples))} samples a cell):  "
+                   + " ".join(f"{n:>12}" for n in r["lengths"]))
+      stderr = ruler_grid(r, scoring, "_stderr")
+      for name, row, errors in zip([*r["tasks"], "mean"], ruler_grid(r, scoring), stderr):
+        cells = ["-" if v is None else f"{v:.1f}" + ("" if e is None else f" +-{e:.1f}")
+                 for v, e in zip(row, errors)]
+        lines.append(f"    {name:<{width}}  " + " ".join(f"{c:>12}" for c in cells))
+    lines.append(f"    effective length at {r['threshold']}: {r['effective_length']}"
+                 + (f" ({r['effective_length_note']})" if r["effective_length_note"] else ""))
+    lines += [f"    skipped {s['task']} at {s['length']}: does not fit"
+              for s in r.get("skipped", [])]
   if "examples" in result:
     e = result["examples"]
     lines.append(f"  examples: accuracy {e['accuracy']:.3f} over {len(e['results'])} "
@@ -69,3 +78,15 @@ def format_result(result: dict) -> str:
     lines += [f"    depth {d:>4.0%}  " + " ".join(f"{a:>7.2f}" for a in row)
               for d, row in zip(p["depths"], p["accuracy"])]
   return "\n".join(lines)
+
+
+def ruler_scoring(report: dict) -> str:
+  """The report's main scoring: RULER's where answers were generated, else the strict one."""
+  return "ruler" if "ruler" in report["scoring"] else "strict"
+
+
+def ruler_grid(report: dict, scoring: str, suffix: str = "") -> list[list[float | None]]:
+  """Rows per task, then the mean, of ``scoring + suffix`` by length (None: not run)."""
+  rows = [[t["by_length"].get(str(n), {}).get(scoring + suffix) for n in report["lengths"]]
+          for t in report["tasks"].values()]
+  return rows + [[report["mean_by_length"][str(n)][scoring + suffix] for n in report["lengths"]]]

@@ -22,7 +22,10 @@ lowering reads the GPU from the mesh context, lowered under ``jax.set_mesh``, as
 Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal means query i
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
 no key returns 0 and lse -inf, never NaN. Any sequence length works: inputs are padded to a
-multiple of the block size and padded keys are masked.
+multiple of the block size and padded keys are masked. Attention sinks (one logit per query
+head, ``ulysses_jax.attention.sinks``) are applied to the kernels' output and lse, outside
+them: the kernels already return the lse and take its cotangent, so every kernel (Triton and
+Mosaic, forward and backward) serves models with sinks unchanged.
 """
 
 import dataclasses
@@ -33,6 +36,8 @@ import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
 from ulysses_jax.attention.reference import check_sliding_window
+from ulysses_jax.attention.common import check_sinks
+from ulysses_jax.attention.sinks import apply_sinks
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
@@ -78,7 +83,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
                     block_q: int | None = None, block_kv: int | None = None,
                     interpret: bool | None = None, return_lse: bool = False,
                     forward_kernel: str = "triton", backward_kernel: str = "triton",
-                    sliding_window: int | None = None,
+                    sliding_window: int | None = None, sinks: jax.Array | None = None,
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
@@ -105,11 +110,15 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
     sliding_window: with ``causal``, query i sees only keys i - W < j <= i (transformers'
       window; ``reference.dense_attention``); every kernel (Triton and Mosaic, forward and
       backward) skips the blocks it hides.
+    sinks: None, or ``[Hq]`` float logits, one more softmax column per query head with no value
+      (gpt-oss; ``ulysses_jax.attention.sinks``), applied through the lse.
 
   Returns:
-    ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32.
+    ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32 (the
+    sink included).
   """
   _validate(q_BSHD, k_BSKD, v_BSKD, segment_ids, kv_segment_ids, block_q, block_kv)
+  check_sinks(sinks, q_BSHD.shape[2], "flash_attention")
   _validate_kernels(forward_kernel, backward_kernel, q_BSHD, block_q, block_kv, sliding_window,
                     causal)
   plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel,
@@ -118,6 +127,8 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
   out, lse = _flash(plan, *(_pad(plan, x) for x in (q_BSHD, k_BSKD, v_BSKD)), q_seg, kv_seg)
   s = plan.seq_len
   out, lse = out[:, :s], lse[:, :, :s]
+  if sinks is not None:
+    out, lse = apply_sinks(out, lse, sinks)
   return (out, lse) if return_lse else out
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from ulysses_jax.attention.backends import BACKENDS
+from ulysses_jax.attention.backends import BACKENDS, NO_SINKS_IN_CUDNN
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
 from ulysses_jax.config_checks import ConfigError, above, at_least, check_fields
@@ -131,7 +131,8 @@ class LlamaConfig:
   tanh-approximated GELU), ``norm_offset_one`` (every RMSNorm, q/k norms included,
   multiplies by ``1 + scale``, scale stored as such), ``post_norms`` (an RMSNorm on the
   attention output and on the MLP output, before each residual add), ``embed_scale``
-  (embeddings multiplied by sqrt(E), rounded to the compute dtype).
+  (embeddings multiplied by sqrt(E), rounded to the compute dtype), ``attention_sinks`` (a
+  learnable softmax sink logit per query head in every layer, gpt-oss; ``UlyssesAttention``).
   ``attn_out_bias``: a bias on the attention output projection (gpt-oss; ``qkv_bias`` puts
   them on q, k, v).
   Mixture of experts: ``moe`` (a ``MoeConfig``; None = every layer dense) replaces the MLP
@@ -177,6 +178,7 @@ class LlamaConfig:
   moe: MoeConfig | None = _field()
   router_aux_loss_coef: float = _field(0)
   expert_backend: Literal[GROUPED_MATMUL_BACKENDS] = _field()
+  attention_sinks: bool = _field()
 
   def __post_init__(self):
     if self.preset and self.preset not in PRESETS:
@@ -207,6 +209,9 @@ class LlamaConfig:
     if self.attention_scale is not None and not self.attention_scale > 0:
       raise ConfigError(f"attention_scale must be > 0, or None for head_dim ** -0.5, got "
                         f"{self.attention_scale}.")
+    if self.attention_sinks and self.attention_backend == "cudnn":
+      raise ConfigError(f"attention_sinks needs an attention_backend other than 'cudnn': "
+                        f"{NO_SINKS_IN_CUDNN}; use 'auto', 'pallas_mosaic', 'pallas' or 'xla'.")
     for name in ("dtype", "param_dtype"):
       try:
         floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
@@ -306,7 +311,7 @@ _DEFAULTS = dict(
     attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
     sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
     norm_offset_one=False, post_norms=False, embed_scale=False, attn_out_bias=False, moe=None,
-    router_aux_loss_coef=0.0, expert_backend="auto")
+    router_aux_loss_coef=0.0, expert_backend="auto", attention_sinks=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)
@@ -324,6 +329,15 @@ PRESETS.update({
         vocab_size=128_256, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, rope_theta=500_000.0,
         rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # meta-llama/Llama-3.1-70B (ArcticTraining's ALST recipes train it on 1 to 8 H100 nodes).
+    "llama3.1-70b": LlamaConfig(
+        vocab_size=128_256, hidden_dim=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+        head_dim=128, mlp_dim=28_672, rope_theta=500_000.0,
+        rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_SCALING), norm_eps=1e-5),
+    # Qwen/Qwen3-32B (ALST's other published model): q/k norms, no biases.
+    "qwen3-32b": LlamaConfig(
+        vocab_size=151_936, hidden_dim=5120, num_layers=64, num_heads=64, num_kv_heads=8,
+        head_dim=128, mlp_dim=25_600, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True),
     # Qwen/Qwen2.5-7B.
     "qwen2.5-7b": LlamaConfig(
         vocab_size=152_064, hidden_dim=3584, num_layers=28, num_heads=28, num_kv_heads=4,

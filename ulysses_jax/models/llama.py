@@ -10,6 +10,7 @@ Parameter tree (kernels are Hugging Face ``weight``s transposed and reshaped)::
   embedding                       [V, E]        (HF model.embed_tokens.weight)
   layers.attn_norm.scale          [L, E]        (input_layernorm.weight)
   layers.attn.{q,k,v,o}_proj.*    see UlyssesAttention, with a leading [L]
+  layers.attn.sinks               [L, Hq]       (with attention_sinks; self_attn.sinks)
   layers.mlp_norm.scale           [L, E]        (post_attention_layernorm.weight)
   layers.mlp.gate_proj.kernel     [L, E, F]     (mlp.gate_proj.weight.T)
   layers.mlp.up_proj.kernel       [L, E, F]
@@ -153,8 +154,9 @@ class DecoderLayer(nnx.Module):
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
         norm_offset_one=c.norm_offset_one, attention_scale=c.attention_scale,
-        qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, norm_eps=c.norm_eps,
-        backend=c.attention_backend, head_chunks=c.attn_head_chunks, dtype=c.dtype,
+        qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, attention_sinks=c.attention_sinks,
+        norm_eps=c.norm_eps, backend=c.attention_backend, head_chunks=c.attn_head_chunks,
+        dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
     sparse = c.sparse_layers()

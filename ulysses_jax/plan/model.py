@@ -1,6 +1,8 @@
-"""The layout planner's model: per-device memory (``predict_memory``) and step time
-(``predict_step``) of a ``Layout`` for a ``Model`` on ``Hardware`` (``ulysses_jax.plan.search``
-searches the layouts; ``ulysses_jax.cli.plan`` is the command line).
+"""The layout planner's model of a ``Model`` in a ``Layout``: its shapes per device (tokens,
+heads as the all-to-all exchanges them, ring steps) and its memory per device
+(``predict_memory``); ``plan.comm`` and ``plan.step`` give its collectives and step time,
+``ulysses_jax.plan.search`` searches the layouts, ``ulysses_jax.cli.plan`` is the command
+line.
 
 With ``accum_steps`` micro-batches the activations are those of one micro-batch, the
 gradients are summed in float32 (4·params/N more), and FSDP gathers and reduce-scatters once
@@ -67,39 +69,24 @@ total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU confi
 MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
 rougher estimate).
 
-Communication (per device per step; formulas of DESIGN.md, times at the given bandwidths):
-all-to-all over ``seq`` n·(2·Hq' + 2·Hkv')·D·T·c·(P-1)/P per pass (where ``seq`` exceeds a
-chunk's KV heads they are replicated: more bytes with more chunks); ring, per chunk and pass,
-K/V 2·s·Hkv'·D·T·c and the zigzag exchange of the natural layout (q, k, v and the output,
-or their gradients) (2·Hq' + 2·Hkv')·D·T·c, plus dK/dV 2·(s+1)·Hkv'·D·T·c (compute dtype,
-the last hop home) in the backward, s = R-1 steps from other devices, fewer for a sliding
-window (``ring_steps``); FSDP all-gather c·params and reduce-scatter p·params. ``seq``
-within a node uses ``intra_bw``; anything wider ``inter_bw``. Passes: the forward, the
-backward, and one more forward for each of: rematerialising, remat groups, head chunks (each
-chunk recomputes its attention in the backward). Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs,
-K the sum over layers of the keys a query sees on average (S/2 causal, about W with a sliding
-window W: ``reference.mean_visible_keys``; padded heads compute too), plus one forward when
-rematerialising, one more with remat groups, and the attention layer (projections and
-attention) once more with head chunks. Host transfers at ``pcie_bw``: offloaded activations,
-and with ``offload_params`` the layer weights each forward pass fetches (a remat group once
-for its k layers, in the forward and in its recompute) and the gradients it sends back,
-overlap with compute; the update's streams (the
-optimizer state in and out; the parameters and gradients the gradient norm and the update
-read, the parameters written back) do not.
+Communication is ``plan.comm``'s, time ``plan.step``'s, the hardware ``plan.hardware``'s.
+With ``Layout.attention="allgather_kv"`` (the Llama 3 / Megatron baseline, which the planner
+models but the trainer does not run) each device keeps all heads of its T tokens and gathers K
+and V of the whole sequence S: the working set adds them and their gradients, 4·S·(Hkv/n)·D·c,
+and the score tiles hold every query head.
 """
 
 import dataclasses
+import functools
 import math
 
 from ulysses_jax.attention.common import check_head_chunks
-from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.attention.ulysses import plan_heads
 from ulysses_jax.plan import moe
-from ulysses_jax.plan.hardware import Hardware  # noqa: F401  (public here too)
 from ulysses_jax.train_step import MemoryOptions
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_GB = 1e9
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ATTENTIONS = ("ulysses", "allgather_kv")
 _XLA_BLOCK = 512
 # One layer's backward: live [T, E] buffers, buffers of one head chunk's q, k, v and attention
 # output (per element per token), [T, F] buffers (see the module docstring).
@@ -182,7 +169,9 @@ class Layout:
   ``offload_params`` (with ``offload_optimizer``) keeps the layer parameters and their
   gradients on the host too. ``attn_head_chunks`` (``LlamaConfig.attn_head_chunks``; it
   must divide the model's ``num_kv_heads``) runs attention over that many chunks of heads,
-  each recomputed in the backward.
+  each recomputed in the backward. ``attention``: ``"ulysses"`` (the trainer's attention:
+  all-to-all over ``seq``, a ring over ``ring``) or ``"allgather_kv"`` (the Llama 3 /
+  Megatron baseline, modelled for comparison only: K and V gathered over ``seq``, no ring).
   """
   data: int
   seq: int
@@ -192,12 +181,23 @@ class Layout:
   remat_group: int = 1
   offload_params: bool = False
   attn_head_chunks: int = 1
+  attention: str = "ulysses"
 
   def __post_init__(self):
     _ = self.memory  # the trainer's rules, checked in one place (MemoryOptions)
     if self.attn_head_chunks < 1:
       raise ValueError(f"attn_head_chunks must be >= 1 (1 = unchunked), got "
                        f"{self.attn_head_chunks}.")
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}.")
+    if self.attention == "allgather_kv" and self.ring > 1:
+      raise ValueError(f"the all-gather-KV baseline gathers over seq and has no ring, got "
+                       f"ring={self.ring}; put its devices on seq.")
+
+  @property
+  def mesh(self) -> tuple[int, int, int]:
+    """``(data, seq, ring)``."""
+    return self.data, self.seq, self.ring
 
   @property
   def memory(self) -> MemoryOptions:
@@ -227,7 +227,7 @@ def ring_keeps_natural_layout(ring: int, seq_len: int, window: int | None) -> bo
   return window is not None and window <= seq_len / ring
 
 
-def _tokens(layout, batch, seq_len):
+def tokens(layout, batch, seq_len):
   """Per-device (sequences, tokens per sequence, tokens) before attention."""
   seqs = batch // layout.data
   per_seq = -(-seq_len // (layout.seq * layout.ring))
@@ -236,7 +236,7 @@ def _tokens(layout, batch, seq_len):
 
 def _optimizer_bytes(param_dtype, master_weights):
   """Bytes of optimizer state per parameter (``o``) and bytes of the updated weights (``w``)."""
-  w = 4 if master_weights else _DTYPE_BYTES[param_dtype]
+  w = 4 if master_weights else DTYPE_BYTES[param_dtype]
   return (3 if master_weights else 2) * w, w
 
 
@@ -244,27 +244,30 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
                    dtype: str = "bfloat16", param_dtype: str = "float32",
                    master_weights: bool = False, accum_steps: int = 1) -> dict:
   """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
-  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
+  c, p = DTYPE_BYTES[dtype], DTYPE_BYTES[param_dtype]
   o, w = _optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
-  seqs, per_seq, t = _tokens(layout, batch // accum_steps, seq_len)
-  heads = _chunk_heads(model, layout)
+  seqs, per_seq, t = tokens(layout, batch // accum_steps, seq_len)
+  heads = chunk_heads(model, layout)
   hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads
   mlp_tokens = min(t, seqs * model.mlp_chunk) if model.mlp_chunk else t
   f_eff = f * mlp_tokens / t
   if layout.remat == "none":
     saved = model.num_layers * t * c * (_NONE_E * e + _NONE_F * f_eff
-                                        + _attention_per_token(heads, d))
+                                        + attention_per_token(heads, d))
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
              + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names"))
   attn_len = seq_len // layout.ring  # keys per step on each device
   block = min(_XLA_BLOCK, attn_len)
-  tiles = 2 * seqs * (hq // layout.seq) * block * block * 4
-  ring = 0
+  gathered_kv = layout.attention == "allgather_kv"
+  tiles = 2 * seqs * (hq if gathered_kv else hq // layout.seq) * block * block * 4
+  incoming = 0
   if layout.ring > 1:  # one chunk's incoming K and V blocks and a float32 output or dQ sum
-    ring = t * d * (2 * hkv * c + hq * 4)
+    incoming = t * d * (2 * hkv * c + hq * 4)
+  if gathered_kv:  # one chunk's K and V of the whole sequence, and their gradients
+    incoming = 4 * seqs * seq_len * hkv * d * c
   offload = layout.offload_optimizer
   optimizer = o * model.params / n
   host_params = _host_param_count(model, layout)
@@ -274,8 +277,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
-      "working": (t * c * (_WORK_E * e + _WORK_A * _attention_per_token(heads, d))
-                  + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + ring),
+      "working": (t * c * (_WORK_E * e + _WORK_A * attention_per_token(heads, d))
+                  + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + incoming),
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
@@ -293,7 +296,7 @@ def _mlp_working(model, t, c, f_eff, mlp_tokens):
   return max(dense, experts)
 
 
-def _chunk_heads(model, layout):
+def chunk_heads(model, layout):
   """``plan_heads`` for one chunk of heads: Hq/n query and Hkv/n KV heads over ``seq``."""
   n = layout.attn_head_chunks
   check_head_chunks(n, model.num_kv_heads, "attn_head_chunks")
@@ -301,10 +304,14 @@ def _chunk_heads(model, layout):
     raise ValueError(f"the planner models attn_head_chunks > 1 (got {n}) with remat 'full' or "
                      f"'full_offload' only (each chunk is recomputed whole), got "
                      f"{layout.remat!r}; use attn_head_chunks=1 with it.")
-  return plan_heads(model.num_heads // n, model.num_kv_heads // n, layout.seq)
+  exchanged_over = layout.seq if layout.attention == "ulysses" else 1  # no all-to-all
+  return _plan_heads(model.num_heads // n, model.num_kv_heads // n, exchanged_over)
 
 
-def _attention_per_token(heads, head_dim):
+_plan_heads = functools.cache(plan_heads)  # a search asks for the same few plans often
+
+
+def attention_per_token(heads, head_dim):
   """Elements per token of one head chunk's q, k, v and attention output, heads as the
   all-to-all exchanges them (``heads``: its ``HeadPlan``; padded, KV heads replicated where
   ``seq`` exceeds them)."""
@@ -341,78 +348,3 @@ def _host_activation_bytes(model, layout, t, c):
   if layout.remat == "offload":
     return model.num_layers * t * c * _named_per_token(model)
   return 0
-
-
-def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
-                 hardware: Hardware, dtype: str = "bfloat16", param_dtype: str = "float32",
-                 master_weights: bool = False, accum_steps: int = 1) -> dict:
-  """Per-device communication bytes and predicted seconds of one training step."""
-  c, p = _DTYPE_BYTES[dtype], _DTYPE_BYTES[param_dtype]
-  o, _ = _optimizer_bytes(param_dtype, master_weights)
-  n = layout.data * layout.seq * layout.ring
-  _, _, t = _tokens(layout, batch, seq_len)
-  heads = _chunk_heads(model, layout)
-  hq, hkv = heads.exchanged_q_heads, heads.exchanged_kv_heads  # per head chunk
-  n_layers, e, d = model.num_layers, model.hidden_dim, model.head_dim
-  chunks = layout.attn_head_chunks
-  bw = lambda width: hardware.intra_bw if width <= hardware.intra_node else hardware.inter_bw
-  # Attention passes: forward, backward, and the forward again unless nothing is recomputed
-  # (save_names keeps q, k, v but not the lse, so attention is recomputed); remat groups
-  # recompute the forward once more, and so do head chunks (each chunk in its backward).
-  regroup, rechunk = layout.remat_group > 1, chunks > 1
-  passes = (2 if layout.remat == "none" else 3) + regroup + rechunk
-  per_token = _attention_per_token(heads, d)
-  a2a = per_token * t * c * (layout.seq - 1) / layout.seq * n_layers * chunks * passes
-  kv_block = hkv * d * t  # one chunk's K (or V) block on each device
-  windows = model.windows()
-  # Ring steps from other devices, per layer: a sliding window needs only the nearest.
-  steps = [ring_steps(layout.ring, seq_len, w) for w in windows]
-  ring = 0
-  if layout.ring > 1:  # per chunk: K/V come in each pass, dK/dV (compute dtype) travel home
-    # in the backward; the zigzag exchange of the natural layout moves q, k, v and the output
-    # (their gradients in the backward) once per pass.
-    exchanged = [not ring_keeps_natural_layout(layout.ring, seq_len, w) for w in windows]
-    ring = chunks * c * sum(passes * 2 * s * kv_block + 2 * (s + 1) * kv_block
-                            + passes * per_token * t * e for s, e in zip(steps, exchanged))
-  # Per micro-batch: gather twice (c), reduce-scatter (p).
-  fsdp = accum_steps * (2 * c + p) * model.params * (n - 1) / n
-  # Causal: 4·h FLOPs per visible key (scores and values), a query seeing S/2 keys on average
-  # (about W with a window), over the heads as exchanged (padding computes too).
-  keys = sum(mean_visible_keys(seq_len, w) for w in windows)
-  attn_flops = 4 * keys * chunks * hq * d * t
-  forward = 2 * model.compute_params * t + attn_flops
-  projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
-  recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
-               "offload": forward - projections, "none": 0}[layout.remat]
-  # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
-  attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
-  compute = (3 * forward + recompute + forward * regroup
-             + attention_layer * rechunk) / hardware.flops
-  attn_time = passes * attn_flops / hardware.flops
-  # Each ring step rescales a float32 [T, Hq', D] accumulator (read, write, new part).
-  merge = (sum(s + 1 for s in steps) * chunks * passes * 12 * t * hq * d / hardware.hbm_bw
-           if layout.ring > 1 else 0)
-  # Offloaded activations go to the host and back, and offloaded layer weights come to the
-  # device in every forward pass (recomputed ones included) and their gradients go back,
-  # overlapped with compute; the update's streams are exposed (see the module docstring).
-  # The layers' inputs, and the groups' inputs with remat groups.
-  moved_inputs = n_layers + (n_layers // layout.remat_group if regroup else 0)
-  moved = {"full_offload": moved_inputs * e, "offload": n_layers * _named_per_token(model)}
-  host_param_bytes = p * _host_param_count(model, layout) / n
-  # A group copies its layers' weights once per pass over it (the forward, its recompute in
-  # the backward); its layers' own recomputes reuse that copy.
-  fetches = 1 + (layout.remat != "none")
-  overlapped = 2 * t * c * moved.get(layout.remat, 0) + (fetches + 1) * host_param_bytes
-  offload = max(0.0, overlapped / hardware.pcie_bw - compute)
-  update_streams = 2 * o * model.params / n * layout.offload_optimizer + 4 * host_param_bytes
-  times = {
-      "compute_s": compute + merge,
-      "all_to_all_s": a2a / bw(layout.seq),
-      "ring_exposed_s": max(0.0, ring / bw(layout.seq * layout.ring) - attn_time),
-      "fsdp_exposed_s": max(0.0, fsdp / bw(n) - compute),
-      "offload_exposed_s": offload,
-      "optimizer_transfer_s": update_streams / hardware.pcie_bw,
-  }
-  experts = {"experts": moe.placement(model, t)} if model.moe_layers else {}
-  return {"all_to_all_bytes": a2a, "ring_bytes": ring, "fsdp_bytes": fsdp, **times,
-          "step_s": sum(times.values()), **experts}

@@ -22,7 +22,9 @@ how far from fitting the question is.
 import dataclasses
 import itertools
 
-from ulysses_jax.plan.model import Hardware, Layout, Model, predict_memory, predict_step
+from ulysses_jax.plan.hardware import Hardware
+from ulysses_jax.plan.model import Layout, Model, predict_memory
+from ulysses_jax.plan.step import predict_step
 
 REMATS = ("full", "full_offload", "save_names", "offload", "none")
 REMAT_GROUPS = (1, 2, 4, 8)  # layers per rematerialised group
@@ -74,7 +76,8 @@ def precisions(param_dtype: str | None = None,
 @dataclasses.dataclass(frozen=True)
 class Knobs:
   """The candidates the search tries for each knob; a knob the user gave has one.
-  ``mesh``: ``(data, seq, ring)``, or None for every factorisation of the devices."""
+  ``mesh``: ``(data, seq, ring)``, or None for every factorisation of the devices;
+  ``attention``: ``Layout.attention`` (the all-gather-KV baseline only when asked)."""
   precisions: tuple[Precision, ...] = PRECISIONS
   mlp_chunks: tuple[int, ...] = MLP_CHUNKS
   remats: tuple[str, ...] = REMATS
@@ -82,16 +85,17 @@ class Knobs:
   head_chunks: tuple[int, ...] = HEAD_CHUNKS
   offloads: tuple[str, ...] = tuple(OFFLOADS)
   mesh: tuple[int, int, int] | None = None
+  attention: str = "ulysses"
 
 
 def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps: int = 1,
             remats=REMATS, offloads=tuple(OFFLOADS), remat_groups=(1,), head_chunks=(1,),
-            mesh=None):
+            mesh=None, attention="ulysses"):
   """Every ``Layout`` the trainer accepts with data·seq·ring = devices: data·accum_steps
   dividing the batch, seq·ring dividing ``seq_len`` (when given), remat groups and head
   chunks (give only divisors of ``num_kv_heads``) with the ``full`` policies only, layer
   parameters on the host only without gradient accumulation; ``mesh`` (data, seq, ring)
-  if given."""
+  if given; ``attention`` as ``Layout.attention`` (the all-gather-KV baseline: no ring)."""
   for data in range(1, devices + 1):
     if devices % data or batch % (data * accum_steps):
       continue
@@ -101,13 +105,15 @@ def layouts(devices: int, batch: int, *, seq_len: int | None = None, accum_steps
         continue
       if mesh is not None and (data, seq, ring) != tuple(mesh):
         continue
+      if attention == "allgather_kv" and ring > 1:
+        continue
       for remat in remats:
         full = remat in ("full", "full_offload")
         groups, chunks = (remat_groups, head_chunks) if full else ((1,), (1,))
         for offload, group, chunk in itertools.product(offloads, groups, chunks):
           opt, params = OFFLOADS[offload]
           if not (params and accum_steps > 1):
-            yield Layout(data, seq, ring, remat, opt, group, params, chunk)
+            yield Layout(data, seq, ring, remat, opt, group, params, chunk, attention)
 
 
 def _candidates(model, devices, batch, seq_len, accum_steps, knobs):
@@ -118,7 +124,8 @@ def _candidates(model, devices, batch, seq_len, accum_steps, knobs):
   return (layout for layout in layouts(devices, batch, seq_len=seq_len,
                                        accum_steps=accum_steps, remats=knobs.remats,
                                        offloads=knobs.offloads, remat_groups=groups,
-                                       head_chunks=chunks, mesh=knobs.mesh)
+                                       head_chunks=chunks, mesh=knobs.mesh,
+                                       attention=knobs.attention)
           if layout.seq <= model.num_heads or knobs.mesh is not None)
 
 

@@ -1,27 +1,32 @@
-"""Does the model use its long context? RULER-style tasks (``ruler.tasks``) and the user's own
-exact-match probes (``--examples``), scored exactly as greedy decoding would score them.
+"""Does the model use its long context? RULER's tasks (``ruler.tasks``) and the user's own
+exact-match probes (``--examples``), with RULER's scoring (``ruler.scoring``) and our strict one.
 
-An example is a prompt and an answer of k tokens. It is correct when, at each answer position,
-the model's top prediction given the prompt and the answer tokens before it is the answer token:
-exactly the condition under which greedy decoding from the prompt reproduces the answer. So one
-forward pass over prompt + answer scores it, sequence-parallel like the rest of
-``ulysses_jax.evaluate`` (the per-token predictions come chunk by chunk, never as ``[B, S, V]``
-logits), and the argmax at each answer position is kept as ``predicted_ids``.
+The strict score needs no decoder: an example is a prompt and a canonical answer of k tokens,
+correct when, at each answer position, the model's top prediction given the prompt and the
+answer tokens before it is the answer token: exactly the condition under which greedy decoding
+from the prompt writes the answer. So one forward pass over prompt + answer scores it,
+sequence-parallel like the rest of ``ulysses_jax.evaluate`` (the per-token predictions come
+chunk by chunk, never as ``[B, S, V]`` logits), and the argmax at each answer position is kept
+as ``predicted_ids``. RULER's own score reads generated answers (``scoring.ruler_score``).
 """
 
 import json
 
 import numpy as np
 
-from ulysses_jax.data import Dataset, pack_row
+from ulysses_jax.batches import Dataset
+from ulysses_jax.corpus import resolve_paths
+from ulysses_jax.packing import pack_row
+from ulysses_jax.ruler import prompts, qa
 from ulysses_jax.ruler import tasks as tasks_lib
+from ulysses_jax.ruler.scoring import THRESHOLD, summarize
 
-# RULER's threshold for "effective length": Llama-2-7B's average score at 4K tokens (85.6 %).
-THRESHOLD = 0.856
+__all__ = ["THRESHOLD", "Probe", "Rows", "dataset", "generate", "read_examples", "read_inputs",
+           "score", "summarize"]
 
 
 class Rows:
-  """A fixed list of rows for ``data.Dataset`` (the pass-key and RULER examples)."""
+  """A fixed list of rows for ``batches.Dataset`` (the pass-key and RULER examples)."""
 
   def __init__(self, rows, seq_len):
     self.rows, self.seq_len, self.num_rows = rows, seq_len, len(rows)
@@ -65,38 +70,55 @@ def score(evaluator, params, examples, data: Dataset) -> list[dict]:
   return out
 
 
-def generate(names, lengths, samples: int, tokenizer, *, seed: int = 0,
-             text_ids=None) -> list[tasks_lib.Example]:
-  """``samples`` examples of every task in ``names`` at every length (``tasks.generate``)."""
-  return [tasks_lib.generate(name, length, i, tokenizer, seed=seed, samples=samples,
-                             text_ids=text_ids)
-          for name in names for length in lengths for i in range(samples)]
+def generate(names, lengths, samples: int, tokenizer, *, seed: int = 0, essays=None,
+             qa_sets=None, wrap=prompts.identity, skipped: list | None = None
+             ) -> list[tasks_lib.Example]:
+  """``samples`` examples of every task in ``names`` at every length (``tasks.generate``).
+  With a list ``skipped``, a task that a length cannot hold is left out there (``{"task",
+  "length", "reason"}``) instead of raising ``tasks.Unfit``."""
+  out = []
+  for name in names:
+    for length in lengths:
+      try:
+        out += tasks_lib.generate(name, length, samples, tokenizer, seed=seed, essays=essays,
+                                  qa_sets=qa_sets, wrap=wrap)
+      except tasks_lib.Unfit as e:
+        if skipped is None:
+          raise
+        skipped.append({"task": name, "length": length, "reason": str(e)})
+  return out
 
 
-def summarize(examples, results, threshold: float = THRESHOLD) -> dict:
-  """JSON-able report: ``tasks[name].by_length[L]`` (accuracy, samples), ``mean_by_length[L]``
-  (the mean over tasks), ``effective_length`` (the longest L up to which every mean is at
-  least ``threshold``; None if the shortest already falls below) and the examples."""
-  names = list(dict.fromkeys(ex.task for ex in examples))
-  lengths = sorted({ex.length for ex in examples})
-  hits = {}
-  for ex, r in zip(examples, results):
-    hits.setdefault((ex.task, ex.length), []).append(r["correct"])
-  by_task = {name: {"by_length": {str(n): {"accuracy": float(np.mean(hits[name, n])),
-                                           "samples": len(hits[name, n])} for n in lengths}}
-             for name in names}
-  means = {str(n): float(np.mean([by_task[t]["by_length"][str(n)]["accuracy"] for t in names]))
-           for n in lengths}
-  effective = None
-  for n in lengths:
-    if means[str(n)] < threshold:
-      break
-    effective = n
-  return {"tasks": by_task, "mean_by_length": means, "effective_length": effective,
-          "threshold": threshold, "lengths": lengths,
-          "examples": [{"task": ex.task, "length": ex.length, "sample": ex.sample,
-                        "depth": ex.depth, "answer": ex.answer, **r}
-                       for ex, r in zip(examples, results)]}
+def read_inputs(names, data_paths=(), qa_paths=()) -> tuple[str | None, dict]:
+  """(essays, QA sets) for the tasks ``names``, read only when they need them: ``essays`` the
+  text of the ``data_paths`` files (text or ``.jsonl``, in order), ``{"squad" | "hotpotqa":
+  qa.QASet}`` from ``qa_paths``. Raises ``ValueError`` when a task's input is missing."""
+  need = tasks_lib.needs(names)
+  essays = None
+  if "essays" in need and data_paths:
+    files = resolve_paths(list(data_paths))
+    tokens = [f for f in files if f.endswith((".bin", ".npy"))]
+    if tokens:
+      raise ValueError(f"the essay haystack ({', '.join(need['essays'])}) needs text files; "
+                       f"{tokens[0]} holds tokens")
+    essays = "\n".join(_essay_text(f) for f in files)
+  qa_sets = {}
+  if any(k.startswith("qa_") for k in need):
+    for path in resolve_paths(list(qa_paths)) if qa_paths else []:
+      qa_set = qa.read(path)
+      qa_sets[qa_set.kind] = qa_set
+  return essays, qa_sets
+
+
+def _essay_text(path: str) -> str:
+  """A text file's text, or a ``.jsonl`` file's ``"text"`` fields one after another."""
+  with open(path, encoding="utf-8", errors="replace") as f:
+    if not path.endswith(".jsonl"):
+      return f.read()
+    texts = [json.loads(line).get("text") for line in f if line.strip()]
+  if not all(isinstance(t, str) for t in texts):
+    raise ValueError(f"{path}: the essay haystack reads each line's string field 'text'")
+  return "\n".join(texts)
 
 
 def read_examples(path: str, tokenizer) -> list[tasks_lib.Example]:
@@ -135,21 +157,25 @@ def read_examples(path: str, tokenizer) -> list[tasks_lib.Example]:
 
 
 class Probe:
-  """RULER tasks scored at a trainer's eval steps (``TrainConfig.ruler_tasks``): the examples
-  are made once (lengths S/2 and S, seed 0), each call scores them with the current
-  parameters and returns the metrics ``ruler_mean``, ``ruler_<task>`` (mean over the lengths)
-  and ``ruler_mean_<L>``."""
+  """RULER tasks scored (strict) at a trainer's eval steps (``TrainConfig.ruler_tasks``): the
+  examples are made once (lengths S/2 and S, seed 0; a task that S/2 cannot hold is scored at
+  S only), each call scores them with the current parameters and returns the metrics
+  ``ruler_mean``, ``ruler_<task>`` (mean over the lengths) and ``ruler_mean_<L>``, percent.
+  Raises ``tasks.Unfit`` when a task fits neither length."""
 
   def __init__(self, names, samples: int, tokenizer, mesh, *, seq_len: int, vocab_size: int):
-    self.examples = generate(names, sorted({seq_len // 2, seq_len}), samples, tokenizer)
+    self.examples = generate(names, [seq_len], samples, tokenizer)
+    if seq_len // 2 < seq_len:
+      self.examples = generate(names, [seq_len // 2], samples, tokenizer,
+                               skipped=[]) + self.examples
     self.data = dataset(self.examples, mesh, seq_len=seq_len, batch_size=mesh.shape["data"],
                         vocab_size=vocab_size)
 
   def __call__(self, evaluator, params) -> dict[str, float]:
     report = summarize(self.examples, score(evaluator, params, self.examples, self.data))
-    metrics = {f"ruler_mean_{n}": a for n, a in report["mean_by_length"].items()}
-    metrics["ruler_mean"] = float(np.mean(list(report["mean_by_length"].values())))
+    means = {n: m["strict"] for n, m in report["mean_by_length"].items()}
+    metrics = {f"ruler_mean_{n}": a for n, a in means.items()}
+    metrics["ruler_mean"] = float(np.mean(list(means.values())))
     for name, task in report["tasks"].items():
-      metrics[f"ruler_{name}"] = float(np.mean([v["accuracy"]
-                                                for v in task["by_length"].values()]))
+      metrics[f"ruler_{name}"] = float(np.mean([v["strict"] for v in task["by_length"].values()]))
     return metrics

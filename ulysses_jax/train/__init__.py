@@ -10,12 +10,14 @@ the evaluations from ``ulysses_jax.evaluate``. Writes into ``DIR``:
   config_history/ the operative config of every start that trained, named by time and step
   metrics.jsonl   one JSON object per logged step: step, loss, grad_norm, learning_rate,
                   tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
-                  reports it), nonfinite_steps, and eval_loss / eval_accuracy at eval steps;
+                  reports it), nonfinite_steps, tokens_seen/<source> for a mixture
+                  (DataConfig.sources), and eval_loss / eval_accuracy at eval steps;
                   with experts router_aux_loss and each MoE layer's
                   expert_share_min/layer_i, expert_share_max/layer_i (TrainStep's metrics);
                   the first also compiled_memory_gib and the attention backend and its
                   self-check (``ulysses_jax.kernel_check``)
-  tensorboard/    the same numbers as TensorBoard events
+  tensorboard/    the same numbers as TensorBoard events (and a Weights & Biases run under
+                  wandb/ with TrainConfig.wandb_project)
   checkpoints/    train state + data position + the run config (``ulysses_jax.checkpoint``)
 
 Started again with the same ``DIR``, it resumes from the newest checkpoint that restores,
@@ -99,7 +101,12 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
     # The data first: a bad file is one error line, before the kernel runs or logs anything.
     train_ds, eval_ds = datasets or make_datasets(config.data, mesh,
                                                   vocab_size=config.model.vocab_size)
-    attention = kernel_check.settle(config.model, mesh, check=cfg.kernel_check)
+    for what in ("seq_len", "batch_size"):  # the step's shapes, MFU and logs use the config's
+      if getattr(train_ds, what) != getattr(config.data, what):
+        raise ConfigError(f"the given training dataset has {what}={getattr(train_ds, what)} but "
+                          f"DataConfig.{what}={getattr(config.data, what)}; make them equal")
+    attention = kernel_check.settle(config.model, mesh, seq_len=config.data.seq_len,
+                                    check=cfg.kernel_check)
     built = step_builder.build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh, workdir=workdir)
     _check_fits(built.state)
@@ -186,13 +193,14 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
     if jax.default_backend() == "gpu":
       _log.info(distributed.gpu_memory_line())
   ckpt = Checkpointer(summary["checkpoints"], config.checkpoint)
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start)
+  run_config = config.to_dict()
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start,
+                                     wandb_project=cfg.wandb_project, run_config=run_config)
   bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
              disable=not (lead and cfg.progress_bar and sys.stderr.isatty()))
   interval_time, interval_steps = 0.0, 0  # since the last record
   steady_time, steady_steps = 0.0, 0  # all steps but the first (which compiles)
   wall_start = time.perf_counter()
-  run_config = config.to_dict()
 
   # ---------------------------------------------------------------------------- the loop
   try:
@@ -200,7 +208,7 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        with (xla_log.remat_warning_explained() if step == start + 1  # compiles
+        with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
               else contextlib.nullcontext()):
           state, step_metrics = run.built.step(state, batch)
         data_state = run.train_ds.get_state()
@@ -220,6 +228,8 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
         if do_eval or step % cfg.log_every == 0 or step == start + 1:
           record = metrics_lib.make_record(step, m, skipped, seconds=interval_time,
                                            steps=interval_steps, **record_args)
+          if hasattr(run.train_ds, "tokens_by_source"):  # a mixture's tokens per source
+            record.update(run.train_ds.tokens_by_source(data_state))
           if step == start + 1:  # the step is in the compilation cache: no compile again
             compiled = run.built.step.lower(run.built.state, batch).compile()
             record.update(run.attention.record(),

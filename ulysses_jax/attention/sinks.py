@@ -1,0 +1,56 @@
+"""Attention sinks (gpt-oss): one learnable logit per query head in every query row's softmax.
+
+A sink is an extra "key" of score ``s_h`` (not scaled: transformers' ``GptOssAttention`` appends
+the raw ``sinks`` parameter to the scaled scores) and value zero. It takes probability mass but
+adds nothing to the output, so, with ``lse`` the log-sum-exp of a row's scaled scores over its
+real keys and ``out`` the softmax-weighted values without the sink::
+
+    out_with_sink = out · exp(lse - logaddexp(lse, s)) = out · σ(lse - s)
+    lse_with_sink = logaddexp(lse, s)
+
+A row that sees no key (lse = -inf) keeps out = 0, and its lse becomes s: all of its mass goes
+to the sink, as in transformers. Every attention here returns ``lse`` and takes its cotangent,
+so the sink is applied outside the kernels (``apply_sinks``) and autodiff carries the gradient
+into them; ring attention, which merges partial results by their lse, applies it once after the
+merge and, holding the final output and lse, gets ``d(sinks)`` from ``sinks_grad``.
+
+This module is a leaf: it imports nothing from the package (``common.check_sinks`` checks the
+argument).
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def _rows(x_BHS):
+  """``[B, H, S]`` -> ``[B, S, H, 1]``: one factor per row of a ``[B, S, H, D]`` output."""
+  return jnp.swapaxes(x_BHS, 1, 2)[..., None]
+
+
+def apply_sinks(out_BSHD: jax.Array, lse_BHS: jax.Array,
+                sinks_H: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The attention with sinks from the one without: ``(out · σ(lse - s), logaddexp(lse, s))``.
+
+  ``out_BSHD`` ``[B, S, H, D]`` (any float dtype, kept), ``lse_BHS`` ``[B, H, S]`` float32 (-inf
+  for a row that sees no key), ``sinks_H`` ``[H]``, computed in float32. Differentiable in all
+  three (module docstring); rows without keys stay finite, their gradients zero.
+  """
+  sinks = sinks_H.astype(jnp.float32)[None, :, None]
+  weight = jax.nn.sigmoid(lse_BHS - sinks)
+  out = (out_BSHD.astype(jnp.float32) * _rows(weight)).astype(out_BSHD.dtype)
+  return out, jnp.logaddexp(lse_BHS, sinks)
+
+
+def sinks_grad(out_BSHD: jax.Array, lse_BHS: jax.Array, d_out_BSHD: jax.Array,
+               sinks_H: jax.Array) -> jax.Array:
+  """``d(sinks)`` ``[H]`` (in ``sinks_H``'s dtype) given the output and lse WITH the sinks.
+
+  The sink is a key of value zero: its score's gradient is ``p_sink · (0 - delta)`` with
+  ``p_sink = exp(s - lse)`` and ``delta = rowsum(d_out · out)``, summed over every row of the
+  head. (The same ``out``, ``lse`` and ``delta`` make the flash backward of the real keys exact:
+  the sink only lowers their probabilities, which ``exp(scores - lse)`` already reflects.)
+  """
+  delta = jnp.einsum("bshd,bshd->bhs", d_out_BSHD.astype(jnp.float32),
+                     out_BSHD.astype(jnp.float32))
+  p_sink = jnp.exp(sinks_H.astype(jnp.float32)[None, :, None] - lse_BHS)
+  return (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks_H.dtype)

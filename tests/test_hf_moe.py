@@ -1,5 +1,7 @@
-"""Mixtures of experts in and out of Hugging Face: qwen3_moe and mixtral (gpt_oss's experts and
-MXFP4 here too) against ``transformers`` with random weights (CPU torch)."""
+"""Mixtures of experts in and out of Hugging Face: qwen3_moe, mixtral and gpt_oss (its MXFP4
+layout, sinks and experts too) against ``transformers`` with random weights (CPU torch)."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -152,14 +154,20 @@ def test_moe_configs_round_trip_and_bad_ones_are_rejected():
     config_from_hf(dict(mixtral, quantization_config={"quant_method": "fp8"}))
 
 
-def test_whole_model_gradient_matches_float64_transformers(tokens, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe",
+                                    pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_whole_model_gradient_matches_float64_transformers(family, tokens, tmp_path):
   """Loss (cross-entropy + coefficient x load-balancing loss) and the gradient of every
-  parameter, router and dense first layer included, on a sequence-sharded mesh with tiled
-  experts, against transformers' Qwen3-MoE in float64 (its gradients read into our layout by
-  the loader's own name mapping)."""
-  cls_name, overrides = FAMILIES["qwen3_moe"]
-  reference = random_hf_model(cls_name, **overrides, output_router_logits=True,
-                              router_aux_loss_coef=0.3)
+  parameter, router included, on a sequence-sharded mesh with tiled experts, against
+  transformers in float64 (its gradients read into our layout by the loader's own name
+  mapping): Qwen3-MoE with a dense first layer; gpt-oss with its large sinks, biases and
+  clamped experts."""
+  aux = dict(output_router_logits=True, router_aux_loss_coef=0.3)
+  if family == "gpt_oss":
+    reference = random_gpt_oss(**aux)
+  else:
+    cls_name, overrides = FAMILIES[family]
+    reference = random_hf_model(cls_name, **overrides, **aux)
   reference.save_pretrained(tmp_path / "hf")
   reference = reference.double()
   reference.set_experts_implementation("eager")  # torch's grouped matmul has no float64
@@ -179,7 +187,86 @@ def test_whole_model_gradient_matches_float64_transformers(tokens, tmp_path):
   loss, ours = jax.jit(jax.value_and_grad(objective))(state)
   np.testing.assert_allclose(loss, output.loss.item(), rtol=1e-6)
   flat = traverse_util.flatten_dict(nnx.to_pure_dict(ours))
-  assert {("layers", "moe"), ("layers", "mlp")} <= {k[:2] for k in flat}
+  expected_params = ({("layers", "attn", "sinks"), ("layers", "moe", "router_bias")}
+                     if family == "gpt_oss" else {("layers", "moe", "router"),
+                                                  ("layers", "mlp", "gate_proj")})
+  assert expected_params <= {k[:3] for k in flat}
   for path, grad in flat.items():
     expected = hf._read_param(grads, model.config, path, grad.shape, np.float64)
     assert relative_error(grad, expected) < 1e-5, path
+
+
+# gpt-oss with every feature active: large attention sinks of both signs, q/k/v/o biases,
+# alternating sliding (5 tokens of 32) and full layers, YaRN without truncation, 4 experts
+# (2 per token) with a router bias, the clamped SwiGLU (limit 1: it clamps) and biases.
+GPT_OSS = dict(num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, intermediate_size=32, sliding_window=5, swiglu_limit=1.0,
+               layer_types=["sliding_attention", "full_attention"],
+               rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
+                                    truncate=False, original_max_position_embeddings=64,
+                                    rope_theta=10_000.0))
+
+
+def random_gpt_oss(mxfp4_path=None, **overrides):
+  """A random GptOssForCausalLM with sinks of |s| in [2, 4]; with ``mxfp4_path``, its experts'
+  matrices are random MXFP4 values (transformers' own dequantisation of them) and the
+  checkpoint written there stores them as published checkpoints do (blocks and scales)."""
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  reference = random_hf_model("GptOssForCausalLM", **GPT_OSS, **overrides)
+  rng = np.random.default_rng(1)
+  with torch.no_grad():
+    for layer in reference.model.layers:
+      heads = layer.self_attn.sinks.shape[0]
+      sinks = rng.uniform(2, 4, heads) * rng.choice([-1, 1], heads)
+      layer.self_attn.sinks.copy_(torch.tensor(sinks))
+  if mxfp4_path is None:
+    return reference
+  quantized = {}
+  with torch.no_grad():
+    for i, layer in enumerate(reference.model.layers):
+      for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(layer.mlp.experts, name)  # [X, in, out]; stored [X, out, in / 32, 16]
+        x, n_in, n_out = weight.shape
+        blocks = rng.integers(0, 256, (x, n_out, n_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(122, 126, (x, n_out, n_in // 32), dtype=np.uint8)
+        weight.copy_(convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                dtype=torch.float32))
+        prefix = f"model.layers.{i}.mlp.experts.{name}"
+        quantized[prefix + "_blocks"], quantized[prefix + "_scales"] = map(
+            torch.tensor, (blocks, scales))
+  reference.config.save_pretrained(mxfp4_path)
+  config = json.loads((mxfp4_path / "config.json").read_text())
+  config["quantization_config"] = {"quant_method": "mxfp4"}
+  (mxfp4_path / "config.json").write_text(json.dumps(config))
+  tensors = {k: v.contiguous() for k, v in reference.state_dict().items()
+             if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+  safetensors_torch.save_file({**tensors, **quantized}, str(mxfp4_path / "model.safetensors"),
+                              metadata={"format": "pt"})
+  return reference
+
+
+@pytest.mark.parametrize("layout, mesh_name", [
+    ("mxfp4", "ulysses"), ("fused", "ulysses_ring"),
+    pytest.param("mxfp4", "data_seq", marks=pytest.mark.slow),
+    pytest.param("fused", "ulysses", marks=pytest.mark.slow)])
+def test_gpt_oss_loads_with_transformers_logits(layout, mesh_name, tokens, tmp_path):
+  """gpt-oss (large sinks, biases, sliding and full layers, YaRN) from the MXFP4 layout of
+  published checkpoints and from transformers' own (fused, unquantized); the export loads
+  back into transformers with the same logits."""
+  mesh = make_mesh(*MESHES[mesh_name])
+  if layout == "fused":
+    reference = random_gpt_oss()
+    reference.save_pretrained(tmp_path / "hf")
+  else:
+    reference = random_gpt_oss(tmp_path / "hf")
+  expected = reference(torch.tensor(tokens)).logits.detach().numpy()
+  model = load_llama(tmp_path / "hf", mesh)
+  assert model.config.attention_sinks and model.config.attn_out_bias
+  assert np.abs(model.layers.attn.sinks[...]).min() >= 2
+  np.testing.assert_array_less(np.abs(jax_logits(model, tokens) - expected), TOL)
+  hf.save_llama(model, tmp_path / "ours")
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+  assert type(exported).__name__ == "GptOssForCausalLM"
+  with torch.no_grad():
+    np.testing.assert_array_less(np.abs(exported(torch.tensor(tokens)).logits.numpy()
+                                        - expected), TOL)

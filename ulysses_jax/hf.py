@@ -20,6 +20,7 @@ Parameter mapping; ``i`` is the layer, and our layer parameters stack the L laye
   ...self_attn.{q,k,v}_proj.bias  [H*D]                layers.attn.{q,k,v}_proj.bias [L, H, D]
   ...self_attn.o_proj.weight      [E, Hq*D]  (.T)      layers.attn.o_proj.kernel [L, Hq, D, E]
   ...self_attn.{q,k}_norm.weight  [D]                  layers.attn.{q,k}_norm.scale [L, D]
+  ...self_attn.sinks              [Hq]                 layers.attn.sinks [L, Hq]  (gpt_oss)
   model.layers.i.post_attention_layernorm.weight [E]   layers.mlp_norm.scale   [L, E]
     (Gemma 3: ...pre_feedforward_layernorm.weight)
   (Gemma 3) ...post_attention_layernorm.weight [E]     layers.attn_post_norm.scale [L, E]
@@ -98,6 +99,8 @@ def _hf_name(path: tuple[str, ...], layer: int | None, config: LlamaConfig) -> s
   rename = _RENAME_POST_NORMS if config.post_norms else _RENAME
   modules = [rename.get(p, p) for p in path if p not in ("layers", "kernel", "scale", "bias")]
   prefix = "model." if layer is None else f"model.layers.{layer}."
+  if path[-1] == "sinks":  # gpt-oss's self_attn.sinks [Hq], a tensor of its own
+    return prefix + ".".join(modules)
   return prefix + ".".join(modules) + (".bias" if path[-1] == "bias" else ".weight")
 
 

@@ -47,8 +47,6 @@ def moe_problems(hf: dict) -> list[str]:
                            and quantization.get("quant_method") == "mxfp4"):
     problems.append(f"quantization_config {quantization.get('quant_method')!r} (only gpt_oss's "
                     "'mxfp4', dequantized on load)")
-  if hf["model_type"] == "gpt_oss":  # TODO(sinks): remove once attention sinks are merged
-    problems.append("attention sinks (self_attn.sinks, one per head): not in this build yet")
   if hf["model_type"] == "gpt_oss" and hf.get("hidden_act", "silu") != "silu":
     problems.append(f"hidden_act={hf['hidden_act']!r} (gpt_oss's experts: only 'silu')")
   return problems
@@ -75,7 +73,8 @@ def moe_from_hf(hf: dict) -> dict:
                   swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
                   swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
   bias = bool(hf.get("attention_bias", True))
-  return dict(moe=moe, qkv_bias=bias, attn_out_bias=bias, router_aux_loss_coef=coef)
+  return dict(moe=moe, qkv_bias=bias, attn_out_bias=bias, attention_sinks=True,
+              router_aux_loss_coef=coef)
 
 
 def moe_model_type(config: LlamaConfig) -> str:
@@ -90,8 +89,10 @@ def moe_model_type(config: LlamaConfig) -> str:
            and moe.expert_activation == "silu" and not config.attn_out_bias
            and not config.qkv_bias)
   every_layer = not moe.mlp_only_layers and moe.decoder_sparse_step == 1
-  if moe == gpt_oss and config.qkv_bias == config.attn_out_bias and not config.qk_norm:
+  if (moe == gpt_oss and config.qkv_bias == config.attn_out_bias and not config.qk_norm
+      and config.attention_sinks):
     return "gpt_oss"
+  plain = plain and not config.attention_sinks
   if plain and config.qk_norm:
     return "qwen3_moe"
   if plain and moe.norm_topk_prob and every_layer:
@@ -99,9 +100,10 @@ def moe_model_type(config: LlamaConfig) -> str:
   raise ConfigError(
       f"no Hugging Face mixture-of-experts architecture has this combination ({moe}, "
       f"qk_norm={config.qk_norm}, qkv_bias={config.qkv_bias}, attn_out_bias="
-      f"{config.attn_out_bias}): qwen3_moe (softmax_topk, SwiGLU, qk_norm), mixtral "
-      "(softmax_topk renormalised, SwiGLU, every layer) or gpt_oss (topk_softmax with biases, "
-      "clamped SwiGLU, q/k/v/o biases).")
+      f"{config.attn_out_bias}, attention_sinks={config.attention_sinks}): qwen3_moe "
+      "(softmax_topk, SwiGLU, qk_norm), mixtral (softmax_topk renormalised, SwiGLU, every "
+      "layer), both without sinks, or gpt_oss (topk_softmax with biases, clamped SwiGLU, "
+      "q/k/v/o biases, attention sinks).")
 
 
 def moe_to_hf(config: LlamaConfig, model_type: str) -> dict:

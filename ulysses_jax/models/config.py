@@ -368,14 +368,14 @@ PRESETS.update({
         head_dim=128, mlp_dim=14_336, rope_theta=1_000_000.0, norm_eps=1e-5,
         moe=MoeConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=14_336)),
     # openai/gpt-oss-20b: 32 experts, 4 per token (top-k logits, then softmax), clamped
-    # SwiGLU with biases; 128-token sliding layers alternating with full ones; YaRN x32.
-    # TODO(sinks): its learnable attention sinks come with the sinks branch.
+    # SwiGLU with biases; 128-token sliding layers alternating with full ones; YaRN x32;
+    # q/k/v/o biases and attention sinks.
     "gpt-oss-20b": LlamaConfig(
         vocab_size=201_088, hidden_dim=2880, num_layers=24, num_heads=64, num_kv_heads=8,
         head_dim=64, mlp_dim=2880, rope_theta=150_000.0, norm_eps=1e-5,
         rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096,
                                  beta_fast=32.0, beta_slow=1.0, truncate=False),
-        qkv_bias=True, attn_out_bias=True, sliding_window=128,
+        qkv_bias=True, attn_out_bias=True, attention_sinks=True, sliding_window=128,
         layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
                           for i in range(24)),
         moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=2880,

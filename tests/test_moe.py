@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
                          relative_error, tree_on_host)
-from ulysses_jax import sharding, train_step
+from ulysses_jax import optimizer, sharding, train_step
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.config import LlamaConfig, MoeConfig, preset
 from ulysses_jax.models.llama import count_params
@@ -213,3 +213,16 @@ def test_mixed_models_count_only_the_mlp_each_layer_runs():
                                  + e * moe.num_experts + moe.num_experts * experts)
   assert count_params(mixed, active=True) == (count_params(mixed) - (
       moe.num_experts - moe.experts_per_token) * experts)
+
+
+def test_router_and_expert_biases_get_no_weight_decay():
+  """Like every other bias: gpt-oss's router and expert biases; the experts' matrices decay."""
+  config = preset("tiny", hidden_dim=16, moe=MoeConfig(
+      num_experts=4, experts_per_token=2, expert_mlp_dim=8, router="topk_softmax",
+      router_bias=True, expert_bias=True, expert_activation="clamped_swiglu"))
+  layer = nnx.eval_shape(lambda: MoE(config, mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
+  decay = nnx.to_pure_dict(optimizer._decay_mask(nnx.state(layer, nnx.Param)))
+  flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(decay).items()}
+  biases = [k for k in flat if k.endswith("bias")]
+  assert len(biases) == 4 and not any(flat[k] for k in biases), flat
+  assert flat["gate_proj"] and flat["down_proj"], flat

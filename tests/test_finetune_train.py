@@ -99,6 +99,11 @@ FAMILIES = {
         rope_type="yarn", factor=4.0, original_max_position_embeddings=32,
         rope_theta=10_000.0))),
     "gemma3": ("Gemma3ForCausalLM", GEMMA3),
+    # A dense first layer, then experts; the load-balancing loss in the objective.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=3, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[0], output_router_logits=True,
+        router_aux_loss_coef=0.01)),
 }
 
 
@@ -123,6 +128,11 @@ def test_each_family_fine_tunes_exports_and_evaluates(family, tmp_path):
   ours = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens, jnp.int32)))
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   np.testing.assert_array_less(np.abs(torch_logits(exported, tokens) - ours), 1e-4)
+  if config.moe is not None:  # the routing metrics of its MoE layers
+    with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
+      record = json.loads(f.readlines()[-1])
+    assert record["router_aux_loss"] >= 1.0
+    assert record["expert_share_min/layer_01"] <= 0.25 <= record["expert_share_max/layer_02"]
 
 
 def test_train_from_python_with_init_from_builds_the_checkpoints_model(tmp_path):

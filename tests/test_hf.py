@@ -212,8 +212,9 @@ def test_checkpoint_errors_name_expected_and_actual(checkpoint, mesh, tmp_path):
 
 @pytest.mark.parametrize("fields, message", [
     (dict(model_type="gpt2"),
-     r"unsupported model_type 'gpt2'; supported: \['gemma3_text', 'llama', 'ministral'"),
-    (dict(model_type="mixtral"), r"unsupported model_type 'mixtral'"),
+     r"unsupported model_type 'gpt2'; supported: \['gemma3_text', 'gpt_oss', 'llama', "
+     r"'ministral', 'mistral', 'mixtral'"),
+    (dict(model_type="qwen2_moe"), r"unsupported model_type 'qwen2_moe'"),
     (dict(model_type="gemma3"), r"'gemma3' \(the vision-language model\); give a text-only "
                                 r"checkpoint, model_type 'gemma3_text'"),
     (dict(model_type="gemma3_text", hidden_activation="gelu"),
@@ -229,8 +230,9 @@ def test_checkpoint_errors_name_expected_and_actual(checkpoint, mesh, tmp_path):
         "sliding_attention": dict(rope_type="default", rope_theta=1e4,
                                   partial_rotary_factor=0.5)}),
      r"partial_rotary_factor=0.5 \(only 1.0\)"),
-    (dict(num_local_experts=8), r"num_local_experts=8 \(mixture of experts\)"),
-    (dict(model_type="qwen3", num_experts=4), r"num_experts=4 \(mixture of experts\)"),
+    (dict(num_local_experts=8), r"num_local_experts=8 \(mixture of experts: only in the model "
+                                r"types \[.gpt_oss., .mixtral., .qwen3_moe.\]\)"),
+    (dict(model_type="qwen3", num_experts=4), r"num_experts=4 \(mixture of experts: "),
     (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 \(only 1.0\)"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      r"partial_rotary_factor=0.5 \(only 1.0\)"),

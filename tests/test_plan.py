@@ -444,3 +444,30 @@ def test_bad_input_is_one_error_line_and_exit_2(model, message, tmp_path, capsys
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
   assert re.match(message, err), err
+
+
+def test_a_mixture_of_experts_counts_what_it_holds_and_what_a_token_runs():
+  """Held parameters (memory, FSDP traffic) are all experts'; FLOPs only the k a token runs;
+  the planner's counts agree with the model's own (it leaves out the q/k norm scales)."""
+  for name in ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b"):
+    config = llama.preset(name)
+    model = plan.Model.from_config(config)
+    assert model.params == pytest.approx(llama.count_params(config), rel=1e-3)
+    assert model.compute_params == pytest.approx(llama.count_params(config, active=True),
+                                                 rel=1e-3)
+  qwen = plan.Model.from_config(llama.preset("qwen3-30b-a3b"))
+  gpt_oss = plan.Model.from_config(llama.preset("gpt-oss-20b"))
+  # Gathering the experts moves less than sending tokens to them above 3·X·I / (2k) tokens.
+  assert plan.moe.placement(qwen, 1)["crossover_tokens"] == 18_432
+  assert plan.moe.placement(gpt_oss, 1)["crossover_tokens"] == 34_560
+  layout = plan.Layout(1, 8, 1, "full_offload", offload_optimizer=True)
+  step = plan.predict_step(qwen, layout, batch=1, seq_len=2**21,
+                           hardware=plan.Hardware.of("h100"))
+  assert step["experts"]["placement"] == "fsdp" and "gathering moves less" in step["experts"]["why"]
+  # The MLP term of the working set is the experts' (k copies of each token of a tile).
+  sizes = dict(batch=1, seq_len=2**21, dtype="bfloat16", param_dtype="bfloat16")
+  tiled = dataclasses.replace(qwen, mlp_chunk=2048)
+  work = plan.predict_memory(tiled, layout, **sizes)["working"]
+  dense = dataclasses.replace(tiled, moe_layers=0)
+  assert work - plan.predict_memory(dense, layout, **sizes)["working"] == pytest.approx(
+      plan.moe.working_bytes(tiled, 2048, 2) - 2 * 7.5 * 6144 * 2048)  # c·7.5·F·tile

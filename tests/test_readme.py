@@ -54,3 +54,14 @@ def test_generate_example():
   transformers'."""
   (example,) = [e for e in EXAMPLES if "ulysses_jax.generate" in e]
   assert _run(example)[-1] == "True"
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_example():
+  example = README.read_text().split("### Mixtures of experts\n", 1)[1]
+  counts, metric_names, aux = _run(re.search(r"```python\n(.*?)```", example, re.S)[1])[-3:]
+  held, active = map(int, counts.split())
+  assert active < held
+  assert metric_names == ("['expert_share_max/layer_01', 'expert_share_min/layer_01', "
+                          "'router_aux_loss']")
+  assert float(aux) == pytest.approx(2.0, abs=0.3)  # k = 2 when balanced

@@ -41,7 +41,7 @@ from ulysses_jax.models.llama import PRESETS, Llama, LlamaConfig
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
                        "head_dim", "mlp_dim", "norm_eps", "tie_embeddings", "qkv_bias",
                        "qk_norm", "attention_scale", "mlp_activation", "norm_offset_one",
-                       "post_norms", "embed_scale", "attention_sinks")
+                       "post_norms", "embed_scale", "attn_out_bias", "moe", "attention_sinks")
 
 
 def is_hf_checkpoint(path: str) -> bool:

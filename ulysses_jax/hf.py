@@ -20,6 +20,7 @@ Parameter mapping; ``i`` is the layer, and our layer parameters stack the L laye
   ...self_attn.{q,k,v}_proj.bias  [H*D]                layers.attn.{q,k,v}_proj.bias [L, H, D]
   ...self_attn.o_proj.weight      [E, Hq*D]  (.T)      layers.attn.o_proj.kernel [L, Hq, D, E]
   ...self_attn.{q,k}_norm.weight  [D]                  layers.attn.{q,k}_norm.scale [L, D]
+  ...self_attn.sinks              [Hq]                 layers.attn.sinks [L, Hq]  (gpt_oss)
   model.layers.i.post_attention_layernorm.weight [E]   layers.mlp_norm.scale   [L, E]
     (Gemma 3: ...pre_feedforward_layernorm.weight)
   (Gemma 3) ...post_attention_layernorm.weight [E]     layers.attn_post_norm.scale [L, E]
@@ -46,9 +47,10 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from ulysses_jax import sharding
+from ulysses_jax import hf_moe, sharding
 from ulysses_jax.hf_config import (  # noqa: F401  (public here too)
-    ARCHITECTURES, config_from_hf, config_to_hf, read_config, rope_scaling_from_hf)
+    ARCHITECTURES, config_from_hf, config_to_hf, model_type_of, read_config,
+    rope_scaling_from_hf)
 from ulysses_jax.mesh import make_mesh
 from ulysses_jax.models.llama import Llama, LlamaConfig
 
@@ -97,6 +99,8 @@ def _hf_name(path: tuple[str, ...], layer: int | None, config: LlamaConfig) -> s
   rename = _RENAME_POST_NORMS if config.post_norms else _RENAME
   modules = [rename.get(p, p) for p in path if p not in ("layers", "kernel", "scale", "bias")]
   prefix = "model." if layer is None else f"model.layers.{layer}."
+  if path[-1] == "sinks":  # gpt-oss's self_attn.sinks [Hq], a tensor of its own
+    return prefix + ".".join(modules)
   return prefix + ".".join(modules) + (".bias" if path[-1] == "bias" else ".weight")
 
 
@@ -143,6 +147,9 @@ class _Checkpoint:
       self.handles.update((name, handle) for name in handle.keys())
     self.unused = {n for n in self.handles if not n.endswith(_IGNORED_SUFFIXES)}
 
+  def __contains__(self, name: str) -> bool:
+    return name in self.handles
+
   def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor ``name``, checked to have ``shape`` (what config.json implies)."""
     if name not in self.handles:
@@ -155,13 +162,27 @@ class _Checkpoint:
     return tensor
 
 
+def _unused_in_layer(path, layer: int, config) -> bool:
+  """Whether layer ``layer`` leaves our parameter ``path`` unused (zero): a model mixing dense
+  and MoE layers holds both MLPs in every layer (``models.llama.DecoderLayer``)."""
+  kind = {"mlp": False, "moe": True}.get(path[1]) if path[0] == "layers" else None
+  return kind is not None and config.sparse_layers()[layer] != kind
+
+
 def _read_param(checkpoint: _Checkpoint, config, path, shape, dtype) -> np.ndarray:
   """Host value of our parameter ``path`` (``[L, ...]`` stacked for ``layers.*``)."""
   num_in = _num_in(path)
   stacked = path[0] == "layers"
   one_shape = shape[1:] if stacked else shape
   out = np.empty(shape, dtype)
+  model_type = model_type_of(config) if path[:2] == ("layers", "moe") else None
   for i in range(shape[0]) if stacked else (None,):
+    if stacked and _unused_in_layer(path, i, config):
+      out[i] = 0
+      continue
+    if model_type is not None:
+      out[i] = hf_moe.read_expert_param(checkpoint, config, model_type, i, path[2])
+      continue
     tensor = checkpoint.get(_hf_name(path, i, config), _hf_shape(one_shape, num_in))
     value = tensor.T.reshape(one_shape) if num_in else tensor.reshape(one_shape)
     out[(i,) if stacked else ()] = value
@@ -268,6 +289,18 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
       block[key, start] = np.asarray(read(key, slice(start, stop)))
     return block[key, start][layer - start]
 
+  def hf_tensors(key, shape, layer, per_read):
+    """(name, shape, value thunk) of each Hugging Face tensor of ``key`` (of ``layer``)."""
+    if layer is not None and _unused_in_layer(key, layer, config):
+      return []
+    if key[:2] == ("layers", "moe"):
+      moe_value = lambda name: layer_value(("layers", "moe", name), layer, per_read)
+      return hf_moe.expert_tensors(config, model_type, layer, key[2], moe_value)
+    value = lambda: _to_hf(np.asarray(
+        read(key, None) if layer is None else layer_value(key, layer, per_read)), _num_in(key))
+    return [(_hf_name(key, layer, config), _hf_shape(shape, _num_in(key)), value)]
+
+  model_type = model_type_of(config)
   tensors, shards, size = {}, [[]], 0
   for key in order:
     stacked = key[0] == "layers"
@@ -275,17 +308,14 @@ def write_checkpoint(config: LlamaConfig, read, path, *, dtype: str, write: bool
     layer_bytes = math.prod(shape) * jnp.dtype(config.param_dtype).itemsize
     per_read = max(1, max_read_bytes // layer_bytes)
     for layer in range(config.num_layers) if stacked else [None]:
-      name = _hf_name(key, layer, config)
-      hf_shape = _hf_shape(shape, _num_in(key))
-      nbytes = math.prod(hf_shape) * dtype.itemsize
-      if shards[-1] and size + nbytes > max_shard_bytes:
-        shards, size = shards + [[]], 0
-      value = lambda key=key, layer=layer, per_read=per_read: _to_hf(np.asarray(
-          read(key, None) if layer is None else layer_value(key, layer, per_read)).astype(
-              dtype, copy=False), _num_in(key))
-      shards[-1].append((name, hf_shape, dtype, value))
-      size += nbytes
-      tensors[name] = nbytes
+      for name, hf_shape, value in hf_tensors(key, shape, layer, per_read):
+        nbytes = math.prod(hf_shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+          shards, size = shards + [[]], 0
+        converted = lambda value=value: np.asarray(value()).astype(dtype, copy=False)
+        shards[-1].append((name, hf_shape, dtype, converted))
+        size += nbytes
+        tensors[name] = nbytes
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
   path = pathlib.Path(path)

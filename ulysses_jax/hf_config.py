@@ -4,19 +4,23 @@ Model types: ``llama``; ``mistral`` (a sliding window on every layer); ``ministr
 (sliding windows per ``layer_types``); ``qwen2`` (q/k/v biases) and ``qwen3`` (qk-norm), both
 with sliding windows per layer; ``gemma3_text`` (GeGLU, ``(1 + w)`` RMSNorms before and after
 attention and MLP, q/k norms, embeddings scaled by sqrt(E), ``query_pre_attn_scalar``,
-local and global layers with their own RoPE). The tensors are ``ulysses_jax.hf``'s.
+local and global layers with their own RoPE); the mixtures of experts ``qwen3_moe``,
+``mixtral`` and ``gpt_oss`` (``ulysses_jax.hf_moe``). The tensors are ``ulysses_jax.hf``'s.
 """
 
 import json
 import pathlib
 
+from ulysses_jax import hf_moe
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.rope import RopeScaling
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "ministral": "MinistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 **hf_moe.ARCHITECTURES}
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")  # sliding windows by use_sliding_window
 # The LlamaConfig options that make a decoder Gemma 3's, with their values there.
 GEMMA3_OPTIONS = dict(mlp_activation="gelu_tanh", norm_offset_one=True, post_norms=True,
                       embed_scale=True, qk_norm=True)
@@ -44,6 +48,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   if gemma:
     hf = {**_GEMMA3_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
   problems = _unsupported(hf, gemma)
+  if model_type in hf_moe.ARCHITECTURES:
+    problems += hf_moe.moe_problems(hf)
   try:
     rope = _rope_from_hf(hf)
   except ConfigError as e:
@@ -57,6 +63,8 @@ def config_from_hf(hf: dict) -> LlamaConfig:
   if gemma:
     family = dict(GEMMA3_OPTIONS, qkv_bias=False,
                   attention_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5)
+  if model_type in hf_moe.ARCHITECTURES:
+    family.update(hf_moe.moe_from_hf(hf))
   return LlamaConfig(
       vocab_size=hf["vocab_size"], hidden_dim=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -77,11 +85,13 @@ def _unsupported(hf: dict, gemma: bool) -> list[str]:
     problems.append(f"{activation_key}={hf[activation_key]!r} (only {expected!r})")
   if hf.get("mlp_bias"):
     problems.append("mlp_bias=true")
-  if hf.get("attention_bias"):
+  if hf.get("attention_bias") and hf["model_type"] != "gpt_oss":
     problems.append(f"attention_bias=true ({hf['model_type']} puts a bias on o_proj too)")
-  for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-    if hf.get(key):
-      problems.append(f"{key}={hf[key]} (mixture of experts)")
+  if hf["model_type"] not in hf_moe.ARCHITECTURES:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+      if hf.get(key):
+        problems.append(f"{key}={hf[key]} (mixture of experts: only in the model types "
+                        f"{sorted(hf_moe.ARCHITECTURES)})")
   for key in ("attn_logit_softcapping", "final_logit_softcapping"):
     if hf.get(key) is not None:
       problems.append(f"{key}={hf[key]} (logit softcapping; Gemma 3 checkpoints leave it "
@@ -100,17 +110,18 @@ def _attention_types_from_hf(hf: dict) -> dict:
   """``sliding_window`` and ``layer_types`` as transformers' configs of each model type set
   them: Mistral slides every layer (it ignores ``layer_types``); Qwen2/3 slide only with
   ``use_sliding_window``, the layers of ``layer_types`` (written by transformers 5) or else
-  those from ``max_window_layers`` on; Ministral slides the layers of ``layer_types``
-  (default: all); Gemma 3 those of ``layer_types``, else all but every
-  ``sliding_window_pattern``-th; Llama never."""
+  those from ``max_window_layers`` on (Qwen3-MoE alike); Mixtral like Mistral; Ministral
+  slides the layers of ``layer_types`` (default: all); Gemma 3 those of ``layer_types``,
+  else all but every ``sliding_window_pattern``-th; gpt-oss those of ``layer_types``, else
+  every other layer from the first; Llama never."""
   model_type, window = hf["model_type"], hf.get("sliding_window")
   layers = hf["num_hidden_layers"]
   if model_type == "llama":
     window = None
-  if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+  if model_type in _QWEN and not hf.get("use_sliding_window"):
     window = None
   types = tuple(hf.get("layer_types") or ())
-  if model_type in ("qwen2", "qwen3") and not types:
+  if model_type in _QWEN and not types:
     first = hf.get("max_window_layers", 28)
     types = tuple("sliding_attention" if window is not None and i >= first
                   else "full_attention" for i in range(layers))
@@ -118,7 +129,9 @@ def _attention_types_from_hf(hf: dict) -> dict:
     pattern = hf["sliding_window_pattern"]
     types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                   for i in range(layers))
-  if model_type in ("llama", "mistral") or window is None:
+  if model_type == "gpt_oss" and not types:
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+  if model_type in ("llama", "mistral", "mixtral") or window is None:
     types = ()
   return dict(sliding_window=window, layer_types=types)
 
@@ -201,7 +214,13 @@ def read_config(path) -> LlamaConfig:
 def model_type_of(config: LlamaConfig) -> str:
   """The Hugging Face model type ``config`` exports as: gemma3_text (Gemma 3's options),
   qwen2 (qkv_bias), qwen3 (qk_norm), else llama, or with sliding windows mistral (every
-  layer) / ministral (some layers); ``ConfigError`` for combinations no architecture has."""
+  layer) / ministral (some layers); with experts qwen3_moe, mixtral or gpt_oss
+  (``hf_moe.moe_model_type``); ``ConfigError`` for combinations no architecture has."""
+  if config.moe is not None:
+    return _moe_model_type(config)
+  if config.attn_out_bias:
+    raise ConfigError("only gpt_oss (a mixture of experts) has a bias on the attention output "
+                      "projection; set attn_out_bias=False to export this model.")
   gemma = {name: getattr(config, name) for name in GEMMA3_OPTIONS}
   if gemma == GEMMA3_OPTIONS and not config.qkv_bias:
     return "gemma3_text"
@@ -228,6 +247,21 @@ def model_type_of(config: LlamaConfig) -> str:
   return model_type
 
 
+def _moe_model_type(config: LlamaConfig) -> str:
+  gemma = [name for name, value in GEMMA3_OPTIONS.items()
+           if name != "qk_norm" and getattr(config, name) == value]
+  if gemma or config.attention_scale is not None or config.sliding_rope_theta is not None:
+    raise ConfigError(f"no Hugging Face mixture of experts has Gemma 3's options "
+                      f"({', '.join(gemma) or 'attention_scale, sliding_rope_theta'}); drop "
+                      "them to export this model.")
+  model_type = hf_moe.moe_model_type(config)
+  windows = config.layer_windows()
+  if model_type == "mixtral" and any(windows) and not all(windows):
+    raise ConfigError("mixtral slides every layer or none (sliding_window without "
+                      "layer_types); export this model with one window on every layer.")
+  return model_type
+
+
 def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
   """The ``config.json`` dict of ``config`` (model type: ``model_type_of``). Rope fields are
   written in the pre-v5 ``rope_theta`` / ``rope_scaling`` (/ ``rope_local_base_freq``)
@@ -247,6 +281,8 @@ def config_to_hf(config: LlamaConfig, dtype: str = "float32") -> dict:
     hf["attention_bias"] = False  # qwen2 has fixed q/k/v biases and no such field
   if model_type in ("llama", "mistral", "ministral"):
     hf["mlp_bias"] = False
+  if model_type in hf_moe.ARCHITECTURES:
+    hf.update(hf_moe.moe_to_hf(config, model_type))
   if gemma:
     scalar = (config.attention_scale or config.head_dim ** -0.5) ** -2
     if abs(scalar - round(scalar)) < 1e-9 * scalar:  # written as an integer, as Gemma's are
@@ -296,13 +332,14 @@ def _attention_types_to_hf(config: LlamaConfig, model_type: str) -> dict:
   if model_type == "llama":
     return {}
   types = ["full_attention" if w is None else "sliding_attention" for w in windows]
-  if model_type == "gemma3_text":
+  if model_type in ("gemma3_text", "gpt_oss"):
     return dict(sliding_window=config.sliding_window, layer_types=types)
-  if not any(windows):  # qwen2, qwen3
-    return dict(use_sliding_window=False, sliding_window=None)
+  if not any(windows):
+    return (dict(sliding_window=None) if model_type == "mixtral" else
+            dict(use_sliding_window=False, sliding_window=None))  # qwen2, qwen3, qwen3_moe
   fields = dict(sliding_window=config.sliding_window)
-  if model_type != "mistral":
+  if model_type not in ("mistral", "mixtral"):
     fields["layer_types"] = types
-  if model_type in ("qwen2", "qwen3"):
+  if model_type in _QWEN:
     fields.update(use_sliding_window=True, max_window_layers=types.index("sliding_attention"))
   return fields

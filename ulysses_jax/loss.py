@@ -22,10 +22,13 @@ __all__ = ["IGNORE_LABEL", "CrossEntropySums", "TokenLosses", "chunked_cross_ent
 
 
 class CrossEntropySums(NamedTuple):
-  """Float32 scalars summed over valid (non-ignored) tokens."""
+  """Float32 scalars summed over valid (non-ignored) tokens; a mixture-of-experts model adds
+  its routing statistics of the same forward pass (``models.moe``; 0 for dense models)."""
   loss: jax.Array    # sum of -log p(label)
   z_loss: jax.Array  # sum of z_loss_weight * logsumexp(logits)^2
   count: jax.Array   # number of valid tokens
+  router_aux: jax.Array | float = 0.0     # the load-balancing loss (unweighted)
+  expert_counts: jax.Array | float = 0.0  # [L, X] tokens routed to each expert per layer
 
   def __add__(self, other):
     return CrossEntropySums(*(a + b for a, b in zip(self, other)))

@@ -4,8 +4,9 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
 
 * ``flops_per_token = 6 * N + 12 * h * (sum over layers of k)``: 6 FLOPs per parameter per
   token for the dense matmuls (forward 2, backward 4), N the parameters that take part in a
-  matmul (all but the embedding lookup; the output head counts, tied or not); attention
-  scores and values cost ``12 * k * h`` per token and layer forward+backward (h = query heads * head
+  matmul (all but the embedding lookup; the output head counts, tied or not; of a mixture of
+  experts the active ones, the experts a token runs, not all of them); attention scores and
+  values cost ``12 * k * h`` per token and layer forward+backward (h = query heads * head
   dim), k the keys a query sees on average: S/2 under the causal mask over S tokens, about
   W under a sliding window W << S (``reference.mean_visible_keys``, per layer from
   ``LlamaConfig.layer_windows``). Rematerialisation is not counted (this is MFU, not
@@ -35,11 +36,13 @@ from ulysses_jax.models.llama import LlamaConfig, count_params
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-  """Training FLOPs per token (forward + backward) of a causal Llama; see the module doc."""
+  """Training FLOPs per token (forward + backward) of a causal Llama; see the module doc.
+  A mixture of experts counts its active parameters: each MoE layer's router and the k of
+  its X experts a token runs (``count_params(active=True)``)."""
   embedding = config.vocab_size * config.hidden_dim
   sinks = config.num_layers * config.num_heads if config.attention_sinks else 0
-  matmul_params = count_params(config) - embedding - sinks + (embedding if config.tie_embeddings
-                                                              else 0)
+  matmul_params = count_params(config, active=True) - embedding - sinks + (
+      embedding if config.tie_embeddings else 0)
   keys = sum(mean_visible_keys(seq_len, window) for window in config.layer_windows())
   attention = 12 * keys * config.num_heads * config.head_dim
   return 6 * matmul_params + attention
@@ -214,6 +217,8 @@ def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: 
   record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak_flops
   if "z_loss" in m and float(m["z_loss"]):
     record["z_loss"] = float(m["z_loss"])
+  record.update({k: float(v) for k, v in m.items()
+                 if k == "router_aux_loss" or k.startswith("expert_share_")})
   return record
 
 

@@ -59,9 +59,11 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  """True for every parameter except norm scales, biases and attention sinks."""
+  """True for every parameter except norm scales, biases (the experts' ``*_bias`` too) and
+  attention sinks."""
+  decays = lambda key: key not in _NO_DECAY and not key.endswith("_bias")
   return jax.tree_util.tree_map_with_path(
-      lambda path, v: v.replace(path[-1].key not in _NO_DECAY), params,
+      lambda path, v: v.replace(decays(path[-1].key)), params,
       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

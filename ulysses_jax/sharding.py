@@ -47,6 +47,8 @@ DEFAULT_RULES: Rules = (
     ("embed", (DATA, RING, SEQ)),
     ("vocab", None),
     ("mlp", None),
+    ("experts", None),
+    ("expert_mlp", None),
     ("heads", None),
     ("kv_heads", None),
     ("head_dim", None),

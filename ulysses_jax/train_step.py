@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax import sharding
-from ulysses_jax.loss import IGNORE_LABEL, CrossEntropySums
+from ulysses_jax.loss import IGNORE_LABEL
 from ulysses_jax.mesh import DATA
 from ulysses_jax.optimizer import (Optimizer, OptimizerState, apply_update, global_norm,
                                    init_optimizer_state, split_layers)
@@ -177,7 +177,11 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
 
   Metrics (replicated float32 scalars): ``loss`` (mean cross-entropy over valid tokens),
   ``z_loss``, ``grad_norm`` (before clipping), ``tokens`` (valid labels), and
-  ``learning_rate`` when the optimizer has a schedule.
+  ``learning_rate`` when the optimizer has a schedule. A mixture of experts adds
+  ``router_aux_loss`` (the load-balancing loss, unweighted; the objective adds it times
+  ``LlamaConfig.router_aux_loss_coef``, per micro-batch) and, for each MoE layer i,
+  ``expert_share_min/layer_i`` and ``expert_share_max/layer_i``: the share of its routed
+  (token, expert) pairs that its idlest and busiest expert got (1/X when balanced).
   """
   if accum_steps < 1:
     raise ValueError(f"accum_steps must be >= 1, got {accum_steps}.")
@@ -185,11 +189,17 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
   memory.check_accum_steps(accum_steps)
   batch_spec = sharding.batch_spec(mesh, seq_len)
 
+  model_config = getattr(nnx.merge(graphdef, state.params), "config", None)
+  aux_weight = getattr(model_config, "router_aux_loss_coef", 0.0) / accum_steps
+  sparse_layers = [i for i, sparse in enumerate(getattr(model_config, "sparse_layers",
+                                                        lambda: ())()) if sparse]
+
   def objective(params, micro, total_count):
     sums = nnx.merge(graphdef, params).loss(
         micro["tokens"], micro["labels"], micro.get("positions"), micro.get("segment_ids"),
         z_loss_weight=z_loss_weight)
-    return (sums.loss + sums.z_loss) / jnp.maximum(total_count, 1.0), sums
+    return ((sums.loss + sums.z_loss) / jnp.maximum(total_count, 1.0)
+            + aux_weight * sums.router_aux), sums
 
   grad_fn = jax.grad(objective, has_aux=True)
 
@@ -217,7 +227,8 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       zero_grads = jax.lax.with_sharding_constraint(
           jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), current.params),
           param_shardings)
-      zero_sums = CrossEntropySums(*(jnp.zeros((), jnp.float32) for _ in range(3)))
+      zero_sums = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(
+          lambda: grad_fn(current.params, jax.tree.map(lambda v: v[0], micros), total_count)[1]))
       (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), micros)
     grad_norm = global_norm(grads, layer_shardings=(
         split_layers(device_shardings.params)[0] if memory.offload_params else None))
@@ -231,6 +242,13 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
     count = jnp.maximum(sums.count, 1.0)
     metrics = {"loss": sums.loss / count, "z_loss": sums.z_loss / count,
                "grad_norm": grad_norm, "tokens": sums.count}
+    if sparse_layers:  # each MoE layer's busiest and idlest expert's share of its tokens
+      counts = sums.expert_counts[jnp.array(sparse_layers)]
+      share = counts / jnp.maximum(jnp.sum(counts, axis=-1, keepdims=True), 1.0)
+      metrics["router_aux_loss"] = sums.router_aux / accum_steps
+      for j, layer in enumerate(sparse_layers):
+        metrics[f"expert_share_min/layer_{layer:02d}"] = share[j].min()
+        metrics[f"expert_share_max/layer_{layer:02d}"] = share[j].max()
     if optimizer.schedule is not None:  # skipped steps did not advance it
       updates_done = current.step - current.nonfinite_steps
       metrics["learning_rate"] = jnp.asarray(optimizer.schedule(updates_done), jnp.float32)

@@ -9,7 +9,9 @@ and counts a while loop's body once however often it runs. This walk does neithe
   conditionals (the branch with the most FLOPs, then bytes: one branch runs, and which is
   known only at run time) and calls. A fusion is one operation.
 * FLOPs of an operation: 2 x (output elements) x (contracted elements) for each ``dot`` in it
-  (inside a fusion's computation too) and for cuBLAS GEMM custom calls; for our flash
+  (inside a fusion's computation too) and for cuBLAS GEMM custom calls; 2·R·K·N for the
+  experts' grouped matmul kernels (R rows of K by N weights; ``kernels.grouped_matmul``); for
+  our flash
   attention kernels, 4 (forward), 6 (dq) and 8 (dk/dv) x B x Hq x Sq x Skv x D, halved when
   causal, about W/Skv under a sliding window W (the kernels skip masked blocks; the name
   carries the window, ``..._causal_window4096``; ``reference.mean_visible_keys``).
@@ -40,6 +42,8 @@ _COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
 # The kernel's name scope ends in "/" (or in ")" when a transform such as jvp wraps it).
 _FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?(?:_window(\d+))?[/)]")
 _FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
+# The experts' grouped matmul kernels (``kernels.grouped_matmul.KERNEL_SCOPE``).
+_GROUPED = re.compile(r"grouped_matmul_mosaic[/)]")
 
 
 class Op(NamedTuple):
@@ -87,6 +91,8 @@ def _custom_call_flops(instruction, shapes):
     if dims and lhs:
       contracted = math.prod(lhs[int(d)] for d in dims[1].replace('"', "").split(","))
       return 2.0 * math.prod(_dims(instruction["shape"])) * contracted
+  if _GROUPED.search(attrs):
+    return _grouped_flops(instruction, shapes)
   flash = _FLASH.search(attrs)
   if flash:
     operands = [o.strip().lstrip("%") for o in instruction["operands"].split(",")]
@@ -95,6 +101,16 @@ def _custom_call_flops(instruction, shapes):
     keys = mean_visible_keys(skv, flash[3] and int(flash[3])) if flash[2] else skv
     return _FLASH_FACTOR[flash[1]] * b * hq * sq * keys * d
   return 0.0
+
+
+def _grouped_flops(instruction, shapes) -> float:
+  """2·R·K·N of a grouped matmul kernel: ``[R, N]`` from rows ``[R, K]`` (forward, and the
+  input gradient), or ``[G, K, N]`` weight gradients from ``[R, K]`` rows."""
+  operands = [_dims(shapes.get(o.strip().lstrip("%"), ""))
+              for o in instruction["operands"].split(",")]
+  rows = next(d for d in operands if len(d) == 2)  # the [R, K] rows
+  out = _dims(instruction["shape"])
+  return 2.0 * rows[0] * math.prod(out[-2:] if len(out) == 3 else (rows[1], out[1]))
 
 
 def _flops(computation, computations) -> float:

@@ -13,11 +13,11 @@ and the output projection. GQA when ``num_kv_heads < num_heads``.
 
 Parameters (Hugging Face ``*_proj.weight`` is the transposed, reshaped kernel):
 ``q_proj.kernel [E, Hq, D]``, ``k_proj.kernel / v_proj.kernel [E, Hkv, D]`` (+ ``bias``
-``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]``, ``q_norm.scale / k_norm.scale
-[D]`` with ``qk_norm`` (the ``w`` of a factor ``1 + w`` with ``norm_offset_one``), ``sinks
-[Hq]`` with ``attention_sinks`` (gpt-oss' ``self_attn.sinks``, replicated: Hq numbers). Kernels
-are FSDP-sharded along E over every device (``rules``), from the moment they are created
-(``ulysses_jax.layers.param``).
+``[H, D]`` with ``qkv_bias``), ``o_proj.kernel [Hq, D, E]`` (+ ``bias [E]`` with
+``out_bias``), ``q_norm.scale / k_norm.scale [D]`` with ``qk_norm`` (the ``w`` of a factor
+``1 + w`` with ``norm_offset_one``), ``sinks [Hq]`` with ``attention_sinks`` (gpt-oss'
+``self_attn.sinks``, replicated: Hq numbers). Kernels are FSDP-sharded along E over every
+device (``rules``), from the moment they are created (``ulysses_jax.layers.param``).
 """
 
 import functools
@@ -69,6 +69,7 @@ class UlyssesAttention(nnx.Module):
     attention_scale: the score scale, ``softmax(scale * q.k)``; None: ``head_dim ** -0.5``
       (Gemma 3: ``query_pre_attn_scalar ** -0.5``).
     qkv_bias: biases on the q/k/v projections (Qwen2).
+    out_bias: a bias on the output projection (gpt-oss).
     attention_sinks: a learnable sink logit per query head, one more column of every row's
       softmax with no value (gpt-oss; ``ulysses_jax.attention.sinks``); initialised normal(0,
       ``init_std``) as transformers' ``GptOssPreTrainedModel`` does. Every backend but
@@ -95,6 +96,7 @@ class UlyssesAttention(nnx.Module):
                rope_theta: float = 10_000.0, rope_scaling: rope.RopeScaling | None = None,
                qk_norm: bool = False, norm_offset_one: bool = False,
                attention_scale: float | None = None, qkv_bias: bool = False,
+               out_bias: bool = False,
                attention_sinks: bool = False,
                norm_eps: float = 1e-6, backend: str = "auto", head_chunks: int = 1,
                dtype=jnp.float32, param_dtype=jnp.float32, init_std: float = 0.02,
@@ -128,7 +130,8 @@ class UlyssesAttention(nnx.Module):
                         use_bias=qkv_bias, **dense)
     self.v_proj = Dense((e,), (hkv, d), axes=("embed", "kv_heads", "head_dim"),
                         use_bias=qkv_bias, **dense)
-    self.o_proj = Dense((hq, d), (e,), axes=("heads", "head_dim", "embed"), **dense)
+    self.o_proj = Dense((hq, d), (e,), axes=("heads", "head_dim", "embed"), use_bias=out_bias,
+                        **dense)
     norm = dict(mesh=mesh, eps=norm_eps, offset_one=norm_offset_one, dtype=dtype,
                 param_dtype=param_dtype, rules=rules)
     self.q_norm = RMSNorm(d, **norm) if qk_norm else None
@@ -175,9 +178,14 @@ class UlyssesAttention(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     norm = norm or (lambda x: x)
     if self.head_chunks == 1:
-      return self._attend(norm(x_BSE), self._kernels(), positions, segment_ids, sliding_window,
-                          rotary, names=True)
-    return self._attend_in_chunks(x_BSE, norm, positions, segment_ids, sliding_window, rotary)
+      y_BSE = self._attend(norm(x_BSE), self._kernels(), positions, segment_ids,
+                           sliding_window, rotary, names=True)
+    else:
+      y_BSE = self._attend_in_chunks(x_BSE, norm, positions, segment_ids, sliding_window,
+                                     rotary)
+    if self.o_proj.bias is not None:
+      y_BSE = y_BSE + self.o_proj.bias[...].astype(y_BSE.dtype)
+    return y_BSE
 
   def _kernels(self) -> dict:
     """Compute-dtype, all-gathered projection kernels and q/k/v biases, and the float32

@@ -257,6 +257,8 @@ def run(argv: list[str] | None = None) -> dict:
                               "gin_params": plan_text.gin_params(plan_text.settings(rows[0], args))}
   answer["rows"] = [report.describe(r, hardware, tokens) for r in rows]
   _write_json(args, answer)
+  if "experts" in rows[0]["step"]:
+    print(f"experts: {rows[0]['step']['experts']['why']}")
   if args.verify:
     _verify(rows[0], args)
   return rows[0]

@@ -103,10 +103,13 @@ class Generator:
   """
 
   def __init__(self, model, layout: CacheLayout, sampling: Sampling = GREEDY):
-    if model.config.attention_sinks:
-      raise ValueError("generation does not take attention sinks yet (gpt-oss): the decode "
-                       "attention would drop them. Train and evaluate such a model; generate "
-                       "with transformers for now.")
+    unsupported = [what for what, present in (
+        ("attention sinks", model.config.attention_sinks),
+        ("mixture-of-experts layers", model.config.moe is not None)) if present]
+    if unsupported:
+      raise ValueError(f"generation does not take {' or '.join(unsupported)} yet (gpt-oss, "
+                       "Qwen3-MoE, Mixtral): train and evaluate such a model; generate with "
+                       "transformers for now.")
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.layout, self.sampling = layout, sampling

@@ -92,7 +92,7 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
                                 window=window)
         return layer.attn.project_out(out)
 
-      x_BTE = layer.block(x_BTE, attention)
+      x_BTE, _ = layer.block(x_BTE, attention)
       return (x_BTE, written["k"], written["v"]), None
 
     (x_BTE, ks[n], vs[n]), _ = jax.lax.scan(body, (x_BTE, ks[n], vs[n]),
@@ -148,7 +148,7 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
           scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i],
           new_kv=(k, v)))
 
-    x_B1E = layer.block(x_B1E, attention)
+    x_B1E, _ = layer.block(x_B1E, attention)
   ks, vs, positions = [], [], []
   for n, kind in enumerate(layout.kinds):
     slots_B = cache_lib.token_slots(layout, kind, step, positions_B)

@@ -18,13 +18,68 @@ import jax.numpy as jnp
 from ulysses_jax.attention.backends import BACKENDS, NO_SINKS_IN_CUDNN
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.module import ATTN_OUT, QKV
-from ulysses_jax.config_checks import ConfigError, at_least, check_fields
+from ulysses_jax.config_checks import ConfigError, above, at_least, check_fields
+from ulysses_jax.kernels.grouped_matmul import GROUPED_MATMUL_BACKENDS
 from ulysses_jax.rope import RopeScaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# softmax_topk: softmax over the experts, then the top k (Qwen3-MoE, Mixtral);
+# topk_softmax: the top k logits, then a softmax over those k (gpt-oss).
+ROUTERS = ("softmax_topk", "topk_softmax")
+# silu: SwiGLU; clamped_swiglu: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), clamped.
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """The mixture-of-experts MLP of a decoder (``models.moe``): dropless top-k routing.
+
+  ``num_experts`` X experts of width ``expert_mlp_dim`` I; each token goes to
+  ``experts_per_token`` k of them (k <= X), weighted by its router. ``router`` (one of
+  ``ROUTERS``) is computed in float32: ``"softmax_topk"`` (softmax over the X experts, top k,
+  renormalised over the k when ``norm_topk_prob``: Qwen3-MoE; Mixtral always renormalises)
+  or ``"topk_softmax"`` (top k logits, softmax over them: gpt-oss; ``norm_topk_prob`` does not
+  apply). ``router_bias`` adds a bias to the router logits, ``expert_bias`` biases to the
+  experts' three projections (gpt-oss). ``expert_activation`` (one of
+  ``EXPERT_ACTIVATIONS``): ``"silu"`` SwiGLU, ``"clamped_swiglu"`` gpt-oss's
+  ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, g = min(gate, limit), with
+  ``swiglu_limit`` and ``swiglu_alpha``.
+  Layer schedule (Qwen3-MoE's): layer i is a mixture of experts unless i is in
+  ``mlp_only_layers``, and only when (i + 1) is a multiple of ``decoder_sparse_step``; the
+  other layers run the dense MLP of width ``LlamaConfig.mlp_dim``.
+  """
+  num_experts: int = dataclasses.field(default=8, metadata=at_least(1))
+  experts_per_token: int = dataclasses.field(default=2, metadata=at_least(1))
+  expert_mlp_dim: int = dataclasses.field(default=128, metadata=at_least(1))
+  router: Literal[ROUTERS] = "softmax_topk"
+  norm_topk_prob: bool = True
+  router_bias: bool = False
+  expert_bias: bool = False
+  expert_activation: Literal[EXPERT_ACTIVATIONS] = "silu"
+  swiglu_limit: float = dataclasses.field(default=7.0, metadata=above(0))
+  swiglu_alpha: float = 1.702
+  mlp_only_layers: tuple[int, ...] = ()
+  decoder_sparse_step: int = dataclasses.field(default=1, metadata=at_least(1))
+
+  def __post_init__(self):
+    if isinstance(self.mlp_only_layers, list):  # gin and JSON give lists
+      object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+    check_fields(self)
+    if self.experts_per_token > self.num_experts:
+      raise ConfigError(f"MoeConfig.experts_per_token ({self.experts_per_token}) must be <= "
+                        f"num_experts ({self.num_experts}): a token cannot go to more experts "
+                        "than there are.")
+
+  def sparse_layers(self, num_layers: int) -> tuple[bool, ...]:
+    """Whether each of ``num_layers`` layers is a mixture of experts (else dense)."""
+    return tuple(i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(num_layers))
+
+  def replace(self, **changes) -> "MoeConfig":
+    return dataclasses.replace(self, **changes)
 
 
 class _FromPreset:
@@ -78,6 +133,13 @@ class LlamaConfig:
   attention output and on the MLP output, before each residual add), ``embed_scale``
   (embeddings multiplied by sqrt(E), rounded to the compute dtype), ``attention_sinks`` (a
   learnable softmax sink logit per query head in every layer, gpt-oss; ``UlyssesAttention``).
+  ``attn_out_bias``: a bias on the attention output projection (gpt-oss; ``qkv_bias`` puts
+  them on q, k, v).
+  Mixture of experts: ``moe`` (a ``MoeConfig``; None = every layer dense) replaces the MLP
+  of the layers its schedule names; ``mlp_chunk`` tiles it like the MLP. The load-balancing
+  loss (Switch Transformer's, over every token of the step and every MoE layer) is added
+  to the objective times ``router_aux_loss_coef`` (0 = logged only). ``expert_backend``: the
+  experts' grouped matmul (one of ``kernels.grouped_matmul.GROUPED_MATMUL_BACKENDS``).
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -112,6 +174,10 @@ class LlamaConfig:
   norm_offset_one: bool = _field()
   post_norms: bool = _field()
   embed_scale: bool = _field()
+  attn_out_bias: bool = _field()
+  moe: MoeConfig | None = _field()
+  router_aux_loss_coef: float = _field(0)
+  expert_backend: Literal[GROUPED_MATMUL_BACKENDS] = _field()
   attention_sinks: bool = _field()
 
   def __post_init__(self):
@@ -126,8 +192,11 @@ class LlamaConfig:
     for name in ("remat_names", "layer_types"):
       if isinstance(getattr(self, name), list):  # gin and JSON give lists
         object.__setattr__(self, name, tuple(getattr(self, name)))
+    if isinstance(self.moe, dict):  # JSON gives a dict
+      object.__setattr__(self, "moe", MoeConfig(**self.moe))
     check_fields(self)
     self._check_layer_types()
+    self._check_moe()
     if self.num_layers % self.remat_group:
       raise ConfigError(f"num_layers ({self.num_layers}) must be a multiple of remat_group "
                         f"({self.remat_group}), the layers per rematerialised group.")
@@ -170,6 +239,26 @@ class LlamaConfig:
                         "sliding_rope_theta too (the sliding layers' RoPE base), or leave both "
                         "None for one RoPE on every layer.")
 
+  def _check_moe(self):
+    if self.moe is None:
+      return
+    outside = sorted(i for i in self.moe.mlp_only_layers if not 0 <= i < self.num_layers)
+    if outside:
+      raise ConfigError(f"MoeConfig.mlp_only_layers {outside} are not layers of this "
+                        f"{self.num_layers}-layer model; give indices in 0..{self.num_layers - 1}.")
+    if not any(self.sparse_layers()):
+      raise ConfigError(
+          f"MoeConfig's schedule (mlp_only_layers={list(self.moe.mlp_only_layers)}, "
+          f"decoder_sparse_step={self.moe.decoder_sparse_step}) leaves none of the "
+          f"{self.num_layers} layers a mixture of experts; set moe=None for a dense model.")
+
+  def sparse_layers(self) -> tuple[bool, ...]:
+    """Whether each layer is a mixture of experts, ``[num_layers]`` (all False without
+    ``moe``)."""
+    if self.moe is None:
+      return (False,) * self.num_layers
+    return self.moe.sparse_layers(self.num_layers)
+
   def attention_types(self) -> tuple[str, ...]:
     """Each layer's type (one of ``LAYER_TYPES``), ``[num_layers]``."""
     every = "full_attention" if self.sliding_window is None else "sliding_attention"
@@ -208,6 +297,8 @@ class LlamaConfig:
     for name in ("rope_scaling", "sliding_rope_scaling"):
       if isinstance(d.get(name), dict):
         d[name] = RopeScaling(**d[name])
+    if isinstance(d.get("moe"), dict):
+      d["moe"] = MoeConfig(**d["moe"])
     return cls(**d)
 
 
@@ -219,7 +310,8 @@ _DEFAULTS = dict(
     remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
     attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
     sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
-    norm_offset_one=False, post_norms=False, embed_scale=False, attention_sinks=False)
+    norm_offset_one=False, post_norms=False, embed_scale=False, attn_out_bias=False, moe=None,
+    router_aux_loss_coef=0.0, expert_backend="auto", attention_sinks=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)
@@ -265,6 +357,30 @@ PRESETS.update({
                           for i in range(26)),
         sliding_rope_theta=10_000.0, attention_scale=256 ** -0.5, mlp_activation="gelu_tanh",
         norm_offset_one=True, post_norms=True, embed_scale=True),
+    # Qwen/Qwen3-30B-A3B: 128 experts of width 768, 8 per token, renormalised.
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151_936, hidden_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, mlp_dim=6144, rope_theta=1_000_000.0, norm_eps=1e-6, qk_norm=True,
+        moe=MoeConfig(num_experts=128, experts_per_token=8, expert_mlp_dim=768)),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14,336, 2 per token.
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32_000, hidden_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, rope_theta=1_000_000.0, norm_eps=1e-5,
+        moe=MoeConfig(num_experts=8, experts_per_token=2, expert_mlp_dim=14_336)),
+    # openai/gpt-oss-20b: 32 experts, 4 per token (top-k logits, then softmax), clamped
+    # SwiGLU with biases; 128-token sliding layers alternating with full ones; YaRN x32;
+    # q/k/v/o biases and attention sinks.
+    "gpt-oss-20b": LlamaConfig(
+        vocab_size=201_088, hidden_dim=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+        head_dim=64, mlp_dim=2880, rope_theta=150_000.0, norm_eps=1e-5,
+        rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096,
+                                 beta_fast=32.0, beta_slow=1.0, truncate=False),
+        qkv_bias=True, attn_out_bias=True, attention_sinks=True, sliding_window=128,
+        layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(24)),
+        moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=2880,
+                      router="topk_softmax", router_bias=True, expert_bias=True,
+                      expert_activation="clamped_swiglu")),
     # ~25M parameters: CPU benchmarks.
     "small": LlamaConfig(
         vocab_size=8192, hidden_dim=512, num_layers=4, num_heads=8, num_kv_heads=2,

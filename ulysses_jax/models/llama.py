@@ -26,7 +26,7 @@ padding is invisible to real tokens under the causal mask and carries no loss).
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, traverse_util
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -37,7 +37,8 @@ from ulysses_jax.attention.common import PAD_SEGMENT
 from ulysses_jax.layers import Dense, RMSNorm, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
-    PRESETS, REMAT_POLICIES, LlamaConfig, preset)
+    PRESETS, REMAT_POLICIES, LlamaConfig, MoeConfig, preset)
+from ulysses_jax.models.moe import MoE, RouterStats, load_balancing_loss
 
 _ACT_BSE = ("act_batch", "act_seq", "act_embed")
 _ACT_BS = ("act_batch", "act_seq")
@@ -132,10 +133,16 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
   """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
   ``config.post_norms``, ``x + post_norm(attn(norm(x)))`` and likewise for the MLP (Gemma).
+  The MLP is the mixture of experts (``models.moe``) on the layers ``config.sparse_layers()``
+  marks, the dense one on the others.
 
-  One module serves every layer of the scan, so the layer's attention type comes in as data:
+  One module serves every layer of the scan, so the layer's kind comes in as data:
   ``sliding``, a bool scalar (the layer's entry of ``config.attention_types()`` is
-  ``"sliding_attention"``).
+  ``"sliding_attention"``), and ``sparse`` (its entry of ``config.sparse_layers()``). A
+  model that mixes dense and MoE layers holds both MLPs in every layer (one stack: the
+  optimizer streams it a layer at a time, remat groups and host offload slice it alike); a
+  layer runs one of them (``lax.cond``), the other stays zero: its gradient is zero, and
+  neither loading nor export touches it.
   """
 
   def __init__(self, config: LlamaConfig, *, mesh: Mesh, rules: sharding.Rules,
@@ -148,31 +155,48 @@ class DecoderLayer(nnx.Module):
         c.hidden_dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         mesh=mesh, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, qk_norm=c.qk_norm,
         norm_offset_one=c.norm_offset_one, attention_scale=c.attention_scale,
-        qkv_bias=c.qkv_bias, attention_sinks=c.attention_sinks, norm_eps=c.norm_eps,
-        backend=c.attention_backend,
-        head_chunks=c.attn_head_chunks, dtype=c.dtype,
+        qkv_bias=c.qkv_bias, out_bias=c.attn_out_bias, attention_sinks=c.attention_sinks,
+        norm_eps=c.norm_eps, backend=c.attention_backend, head_chunks=c.attn_head_chunks,
+        dtype=c.dtype,
         param_dtype=c.param_dtype, init_std=c.init_std, rules=rules, rngs=rngs)
     self.mlp_norm = RMSNorm(c.hidden_dim, **norm)
-    self.mlp = MLP(c, mesh=mesh, rules=rules, rngs=rngs)
+    sparse = c.sparse_layers()
+    self.mlp = None if all(sparse) else MLP(c, mesh=mesh, rules=rules, rngs=rngs)
+    self.moe = MoE(c, mesh=mesh, rules=rules, rngs=rngs) if any(sparse) else None
     self.attn_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
     self.mlp_post_norm = RMSNorm(c.hidden_dim, **norm) if c.post_norms else None
     self.config = c
     self.mesh = mesh
     self.rules = rules
 
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS, sliding):
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS, valid_BS, sliding, sparse):
+    """(the layer's output ``[B, S, E]``, its ``RouterStats``, None without experts)."""
     x_BSE = checkpoint_name(x_BSE, LAYER_INPUT)
     return self.block(x_BSE, lambda x: self._attention(x, positions_BS, segment_ids_BS,
-                                                       sliding))
+                                                       sliding), valid_BS, sparse)
 
-  def block(self, x_BSE, attention):
+  def block(self, x_BSE, attention, valid_BS=None, sparse=False):
     """The layer around ``attention(x_BSE) -> [B, S, E]``, the attention sublayer with its
-    pre-norm (``attn_norm``); ``__call__`` passes the training attention,
-    ``ulysses_jax.generate`` one that reads and writes a KV cache."""
+    pre-norm (``attn_norm``): (output ``[B, S, E]``, ``RouterStats`` or None), as
+    ``__call__``. ``__call__`` passes the training attention, ``ulysses_jax.generate`` one that
+    reads and writes a KV cache (dense models only: ``valid_BS`` and ``sparse`` are the
+    router's)."""
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     post = lambda norm, y: y if norm is None else norm(y)
     x_BSE = constrain(x_BSE + post(self.attn_post_norm, attention(x_BSE)))
-    return constrain(x_BSE + post(self.mlp_post_norm, self.mlp(x_BSE, norm=self.mlp_norm)))
+    y_BSE, stats = self._feed_forward(x_BSE, valid_BS, sparse)
+    return constrain(x_BSE + post(self.mlp_post_norm, y_BSE)), stats
+
+  def _feed_forward(self, x_BSE, valid_BS, sparse):
+    """(``mlp(norm(x))`` or ``moe(norm(x))`` as ``sparse`` says, the router's stats)."""
+    if self.moe is None:
+      return self.mlp(x_BSE, norm=self.mlp_norm), None
+    experts = lambda: self.moe(x_BSE, valid_BS, norm=self.mlp_norm)
+    if self.mlp is None:
+      return experts()
+    dense = lambda: (self.mlp(x_BSE, norm=self.mlp_norm),
+                     RouterStats.zeros(self.config.moe.num_experts))
+    return jax.lax.cond(sparse, experts, dense)
 
   def _attention(self, x_BSE, positions_BS, segment_ids_BS, sliding):
     """``attn(norm(x))`` with this layer type's window and RoPE: both are static in the
@@ -231,7 +255,8 @@ class Llama(nnx.Module):
                          f"{tuple(x.shape)}.")
 
   def _padded_hidden_states(self, tokens_BS, positions_BS, segment_ids_BS):
-    """Final-normed hidden states ``[B, S', E]``, S' = S rounded up to a multiple of seq."""
+    """(final-normed hidden states ``[B, S', E]``, S' = S rounded up to a multiple of seq;
+    the layers' ``RouterStats`` stacked ``[L, ...]``, None without experts)."""
     self._check_inputs(tokens_BS, positions_BS, segment_ids_BS)
     b, s = tokens_BS.shape
     if positions_BS is None:
@@ -239,12 +264,13 @@ class Llama(nnx.Module):
     pad = -s % sequence_shards(self.mesh)
     pad_BS = lambda x, value: jnp.pad(x, [(0, 0), (0, pad)], constant_values=value)
     tokens_BS, positions_BS = pad_BS(tokens_BS, 0), pad_BS(positions_BS, 0)
+    valid_BS = pad_BS(jnp.ones((b, s), bool), False)
     if segment_ids_BS is not None:
       segment_ids_BS = pad_BS(segment_ids_BS, PAD_SEGMENT)
     constrain = lambda x: None if x is None else sharding.constrain(x, _ACT_BS, self.mesh,
                                                                     self.rules)
-    tokens_BS, positions_BS, segment_ids_BS = map(constrain,
-                                                  (tokens_BS, positions_BS, segment_ids_BS))
+    tokens_BS, positions_BS, segment_ids_BS, valid_BS = map(
+        constrain, (tokens_BS, positions_BS, segment_ids_BS, valid_BS))
     x_BSE = self.embed(tokens_BS)
 
     graphdef, layer_states = nnx.split(self.layers)
@@ -258,31 +284,33 @@ class Llama(nnx.Module):
     remat = lambda f: f if c.remat_policy == "none" else jax.checkpoint(
         f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
     run = lambda x_BSE, layer: nnx.merge(graphdef, layer["state"])(
-        x_BSE, positions_BS, segment_ids_BS, layer["sliding"])
-    sliding_L = jnp.array([t == "sliding_attention" for t in c.attention_types()])
+        x_BSE, positions_BS, segment_ids_BS, valid_BS, layer["sliding"], layer["sparse"])
+    kinds = dict(state=layer_states,
+                 sliding=jnp.array([t == "sliding_attention" for t in c.attention_types()]),
+                 sparse=jnp.array(c.sparse_layers()))
 
     if c.remat_group == 1:
-      layer = remat(lambda x, layer: (run(x, dict(
-          layer, state=jax.device_put(layer["state"], slice_shardings))), None))
-      x_BSE, _ = jax.lax.scan(layer, x_BSE, dict(state=layer_states, sliding=sliding_L))
-      return self.final_norm(x_BSE)
+      layer = remat(lambda x, layer: run(x, dict(
+          layer, state=jax.device_put(layer["state"], slice_shardings))))
+      x_BSE, stats = jax.lax.scan(layer, x_BSE, kinds)
+      return self.final_norm(x_BSE), stats
 
     # A group copies its layers' weights to the device at once, so only the outer loop moves
     # weights and gradients between host and device: XLA's GPU compiler cannot place
     # gradients that nested loops stack into host memory.
     group_shardings = jax.tree.map(
         lambda s: sharding.in_memory(s.mesh, P(None, *s.spec), "device"), slice_shardings)
-    layer = remat(lambda x, state: (run(x, state), None))
+    layer = remat(run)
 
     def group(x_BSE, group):
       group = dict(group, state=jax.device_put(group["state"], group_shardings))
-      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group)[0], None
+      return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group)
 
     group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))
-    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]),
-                          dict(state=layer_states, sliding=sliding_L))
-    x_BSE, _ = jax.lax.scan(group, x_BSE, groups)
-    return self.final_norm(x_BSE)
+    groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]), kinds)
+    x_BSE, stats = jax.lax.scan(group, x_BSE, groups)
+    stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)
+    return self.final_norm(x_BSE), stats
 
   def embed(self, tokens_BS) -> jax.Array:
     """The embeddings of int ``[B, S]`` tokens: ``[B, S, E]`` in the compute dtype (times
@@ -308,7 +336,7 @@ class Llama(nnx.Module):
     (restart them at each packed document); segment_ids None means one document per row.
     """
     return self._padded_hidden_states(tokens_BS, positions_BS,
-                                      segment_ids_BS)[:, :tokens_BS.shape[1]]
+                                      segment_ids_BS)[0][:, :tokens_BS.shape[1]]
 
   def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None) -> jax.Array:
     """Float32 logits ``[B, S, V]``. Materialises all of them: for training use ``loss``."""
@@ -322,17 +350,22 @@ class Llama(nnx.Module):
 
     labels: int ``[B, S]``, already shifted (``labels[t]`` is the target after
     ``tokens[t]``), ``IGNORE_LABEL`` where there is none. See ``loss.chunked_cross_entropy``.
+    With experts, the sums carry the load-balancing loss over every token of the batch
+    and every MoE layer (``router_aux``, unweighted) and ``expert_counts`` ``[L, X]``.
     """
     if tuple(labels_BS.shape) != tuple(tokens_BS.shape):
       raise ValueError(f"labels must have the tokens' shape {tuple(tokens_BS.shape)}, got "
                        f"{tuple(labels_BS.shape)}.")
-    hidden_BSE = self._padded_hidden_states(tokens_BS, positions_BS, segment_ids_BS)
+    hidden_BSE, stats = self._padded_hidden_states(tokens_BS, positions_BS, segment_ids_BS)
     pad = hidden_BSE.shape[1] - labels_BS.shape[1]
     labels_BS = jnp.pad(labels_BS, [(0, 0), (0, pad)], constant_values=loss_lib.IGNORE_LABEL)
     labels_BS = sharding.constrain(labels_BS, _ACT_BS, self.mesh, self.rules)
-    return loss_lib.chunked_cross_entropy(hidden_BSE, self.lm_head_kernel(), labels_BS,
+    sums = loss_lib.chunked_cross_entropy(hidden_BSE, self.lm_head_kernel(), labels_BS,
                                           mesh=self.mesh, chunk=self.config.loss_chunk,
                                           z_loss_weight=z_loss_weight)
+    if stats is None:
+      return sums
+    return sums._replace(router_aux=load_balancing_loss(stats), expert_counts=stats.counts)
 
 
 def init_llama(config: LlamaConfig, mesh: Mesh, *, seed: int = 0,
@@ -342,14 +375,29 @@ def init_llama(config: LlamaConfig, mesh: Mesh, *, seed: int = 0,
       lambda: Llama(config, mesh=mesh, rules=rules, rngs=nnx.Rngs(seed)), mesh, rules)
 
 
-def count_params(model_or_config, *, include_embedding: bool = True) -> int:
-  """Number of parameters of a model or config (from shapes alone)."""
+def count_params(model_or_config, *, include_embedding: bool = True,
+                 active: bool = False) -> int:
+  """Number of parameters of a model or config (from shapes alone). A layer's MLP that the
+  layer does not run (a model mixing dense and MoE layers holds both in every layer) does
+  not count; ``active=True`` counts the parameters one token runs: of each MoE layer's X
+  experts only its k (the router whole)."""
+  config = model_or_config if isinstance(model_or_config, LlamaConfig) else (
+      model_or_config.config)
   if isinstance(model_or_config, LlamaConfig):
     mesh = make_mesh(1, 1, devices=jax.devices()[:1])
     model_or_config = nnx.eval_shape(lambda: Llama(model_or_config, mesh=mesh,
                                                    rngs=nnx.Rngs(0)))
-  state = nnx.state(model_or_config, nnx.Param)
-  total = sum(x.size for x in jax.tree.leaves(state))
+  state = traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model_or_config, nnx.Param)))
+  sparse = sum(config.sparse_layers())
+  used_layers = {"mlp": config.num_layers - sparse, "moe": sparse}
+  total = 0
+  for path, x in state.items():
+    size = x.size
+    if path[0] == "layers" and path[1] in used_layers:
+      size = size // config.num_layers * used_layers[path[1]]
+      if active and path[1] == "moe" and path[2] not in ("router", "router_bias"):
+        size = size // config.moe.num_experts * config.moe.experts_per_token
+    total += size
   if not include_embedding:
     total -= model_or_config.embedding.size
   return total

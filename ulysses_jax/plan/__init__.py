@@ -11,6 +11,7 @@ over layouts and knobs; ``plan.report``: a row as JSON and why its mesh;
 compiles the recommendation with ``ulysses_jax.aot``).
 """
 
+from ulysses_jax.plan import moe  # noqa: F401
 from ulysses_jax.plan.hardware import Hardware  # noqa: F401
 from ulysses_jax.plan.model import Layout, Model, predict_memory, ring_steps  # noqa: F401
 from ulysses_jax.plan.step import predict_step  # noqa: F401

@@ -85,6 +85,7 @@ import math
 
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.ulysses import plan_heads
+from ulysses_jax.plan import moe
 from ulysses_jax.train_step import MemoryOptions
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -111,26 +112,52 @@ class Model:
   mlp_chunk: int = 0
   loss_chunk: int = 1024
   layer_windows: tuple[int | None, ...] = ()  # per layer; () = every layer full attention
+  # Mixture of experts (``plan.moe``): how many layers have experts (0: a dense model).
+  moe_layers: int = 0
+  num_experts: int = 0
+  experts_per_token: int = 0
+  expert_mlp_dim: int = 0
+  expert_bias: bool = False
 
   @classmethod
   def from_config(cls, config):
-    fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows"}
+    experts = ("num_experts", "experts_per_token", "expert_mlp_dim", "expert_bias")
+    fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows", "moe_layers",
+                                                          *experts}
+    moe_fields = {} if config.moe is None else {
+        name: getattr(config.moe, name) for name in experts}
     return cls(**{name: getattr(config, name) for name in fields},
-               layer_windows=config.layer_windows())
+               layer_windows=config.layer_windows(), moe_layers=sum(config.sparse_layers()),
+               **moe_fields)
 
   def windows(self) -> tuple[int | None, ...]:
     return self.layer_windows or (None,) * self.num_layers
 
   @property
   def layer_params(self):
+    """Parameters each layer of the stack holds (a model mixing dense and MoE layers holds
+    both MLPs in every layer)."""
     e, d = self.hidden_dim, self.head_dim
+    dense = 3 * e * self.mlp_dim if self.moe_layers < self.num_layers else 0
+    experts = moe.layer_params(self) if self.moe_layers else 0
     return (e * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * e
-            + 3 * e * self.mlp_dim + 2 * e)
+            + dense + experts + 2 * e)
 
   @property
   def params(self):
     vocab = self.vocab_size * self.hidden_dim * (1 if self.tie_embeddings else 2)
     return self.num_layers * self.layer_params + vocab + self.hidden_dim
+
+  @property
+  def compute_params(self):
+    """The parameters a token runs (2 FLOPs each forward): all of a dense model's; of a
+    mixture of experts not the X - k other experts, nor a layer's MLP it does not run."""
+    if not self.moe_layers:
+      return self.params
+    dense_layers = self.num_layers - self.moe_layers
+    unused = (self.moe_layers * 3 * self.hidden_dim * self.mlp_dim if dense_layers else 0)
+    unused += dense_layers * moe.layer_params(self)
+    return self.params - unused - self.moe_layers * moe.inactive_params(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +280,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
       "saved": saved,
-      "working": (t * c * (_WORK_E * e + _WORK_A * attention_per_token(heads, d)
-                           + _WORK_F * f_eff) + tiles + incoming),
+      "working": (t * c * (_WORK_E * e + _WORK_A * attention_per_token(heads, d))
+                  + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + incoming),
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
@@ -263,6 +290,13 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms["host"] = (optimizer * offload + 2 * p * host_params / n
                    + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _mlp_working(model, t, c, f_eff, mlp_tokens):
+  """The larger of the dense MLP's and the experts' working set (layers of either kind)."""
+  dense = t * c * _WORK_F * f_eff if model.moe_layers < model.num_layers else 0
+  experts = moe.working_bytes(model, mlp_tokens, c) if model.moe_layers else 0
+  return max(dense, experts)
 
 
 def chunk_heads(model, layout):

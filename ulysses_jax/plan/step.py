@@ -23,7 +23,7 @@ do not.
 """
 
 from ulysses_jax.attention.reference import mean_visible_keys
-from ulysses_jax.plan import comm
+from ulysses_jax.plan import comm, moe
 from ulysses_jax.plan.hardware import Hardware
 from ulysses_jax.plan.model import (DTYPE_BYTES, Layout, Model, _host_param_count,
                                     _named_per_token, _optimizer_bytes, chunk_heads,
@@ -67,7 +67,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   windows = model.windows()
   layer_attn = [4 * mean_visible_keys(seq_len, w) * chunks * hq * d * t for w in windows]
   attn_flops = sum(layer_attn)
-  forward = 2 * model.params * t + attn_flops
+  forward = 2 * model.compute_params * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
@@ -119,7 +119,8 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   return {"all_to_all_bytes": moved("all_to_all"), "ring_bytes": moved("ring"),
           "fsdp_bytes": moved("fsdp_all_gather", "fsdp_reduce_scatter"),
           "allgather_kv_bytes": moved("allgather_kv", "allgather_kv_grad"), **times,
-          "step_s": sum(times.values()), "breakdown": breakdown}
+          "step_s": sum(times.values()), "breakdown": breakdown,
+          **({"experts": moe.placement(model, t)} if model.moe_layers else {})}
 
 
 def _term(name, seconds, hidden_by):

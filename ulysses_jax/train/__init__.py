@@ -12,6 +12,8 @@ the evaluations from ``ulysses_jax.evaluate``. Writes into ``DIR``:
                   tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
                   reports it), nonfinite_steps, tokens_seen/<source> for a mixture
                   (DataConfig.sources), and eval_loss / eval_accuracy at eval steps;
+                  with experts router_aux_loss and each MoE layer's
+                  expert_share_min/layer_i, expert_share_max/layer_i (TrainStep's metrics);
                   the first also compiled_memory_gib and the attention backend and its
                   self-check (``ulysses_jax.kernel_check``)
   tensorboard/    the same numbers as TensorBoard events (and a Weights & Biases run under

@@ -1,0 +1,228 @@
+"""The mixture-of-experts layer (``models.moe``) against a dense single-device reference that
+runs every expert on every token: forward, router statistics and gradients, on meshes of 8
+devices, tiled and untiled, for each family's router and activation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx, traverse_util
+
+from model_cases import (assert_trees_close, initial_state, mesh_of, model_on, packed_batch,
+                         relative_error, tree_on_host)
+from ulysses_jax import optimizer, sharding, train_step
+from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.models.config import LlamaConfig, MoeConfig, preset
+from ulysses_jax.models.llama import count_params
+from ulysses_jax.models.moe import MoE, RouterStats, load_balancing_loss
+from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
+
+E, X, K, F = 16, 6, 2, 8  # width, experts, experts per token, expert width
+# name: (MoeConfig, mesh (data, seq[, ring]), mlp_chunk). 24 tokens per row: 6, 12 or 3 per
+# device, so tiles of 4 or 2 leave a ragged last tile.
+CASES = {
+    "qwen3_moe_unnormalised": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F,
+                                         norm_topk_prob=False), (2, 4), 4),
+    "mixtral": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F), (4, 2), 0),
+    # A clamp low enough to bite on these activations.
+    "gpt_oss": (MoeConfig(num_experts=X, experts_per_token=K, expert_mlp_dim=F,
+                          router="topk_softmax", router_bias=True, expert_bias=True,
+                          expert_activation="clamped_swiglu", swiglu_limit=0.5),
+                (1, 2, 4), 2),
+}
+BATCH, SEQ = 4, 24
+
+
+def reference(w, x_tE, valid_t, moe):
+  """Every expert on every token, weighted by a [t, X] matrix zero outside the top k."""
+  logits = x_tE @ w["router"] + w.get("router_bias", 0.0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  top = jnp.argsort(-logits, axis=-1)[:, :moe.experts_per_token]
+  rows = jnp.arange(x_tE.shape[0])[:, None]
+  if moe.router == "topk_softmax":
+    chosen = jax.nn.softmax(logits[rows, top], axis=-1)
+  else:
+    chosen = probs[rows, top]
+    if moe.norm_topk_prob:
+      chosen = chosen / chosen.sum(-1, keepdims=True)
+  gates_tX = jnp.zeros_like(probs).at[rows, top].set(chosen)
+  gate = jnp.einsum("te,xei->txi", x_tE, w["gate_proj"]) + w.get("gate_bias", 0.0)
+  up = jnp.einsum("te,xei->txi", x_tE, w["up_proj"]) + w.get("up_bias", 0.0)
+  if moe.expert_activation == "silu":
+    h = jax.nn.silu(gate) * up
+  else:
+    limit = moe.swiglu_limit
+    g = jnp.minimum(gate, limit)
+    h = (jnp.clip(up, -limit, limit) + 1) * g * jax.nn.sigmoid(moe.swiglu_alpha * g)
+  y = jnp.einsum("txi,xie->txe", h, w["down_proj"]) + w.get("down_bias", 0.0)
+  valid = valid_t.astype(jnp.float32)
+  stats = RouterStats(valid @ (gates_tX > 0).astype(jnp.float32), valid @ probs, valid.sum())
+  return jnp.einsum("txe,tx->te", y, gates_tX), stats
+
+
+def random_weights(moe, seed):
+  rng = np.random.default_rng(seed)
+  shapes = dict(router=(E, X), gate_proj=(X, E, F), up_proj=(X, E, F), down_proj=(X, F, E))
+  if moe.router_bias:
+    shapes["router_bias"] = (X,)
+  if moe.expert_bias:
+    shapes.update(gate_bias=(X, F), up_bias=(X, F), down_bias=(X, E))
+  return {k: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_matches_dense_reference(case):
+  moe, mesh_shape, chunk = CASES[case]
+  mesh = mesh_of(*mesh_shape)
+  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  weights = random_weights(moe, 1)
+  shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
+  nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
+  rng = np.random.default_rng(2)
+  x_BSE = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+  valid_BS = jnp.asarray(rng.random((BATCH, SEQ)) < 0.8)
+  cotangent = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+  probs_cotangent = jnp.asarray(rng.normal(0, 1, (X,)), jnp.float32)
+
+  def objective(y, stats):  # reaches the router through the weights and the aux statistics
+    return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
+
+  def ours(state, x):
+    y, stats = nnx.merge(graphdef, state)(x, valid_BS)
+    return objective(y, stats), (y, stats)
+
+  def theirs(w, x):
+    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
+    return objective(y.reshape(x.shape), stats), (y.reshape(x.shape), stats)
+
+  (_, (y, stats)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(
+      state, x_BSE)
+  (_, (y_ref, stats_ref)), grads_ref = jax.jit(jax.value_and_grad(
+      theirs, argnums=(0, 1), has_aux=True))(weights, x_BSE)
+  assert relative_error(y, y_ref) < 1e-5
+  np.testing.assert_array_equal(stats.counts, stats_ref.counts)
+  assert stats.tokens == valid_BS.sum() and stats.counts.sum() == K * valid_BS.sum()
+  assert relative_error(stats.probs, stats_ref.probs) < 1e-6
+  ours_grads = {k: v.get_value() for k, v in grads[0].items()}
+  assert_trees_close(ours_grads, grads_ref[0], rtol=1e-5)
+  assert relative_error(grads[1], grads_ref[1]) < 1e-5
+  if moe.expert_activation == "clamped_swiglu":  # the clamp is active on both sides
+    up = jnp.einsum("te,xei->txi", x_BSE.reshape(-1, E), weights["up_proj"])
+    assert jnp.any(up > moe.swiglu_limit) and jnp.any(up < -moe.swiglu_limit)
+
+
+def test_load_balancing_loss_is_switch_transformers_over_all_layers():
+  counts = jnp.array([[3.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 2.0, 1.0]])  # layer 1 dense
+  probs = jnp.array([[1.5, 0.3, 0.2], [0.0, 0.0, 0.0], [0.5, 1.0, 0.5]])
+  stats = RouterStats(counts, probs, jnp.array([2.0, 0.0, 2.0]))
+  f, p = counts.sum(0) / 4, probs.sum(0) / 4
+  np.testing.assert_allclose(load_balancing_loss(stats), 3 * np.sum(f * p), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(num_experts=4, experts_per_token=5),
+     r"experts_per_token \(5\) must be <= num_experts \(4\)"),
+    (dict(router="sigmoid"),
+     r"MoeConfig.router must be one of 'softmax_topk', 'topk_softmax', got 'sigmoid'"),
+    (dict(expert_activation="gelu"), r"MoeConfig.expert_activation must be one of"),
+    (dict(mlp_only_layers=(0, 2)), r"mlp_only_layers \[2\] are not layers"),
+    (dict(decoder_sparse_step=3), r"leaves none of the 2 layers a mixture"),
+])
+def test_bad_moe_configs_are_rejected(fields, message):
+  with pytest.raises(ConfigError, match=message):
+    LlamaConfig(preset="tiny", moe=MoeConfig(**fields))
+
+
+def test_moe_config_round_trips_through_json():
+  config = preset("tiny", moe=MoeConfig(num_experts=4, mlp_only_layers=(0,)),
+                  router_aux_loss_coef=0.01)
+  assert LlamaConfig.from_dict(config.to_dict()) == config
+  assert config.sparse_layers() == (False, True)
+
+
+MOE_MODEL = preset("tiny-gqa", loss_chunk=8, mlp_chunk=3, router_aux_loss_coef=0.1,
+                   moe=MoeConfig(num_experts=4, experts_per_token=2, expert_mlp_dim=24,
+                                 mlp_only_layers=(0,)))
+
+
+def _one_step(mesh_shape, state, batch, **memory):
+  mesh = mesh_of(*mesh_shape)
+  # eps 1: Adam's first step is then about linear in the gradient, so the comparison measures
+  # the gradients (with a small eps it is sign(g) per element, chaotic where g is about 0).
+  optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=2,
+                                             eps=1.0))
+  memory = train_step.MemoryOptions(**memory)
+  graphdef, train_state = train_step.init_train_state(model_on(MOE_MODEL, mesh, state),
+                                                      optimizer, memory=memory)
+  step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh,
+                                    seq_len=batch["tokens"].shape[1], accum_steps=2,
+                                    memory=memory)
+  new_state, metrics = step(train_state, batch)
+  return tree_on_host(new_state.params), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module")
+def moe_step_single_device():
+  state = initial_state(MOE_MODEL)
+  batch = packed_batch(0, 4, 24, MOE_MODEL.vocab_size)
+  return state, batch, _one_step((1, 1), state, batch)
+
+
+# Slow (a train step compiles for ~15 s of CPU): the quick suite has the whole model's
+# gradient with the load-balancing loss against transformers (test_hf_moe).
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_shape, memory", [((2, 4), {}),
+                                                ((1, 2, 4), dict(offload_optimizer=True))])
+def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, memory):
+  """Two micro-batches, each with its load-balancing loss (coefficient 0.1): the update and
+  the routing metrics of a sharded step equal one device's."""
+  state, batch, (want_params, want) = moe_step_single_device
+  params, metrics = _one_step(mesh_shape, state, batch, **memory)
+  assert_trees_close(params, want_params)
+  keys = {"router_aux_loss", "expert_share_min/layer_01", "expert_share_max/layer_01"}
+  assert keys <= set(metrics) and "expert_share_min/layer_00" not in metrics
+  for key in keys | {"loss", "grad_norm"}:
+    assert relative_error(metrics[key], want[key]) < 1e-5, key
+  assert metrics["expert_share_min/layer_01"] <= 0.25 <= metrics["expert_share_max/layer_01"]
+  assert metrics["router_aux_loss"] >= 1.0  # Switch's loss is at least 1 (even routing)
+
+
+# Published counts, in billions: Qwen3-30B-A3B's model card (30.5B, 3.3B activated with the
+# embeddings: 3.353B, truncated), Mixtral's announcement (46.7B, 12.9B per token),
+# gpt-oss's model card (arXiv 2508.10925: 20.91B, 3.61B active, counting the unembedding but
+# not the embedding). Each within its last digit (gpt-oss's second decimal rounded).
+@pytest.mark.parametrize("name, total, active, active_counts_embedding, digit", [
+    ("qwen3-30b-a3b", 30.5, 3.3, True, 0.1), ("mixtral-8x7b", 46.7, 12.9, True, 0.1),
+    ("gpt-oss-20b", 20.91, 3.61, False, 0.01)])
+def test_moe_presets_have_their_published_parameter_counts(name, total, active,
+                                                           active_counts_embedding, digit):
+  config = preset(name)
+  assert abs(count_params(config) / 1e9 - total) < digit
+  ours = count_params(config, active=True, include_embedding=active_counts_embedding)
+  assert abs(ours / 1e9 - active) < digit
+
+
+def test_mixed_models_count_only_the_mlp_each_layer_runs():
+  dense = preset("tiny")
+  mixed = MOE_MODEL.replace(num_heads=4, num_kv_heads=4)  # layer 0 dense, layer 1 MoE
+  e, f = dense.hidden_dim, dense.mlp_dim
+  moe = mixed.moe
+  experts = 3 * e * moe.expert_mlp_dim
+  assert count_params(mixed) == (count_params(dense) - 3 * e * f
+                                 + e * moe.num_experts + moe.num_experts * experts)
+  assert count_params(mixed, active=True) == (count_params(mixed) - (
+      moe.num_experts - moe.experts_per_token) * experts)
+
+
+def test_router_and_expert_biases_get_no_weight_decay():
+  """Like every other bias: gpt-oss's router and expert biases; the experts' matrices decay."""
+  config = preset("tiny", hidden_dim=16, moe=MoeConfig(
+      num_experts=4, experts_per_token=2, expert_mlp_dim=8, router="topk_softmax",
+      router_bias=True, expert_bias=True, expert_activation="clamped_swiglu"))
+  layer = nnx.eval_shape(lambda: MoE(config, mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
+  decay = nnx.to_pure_dict(optimizer._decay_mask(nnx.state(layer, nnx.Param)))
+  flat = {"/".join(k): v for k, v in traverse_util.flatten_dict(decay).items()}
+  biases = [k for k in flat if k.endswith("bias")]
+  assert len(biases) == 4 and not any(flat[k] for k in biases), flat
+  assert flat["gate_proj"] and flat["down_proj"], flat

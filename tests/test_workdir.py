@@ -3,6 +3,7 @@ before anything is written; the workdir's ``config.gin``, config history and che
 true to what was trained (no-op starts and failed resumes change nothing); a resume states
 what changed since its checkpoint."""
 
+import json
 import os
 import subprocess
 import sys
@@ -99,3 +100,18 @@ def test_readme_trains_from_python_without_gin_at_the_call(tmp_path):
   step, loss = eval(out.stdout.strip().splitlines()[-1])  # (40, loss): print(summary[...])
   assert step == 40 and loss < 4.5, out.stdout  # from ln(256) = 5.5
   assert read_run_config(tmp_path / "runs" / "from_python" / "checkpoints")[0] == 40
+
+
+def test_a_run_with_other_experts_is_not_resumed_from_the_checkpoints(monkeypatch):
+  """The experts (``LlamaConfig.moe``) shape the train state: a new start with other ones is
+  told what differs before any restore."""
+  from ulysses_jax import workdir as workdir_lib  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.models.config import MoeConfig  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.run_config import RunConfig  # pylint: disable=import-outside-toplevel
+  moe = lambda n: RunConfig(model=LlamaConfig(preset="tiny", moe=MoeConfig(
+      num_experts=n, experts_per_token=2, expert_mlp_dim=32)))
+  saved = json.loads(json.dumps(moe(4).to_dict()))
+  monkeypatch.setattr(workdir_lib, "read_run_config", lambda directory: (7, saved))
+  assert workdir_lib.why_no_restore("ckpt", moe(4)) is None
+  why = workdir_lib.why_no_restore("ckpt", moe(8))
+  assert "(newest: step 7)" in why and "model.moe = " in why and "'num_experts': 4" in why

@@ -30,7 +30,7 @@ def write_configs(workdir: str, config: RunConfig, start: int):
 # cannot restore. (Placement, remat and tiling can change on resume.)
 STATE_FIELDS = {"model": ("vocab_size", "hidden_dim", "num_layers", "num_heads", "num_kv_heads",
                           "head_dim", "mlp_dim", "tie_embeddings", "qkv_bias", "qk_norm",
-                          "attention_sinks"),
+                          "attention_sinks", "attn_out_bias", "moe"),
                 "train": ("master_weights",)}
 
 

@@ -147,7 +147,7 @@ def main():
   parser.add_argument("--steps", type=int, default=16, help="timed decode steps")
   parser.add_argument("--repeats", type=int, default=3, help="timed prefills")
   parser.add_argument("--no_transformers", action="store_true")
-  parser.add_argument("--json")
+  parser.add_argument("--json", default="")
   parser.add_argument("--plot")
   args = parser.parse_args()
   common.check_plotting(parser, args.plot)

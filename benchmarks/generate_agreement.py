@@ -79,7 +79,7 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--new_tokens", type=int, default=32)
-  parser.add_argument("--json")
+  parser.add_argument("--json", default="")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, SHAPES["vocab_size"], n).tolist()

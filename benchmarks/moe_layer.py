@@ -111,7 +111,7 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tokens", type=int, default=2048)
   parser.add_argument("--h100", action="store_true", help="compile for one H100 instead")
-  parser.add_argument("--json", help="also write the rows here")
+  parser.add_argument("--json", default="", help="also write the rows here")
   args = parser.parse_args()
   if args.h100:
     rows, columns = h100_rows(args.tokens), H100_COLUMNS

@@ -135,8 +135,8 @@ def test_bad_init_from_stops_before_any_weights_are_read(hf_dir, tmp_path):
     finetune.model_config(no_config)
   gpt2 = _copy_dir(hf_dir, tmp_path / "gpt2", {"model_type": "gpt2"})
   with pytest.raises(ConfigError, match=r"config.json: unsupported model_type 'gpt2'; "
-                     r"supported: \['gemma3_text', 'llama', 'ministral', 'mistral', 'qwen2', "
-                     r"'qwen3'\]"):
+                     r"supported: \['gemma3_text', 'gpt_oss', 'llama', 'ministral', 'mistral', "
+                     r"'mixtral', 'qwen2', 'qwen3', 'qwen3_moe'\]"):
     finetune.model_config(gpt2)
   with pytest.raises(ConfigError, match=r"LlamaConfig.hidden_dim=128 but the checkpoint has "
                      r"hidden_dim=64; LlamaConfig.num_layers=4 but the checkpoint has "

@@ -105,7 +105,7 @@ def test_z_loss_adds_weighted_squared_logsumexp():
 
 def test_sums_add_and_bad_arguments_raise():
   one = CrossEntropySums(jnp.float32(1), jnp.float32(2), jnp.float32(3))
-  assert [float(x) for x in one + one] == [2.0, 4.0, 6.0]
+  assert [float(x) for x in one + one] == [2.0, 4.0, 6.0, 0.0, 0.0]  # no routing statistics
   hidden, head, labels = _inputs(5)
   with pytest.raises(ValueError, match="chunk must be >= 1, got 0"):
     chunked_cross_entropy(hidden, head, labels, mesh=mesh_of(1, 1), chunk=0)

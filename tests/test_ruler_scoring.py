@@ -115,19 +115,28 @@ def test_cli_errors_before_any_work(greedy, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_real_generation_fills_rulers_column(greedy, tmp_path):
+def test_real_generation_fills_rulers_column(greedy, tmp_path, monkeypatch):
   """The plumbing of real greedy generation (a random model: what it writes is noise): each
-  example's prediction and token count within niah's budget, its score RULER's metric of it."""
+  example's prediction and token count within niah's budget, its score RULER's metric of it,
+  and the first generated token the strict score's first prediction (both greedy's first)."""
+  from ulysses_jax import generate as generate_lib
   root, _ = greedy
-  path = tmp_path / "g.json"
+  path, outputs, real = tmp_path / "g.json", [], generate_lib.generate
+
+  def recorded(*args, **kwargs):
+    new = real(*args, **kwargs)
+    outputs.extend(new)
+    return new
+  monkeypatch.setattr(generate_lib, "generate", recorded)
   evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_data=1", "--mesh_seq=2",
                     "--tokenizer=byte", "--ruler=niah_single_1", "--lengths=1024", "--samples=2",
-                    "--batch_size=2", "--scoring=ruler", "--no_kernel_check", f"--json={path}"])
+                    "--batch_size=2", "--no_kernel_check", f"--json={path}"])
   report = json.loads(path.read_text())["ruler"]
-  assert list(report["scoring"]) == ["ruler"] and report["chat_template"] is None
+  assert list(report["scoring"]) == ["strict", "ruler"] and report["chat_template"] is None
   examples = report["examples"]
   assert len(examples) == 2 and all(isinstance(e["prediction"], str) and
                                     1 <= e["generated_tokens"] <= 128 for e in examples)
+  assert [o[0] for o in outputs] == [e["predicted_ids"][0] for e in examples]
   cell = report["tasks"]["niah_single_1"]["by_length"]["1024"]
   assert cell["samples"] == 2 and cell["ruler"] == np.mean([
       100 * sum(o.lower() in e["prediction"].strip().lower() for o in e["outputs"]) /

@@ -36,7 +36,8 @@ the effective length where it applies, the task x lengths that default lengths c
 ``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file, scored strictly
 (as greedy decoding would write the answer; ``ulysses_jax.ruler``). ``--scoring`` chooses
 RULER's: ``ruler`` generates each answer greedily within its task's budget, stopping at the
-checkpoint's EOS ids (``ulysses_jax.ruler.generation``), and scores it as RULER does;
+checkpoint's EOS ids (``ulysses_jax.ruler.generation``; each example gets ``prediction`` and
+``generated_tokens``), and scores it as RULER does;
 ``strict`` scores the canonical answer under teacher forcing (one forward pass, no decoder);
 ``both`` (the default) reports the two, side by side. A RULER prompt is the task text as a
 user turn in the checkpoint's chat template (``chat_template.jinja`` or the

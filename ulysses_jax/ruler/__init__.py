@@ -7,7 +7,8 @@ answer tokens before it is the answer token: exactly the condition under which g
 from the prompt writes the answer. So one forward pass over prompt + answer scores it,
 sequence-parallel like the rest of ``ulysses_jax.evaluate`` (the per-token predictions come
 chunk by chunk, never as ``[B, S, V]`` logits), and the argmax at each answer position is kept
-as ``predicted_ids``. RULER's own score reads generated answers (``scoring.ruler_score``).
+as ``predicted_ids``. RULER's own score reads generated answers (``generation.predict``,
+``scoring.ruler_score``).
 """
 
 import json

@@ -144,7 +144,7 @@ class Pieces:
   def __init__(self):
     self.ids, self.pieces = {}, []
 
-  def encode_batch(self, docs):
+  def encode_batch(self, docs, add_special_tokens=False):
     out = []
     for doc in docs:
       pieces = [p for p in re.split(r"(\s+)", doc.decode()) if p]

@@ -67,7 +67,8 @@ def test_ruler_report_keys_default_lengths_skip_what_they_cannot_hold(greedy, tm
   root, _ = greedy
   path = tmp_path / "r.json"
   evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_seq=8", "--tokenizer=byte",
-                    "--ruler=niah_single_1,variable_tracking", "--samples=2", f"--json={path}",
+                    "--ruler=niah_single_1,variable_tracking", "--samples=2", "--scoring=strict",
+                    f"--json={path}",
                     f"--plot={tmp_path / 'r.png'}"])
   report = json.loads(path.read_text())["ruler"]
   assert "note: skipped RULER task variable_tracking does not fit 1,024 tokens" in \
@@ -112,3 +113,135 @@ def test_cli_errors_before_any_work(greedy, capsys):
     with pytest.raises(SystemExit):
       evaluate_cli.run([f"--hf={root / 'hf'}", f"--seq_len={SEQ_LEN}", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_real_generation_fills_rulers_column(greedy, tmp_path, monkeypatch):
+  """The plumbing of real greedy generation (a random model: what it writes is noise): each
+  example's prediction and token count within niah's budget, its score RULER's metric of it,
+  and the first generated token the strict score's first prediction (both greedy's first)."""
+  from ulysses_jax import generate as generate_lib
+  root, _ = greedy
+  path, outputs, real = tmp_path / "g.json", [], generate_lib.generate
+
+  def recorded(*args, **kwargs):
+    new = real(*args, **kwargs)
+    outputs.extend(new)
+    return new
+  monkeypatch.setattr(generate_lib, "generate", recorded)
+  evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=1024", "--mesh_data=1", "--mesh_seq=2",
+                    "--tokenizer=byte", "--ruler=niah_single_1", "--lengths=1024", "--samples=2",
+                    "--batch_size=2", "--no_kernel_check", f"--json={path}"])
+  report = json.loads(path.read_text())["ruler"]
+  assert list(report["scoring"]) == ["strict", "ruler"] and report["chat_template"] is None
+  examples = report["examples"]
+  assert len(examples) == 2 and all(isinstance(e["prediction"], str) and
+                                    1 <= e["generated_tokens"] <= 128 for e in examples)
+  assert [o[0] for o in outputs] == [e["predicted_ids"][0] for e in examples]
+  cell = report["tasks"]["niah_single_1"]["by_length"]["1024"]
+  assert cell["samples"] == 2 and cell["ruler"] == np.mean([
+      100 * sum(o.lower() in e["prediction"].strip().lower() for o in e["outputs"]) /
+      len(e["outputs"]) for e in examples])
+
+
+class _FakeGenerate:
+  """Stands in for ``ulysses_jax.generate.generate``: answers each prompt with the text that
+  ``answer(prompt_ids)`` gives (byte ids, then EOS) and records the calls."""
+
+  def __init__(self, answer):
+    self.answer, self.calls = answer, []
+
+  def __call__(self, model, prompts, *, max_new_tokens, eos_ids=(), layout=None, **kwargs):
+    self.calls.append({"prompts": [list(p) for p in prompts], "budget": max_new_tokens,
+                       "eos_ids": tuple(eos_ids), "layout": layout})
+    return [list(self.answer(list(p)).encode())[:max_new_tokens - 1] + [eos_ids[0]]
+            for p in prompts]
+
+
+def test_ruler_scoring_through_the_pipeline_right_answers_100_wrong_0(greedy, monkeypatch):
+  """A model whose answers we set: all of niah's outputs (100), half of variable tracking's
+  (50, string_match_all's share), in upper case and order reversed (case and order free)."""
+  from ulysses_jax import generate as generate_lib
+  from ulysses_jax import ruler
+  from ulysses_jax.corpus import ByteTokenizer
+  root, _ = greedy
+  length, samples = 2048, 3
+  outputs = {tuple(int(t) for t in ex.prompt_ids): ex.outputs for ex in ruler.generate(
+      ["niah_single_1", "variable_tracking"], [length], samples, ByteTokenizer())}
+  assert len(outputs) == 2 * samples
+
+  def answer(prompt):
+    expected = outputs[tuple(prompt)]
+    shown = expected if len(expected) == 1 else expected[:len(expected) // 2]
+    return " " + ", ".join(reversed(shown)).upper() + "."
+  fake = _FakeGenerate(answer)
+  monkeypatch.setattr(generate_lib, "generate", fake)
+  result = evaluate_cli.run([f"--hf={root / 'hf'}", f"--seq_len={length}", "--mesh_seq=8",
+                             "--tokenizer=byte", "--ruler=niah_single_1,variable_tracking",
+                             f"--lengths={length}", f"--samples={samples}", "--scoring=ruler",
+                             "--batch_size=2", "--no_kernel_check"])["ruler"]
+  assert list(result["scoring"]) == ["ruler"]
+  cells = {t: v["by_length"][str(length)] for t, v in result["tasks"].items()}
+  half = len(next(o for o in outputs.values() if len(o) > 1)) // 2 / len(
+      next(o for o in outputs.values() if len(o) > 1))
+  assert cells["niah_single_1"] == {"samples": 3, "ruler": 100.0, "ruler_stderr": 0.0}
+  assert cells["variable_tracking"] == {"samples": 3, "ruler": 100 * half, "ruler_stderr": 0.0}
+  assert result["mean_by_length"][str(length)]["ruler"] == (100 + 100 * half) / 2
+  # Batched by task and length (2 + 1 prompts each), RULER's budgets, the checkpoint's EOS,
+  # one cache layout (one compilation) for every call at the length.
+  assert [len(c["prompts"]) for c in fake.calls] == [2, 1, 2, 1]
+  assert [c["budget"] for c in fake.calls] == [128, 128, 30, 30]
+  assert {c["eos_ids"] for c in fake.calls} == {(2,)}
+  assert len({c["layout"] for c in fake.calls}) == 1
+  # Wrong answers score 0, and the strict column stands beside RULER's with --scoring=both.
+  monkeypatch.setattr(fake, "answer", lambda prompt: " I do not know.")
+  result = evaluate_cli.run([f"--hf={root / 'hf'}", f"--seq_len={length}", "--mesh_seq=8",
+                             "--tokenizer=byte", "--ruler=niah_single_1", f"--lengths={length}",
+                             "--samples=2", "--no_kernel_check"])["ruler"]
+  assert list(result["scoring"]) == ["strict", "ruler"]
+  assert result["tasks"]["niah_single_1"]["by_length"][str(length)]["ruler"] == 0.0
+  assert all(e["prediction"] == " I do not know." for e in result["examples"])
+
+
+def test_the_checkpoints_chat_template_makes_transformers_prompt(tmp_path, monkeypatch):
+  """The task text as a user turn with the generation prompt, BOS once (the template's), ids
+  equal to transformers' tokenization of ``apply_chat_template(..., add_generation_prompt=
+  True)`` followed by RULER's answer prefix; --no_chat_template turns it off."""
+  import chat_cases
+  from ulysses_jax import generate as generate_lib
+  from ulysses_jax.corpus import HFTokenizer
+  directory = tmp_path / "hf"
+  tokenizer_json = chat_cases.save_tokenizer(directory, chat_cases.CHATML_GENERATION)
+  random_hf_model("LlamaForCausalLM", num_key_value_heads=2, vocab_size=400).save_pretrained(
+      directory)
+  reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+  fake = _FakeGenerate(lambda prompt: "")
+  monkeypatch.setattr(generate_lib, "generate", fake)
+  flags = [f"--hf={directory}", "--seq_len=1024", "--mesh_seq=8", "--ruler=niah_single_1",
+           "--lengths=1024", "--samples=1", "--scoring=ruler", "--no_kernel_check"]
+  result = evaluate_cli.run(flags)["ruler"]
+  assert result["chat_template"] == str(directory)
+  ids = fake.calls[0]["prompts"][0]
+  text = HFTokenizer(tokenizer_json).decode(ids, skip_special_tokens=False)
+  header, user_and_prefix = text.split("<|im_start|>user\n", 1)
+  user, prefix = user_and_prefix.split("<|im_end|>\n<|im_start|>assistant\n")
+  assert header == "<s>" and prefix.startswith(" The special magic number for ")
+  rendered = reference.apply_chat_template([{"role": "user", "content": user}],
+                                           add_generation_prompt=True, tokenize=False)
+  assert ids == reference(rendered + prefix, add_special_tokens=False)["input_ids"]
+  assert ids.count(reference.bos_token_id) == 1 and len(ids) + 128 <= 1024
+  evaluate_cli.run(flags + ["--no_chat_template"])
+  plain = HFTokenizer(tokenizer_json).decode(fake.calls[-1]["prompts"][0],
+                                             skip_special_tokens=False)
+  assert plain.startswith("A special magic number is hidden") and "<|im_start|>" not in plain
+
+
+def test_bad_scoring_or_template_flags_are_one_line_errors(greedy, tmp_path, capsys):
+  root, _ = greedy
+  for flags, message in (
+      (["--scoring=exact"], "argument --scoring: invalid choice: 'exact'"),
+      ([f"--chat_template={tmp_path / 'none.jinja'}"], f"--chat_template {tmp_path}/none.jinja: "
+       "no such file"),
+      (["--chat_template=x", "--no_chat_template"], "not allowed with argument")):
+    with pytest.raises(SystemExit) as e:
+      evaluate_cli.run([f"--hf={root / 'hf'}", "--seq_len=64", "--ruler", *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err

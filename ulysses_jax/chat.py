@@ -44,8 +44,10 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def find_template(tokenizer: str, chat_template: str = "") -> tuple[str, dict[str, str]]:
-  """(template text, special tokens) for ``DataConfig.tokenizer`` and ``chat_template``."""
+def find_template(tokenizer: str, chat_template: str = "", required: bool = True
+                  ) -> tuple[str | None, dict[str, str]]:
+  """(template text, special tokens) for ``DataConfig.tokenizer`` and ``chat_template``.
+  Without a template: raises ``ValueError``, or with ``required=False`` returns None."""
   directory = os.path.dirname(os.path.abspath(tokenizer)) if tokenizer != "byte" else None
   config = {}
   if directory and os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
@@ -73,6 +75,8 @@ def find_template(tokenizer: str, chat_template: str = "") -> tuple[str, dict[st
                        "DataConfig.chat_template to it")
     template = named["default"]
   if not isinstance(template, str):
+    if not required:
+      return None, special
     where = (f"{directory} has no chat_template.jinja and its tokenizer_config.json no "
              "chat_template" if directory else "DataConfig.tokenizer='byte' has no template")
     raise ValueError(f"conversations need the model's chat template, but {where}; set "

@@ -40,8 +40,14 @@ class ByteTokenizer:
                   np.stack([char_of_byte, char_of_byte + 1], axis=1)))
     return out
 
-  def decode(self, ids, skip_special_tokens: bool = True) -> str:  # bytes have no specials
-    return bytes(np.asarray(ids, np.uint8)).decode("utf-8", errors="replace")
+  def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    """The bytes as UTF-8 text; ids past 255 (a model's extra ids, e.g. its EOS) are not
+    bytes: skipped as special tokens, else a ``ValueError``."""
+    ids = np.asarray(ids, np.int64)
+    extra = (ids < 0) | (ids > 255)
+    if extra.any() and not skip_special_tokens:
+      raise ValueError(f"byte tokenizer: ids must be bytes 0..255, got {ids[extra][0]}")
+    return bytes(ids[~extra].astype(np.uint8)).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

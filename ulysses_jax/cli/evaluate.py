@@ -3,7 +3,8 @@ probes: a forward pass only (``ulysses_jax.evaluate``).
 
   ulysses-evaluate (--hf=PATH | --workdir=DIR [--step=N]) --seq_len=S
       [--data=PATHS [--passkey]] [--ruler[=TASK,...] [--lengths=L,...] [--samples=N]
-      [--seed=N] [--threshold=A] [--qa_data=PATHS]] [--examples=FILE.jsonl] [--mesh_data=N]
+      [--seed=N] [--threshold=A] [--qa_data=PATHS] [--scoring=both|ruler|strict]]
+      [--chat_template=FILE.jinja | --no_chat_template] [--examples=FILE.jsonl] [--mesh_data=N]
       [--mesh_seq=P]
       [--platform=P] [--cpu_devices=N] [--json=PATH] [--plot=PATH] [--tokenizer=T]
       [--token_dtype=int32] [--no_kernel_check]
@@ -32,8 +33,18 @@ QA from ``--qa_data``), each task x length's score with its standard error and s
 the mean over tasks by length, which scoring each number is (``ulysses_jax.ruler.scoring``),
 the effective length where it applies, the task x lengths that default lengths could not hold
 (``skipped``) and every example with its predicted ids; ``--examples`` adds ``examples``:
-``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file. Both are scored
-strictly, as greedy decoding would write the answer (``ulysses_jax.ruler``).
+``accuracy`` and one ``{"correct", "predicted_ids"}`` per line of the file, scored strictly
+(as greedy decoding would write the answer; ``ulysses_jax.ruler``). ``--scoring`` chooses
+RULER's: ``ruler`` generates each answer greedily within its task's budget, stopping at the
+checkpoint's EOS ids (``ulysses_jax.ruler.generation``; each example gets ``prediction`` and
+``generated_tokens``), and scores it as RULER does;
+``strict`` scores the canonical answer under teacher forcing (one forward pass, no decoder);
+``both`` (the default) reports the two, side by side. A RULER prompt is the task text as a
+user turn in the checkpoint's chat template (``chat_template.jinja`` or the
+``tokenizer_config.json``'s, as for training data) followed by the assistant's header, or in
+``--chat_template``'s; without one, or with ``--no_chat_template``, the plain text with the
+special tokens (BOS) the tokenizer adds. ``--chat_template`` also renders conversations in
+``--data``.
 
 Before the first batch the attention kernel checks itself (``ulysses_jax.kernel_check``; a
 failure falls back to the next backend, with a warning); ``--no_kernel_check`` skips that.
@@ -48,12 +59,17 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ulysses_jax import cli, finetune, kernel_check, ruler, step_builder
+from tqdm import tqdm
+
+from ulysses_jax import chat, cli, finetune, kernel_check, ruler, step_builder
+from ulysses_jax.cli import generate as cli_generate
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import DataConfig, document_windows
 from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
 from ulysses_jax.models.config import LlamaConfig
+from ulysses_jax.ruler import generation as ruler_generation
+from ulysses_jax.ruler import prompts as ruler_prompts
 from ulysses_jax.ruler import tasks as tasks_lib
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
@@ -93,6 +109,14 @@ def parser() -> cli.Parser:
   add("--seed", type=int, default=0, help="RULER examples' seed")
   add("--threshold", type=float, default=ruler.THRESHOLD,
       help="score in percent that defines the effective length (RULER: 85.6)")
+  add("--scoring", choices=("both", "ruler", "strict"), default="both",
+      help="RULER's scoring by generation, our strict teacher-forced one, or both (default)")
+  template = p.add_mutually_exclusive_group()
+  template.add_argument("--chat_template", help="a .jinja chat template for the RULER prompts "
+                        "and conversations in --data (default: the checkpoint's, if any)")
+  template.add_argument("--no_chat_template", action="store_true",
+                        help="RULER prompts as plain text, even when the checkpoint has a "
+                        "chat template")
   add("--examples", help="JSONL of exact-match probes: "
       '{"prompt": str, "answer": str} or {"prompt_ids": [int], "answer_ids": [int]} per line')
   add("--no_kernel_check", action="store_true", help="skip the attention kernel's "
@@ -113,6 +137,8 @@ def _parse(argv):
     p.error("--passkey goes with --data (it reports beside the loss by position)")
   if args.lengths and max(args.lengths) > args.seq_len:
     p.error(f"--lengths {max(args.lengths)} exceeds --seq_len={args.seq_len}")
+  if args.chat_template and not os.path.isfile(args.chat_template):
+    p.error(f"--chat_template {args.chat_template}: no such file (a .jinja chat template)")
   if not 1 < args.threshold <= 100:
     p.error(f"--threshold is a percentage in (1, 100] (RULER: 85.6), got {args.threshold}")
   return args
@@ -164,18 +190,24 @@ def evaluate(args) -> dict:
     except ImportError:
       raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
   cli.start_jax(args)
-  source, data_defaults = args.hf, {}
+  source, data_defaults, eos = args.hf, {}, ()
   if args.workdir:
     saved = finetune.SavedParams(args.workdir, args.step)
     source = os.path.dirname(saved.state_dir)
+    eos = cli_generate.eos_ids(run_data=saved.run.get("data", {}))
     data_defaults = {k: saved.run.get("data", {})[k] for k in (
-        "tokenizer", "text_field", "token_dtype", "eos_id") if k in saved.run.get("data", {})}
-  elif os.path.isfile(os.path.join(args.hf, "tokenizer.json")):
-    data_defaults["tokenizer"] = os.path.join(args.hf, "tokenizer.json")
+        "tokenizer", "text_field", "token_dtype", "eos_id", "chat_template")
+        if k in saved.run.get("data", {})}
+  else:
+    eos = cli_generate.eos_ids(hf=args.hf)
+    if os.path.isfile(os.path.join(args.hf, "tokenizer.json")):
+      data_defaults["tokenizer"] = os.path.join(args.hf, "tokenizer.json")
   if args.tokenizer:
     data_defaults["tokenizer"] = args.tokenizer
   if args.token_dtype:
     data_defaults["token_dtype"] = args.token_dtype
+  if args.chat_template:
+    data_defaults["chat_template"] = args.chat_template
   given = {"dtype": args.dtype, "remat_policy": "none"}
   run_config = step_builder.resolve(RunConfig(
       train=TrainConfig(mesh_data=args.mesh_data, mesh_seq=args.mesh_seq, init_from=source),
@@ -211,20 +243,23 @@ def evaluate(args) -> dict:
                          has_qa=bool(qa_paths))
     essays, qa_sets = ruler.read_inputs(names, data_config.paths, qa_paths)
     lengths = args.lengths or sorted({args.seq_len >> k for k in range(4)})
+    wrap, template_used = _prompt_wrap(args, data_config, tokenizer)
     examples = ruler.generate(names, lengths, args.samples, tokenizer, seed=args.seed,
-                              essays=essays, qa_sets=qa_sets, skipped=skipped)
+                              essays=essays, qa_sets=qa_sets, wrap=wrap,
+                              add_special_tokens=template_used is None, skipped=skipped)
     for s in skipped or []:
       print(f"note: skipped {s['reason']}", file=sys.stderr)
     if not examples:
       raise ValueError(f"no RULER task fits the lengths {lengths}; raise --seq_len")
-    probes["ruler"] = examples, make_dataset(examples)
+    probes["ruler"] = examples, (None if args.scoring == "ruler" else make_dataset(examples))
   if args.examples:
     examples = ruler.read_examples(args.examples, tokenizer)
     probes["examples"] = examples, make_dataset(examples)
   # Every input checked: now the kernel (a bad file stays one error line, nothing before it).
   attention = kernel_check.settle(config, mesh, seq_len=args.seq_len,
                                   check=not args.no_kernel_check)
-  graphdef, params = nnx.split(finetune.load_model(source, attention.model_config(config), mesh))
+  model = finetune.load_model(source, attention.model_config(config), mesh)
+  graphdef, params = nnx.split(model)
   print(f"attention: {attention.choice.reason}", file=sys.stderr)
   evaluator = PositionEval(graphdef)
   result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}
@@ -233,18 +268,41 @@ def evaluate(args) -> dict:
   if args.passkey:
     result["passkey"] = passkey.score(evaluator, params, trials, keys)
   for name, (examples, dataset) in probes.items():
-    scored = ruler.score(evaluator, params, examples, dataset)
-    result[name] = ({**ruler.summarize(examples, scored, list(tasks_lib.TASKS),
-                                       args.threshold), "skipped": skipped or []}
-                    if name == "ruler" else
-                    {"accuracy": float(np.mean([r["correct"] for r in scored])),
-                     "results": scored})
+    scored = ([{} for _ in examples] if dataset is None else
+              ruler.score(evaluator, params, examples, dataset))
+    if name == "examples":
+      result[name] = {"accuracy": float(np.mean([r["correct"] for r in scored])),
+                      "results": scored}
+      continue
+    if args.scoring != "strict":
+      bar = tqdm(total=len(examples), unit="example", desc="RULER generation",
+                 file=sys.stderr)
+      generated = ruler_generation.predict(model, examples, tokenizer, eos_ids=eos,
+                                           batch_size=data_config.batch_size,
+                                           progress=bar.update)
+      bar.close()
+      scored = [{**r, **g} for r, g in zip(scored, generated)]
+    result[name] = {**ruler.summarize(examples, scored, list(tasks_lib.TASKS), args.threshold),
+                    "chat_template": template_used, "skipped": skipped or []}
   print(format_result(result))
   if args.json:
     cli.write_json(args.json, result)
   if args.plot:
     plot(result, args.plot)
   return result
+
+
+def _prompt_wrap(args, data_config: DataConfig, tokenizer):
+  """(wrap, template) of the RULER prompts: the chat turn of ``--chat_template`` or the
+  checkpoint's template and where it came from, or the identity and None."""
+  if args.no_chat_template:
+    return ruler_prompts.identity, None
+  text, special = chat.find_template(data_config.tokenizer, data_config.chat_template,
+                                     required=False)
+  if text is None:
+    return ruler_prompts.identity, None
+  used = data_config.chat_template or os.path.dirname(os.path.abspath(data_config.tokenizer))
+  return ruler_prompts.chat_turn(chat.ChatTemplate(text, special, tokenizer)), used
 
 
 def _ruler_tasks(asked: str, has_essays: bool, has_qa: bool) -> list[str]:

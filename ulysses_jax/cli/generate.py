@@ -123,15 +123,13 @@ class _Checkpoint:
       saved = finetune.SavedParams(args.workdir, args.step)
       self.source = os.path.dirname(saved.state_dir)
       data = saved.run.get("data", {})
-      self.eos_ids = () if data.get("eos_id") is None else (int(data["eos_id"]),)
+      self.eos_ids = eos_ids(run_data=data)
       self.max_positions = None
     else:
       self.source = args.hf
-      hf_config = _read_json(os.path.join(args.hf, "config.json"))
-      generation = _read_json(os.path.join(args.hf, "generation_config.json"))
-      self.eos_ids = tuple(dict.fromkeys(_ids(hf_config.get("eos_token_id")) +
-                                         _ids(generation.get("eos_token_id"))))
-      self.max_positions = hf_config.get("max_position_embeddings")
+      self.eos_ids = eos_ids(hf=args.hf)
+      self.max_positions = _read_json(os.path.join(args.hf, "config.json")).get(
+          "max_position_embeddings")
       tokenizer_json = os.path.join(args.hf, "tokenizer.json")
       if os.path.isfile(tokenizer_json):
         data = {"tokenizer": tokenizer_json}
@@ -142,6 +140,19 @@ class _Checkpoint:
     self.config = step_builder.resolve(RunConfig(train=self.train,
                                                  model=LlamaConfig(**given)),
                                        given=given).model
+
+
+def eos_ids(hf: str | None = None, run_data: dict | None = None) -> tuple[int, ...]:
+  """The ids that end generation: a Hugging Face checkpoint's ``eos_token_id`` (of its
+  ``config.json`` and ``generation_config.json``), or a training run's ``DataConfig.eos_id``
+  (``run_data``: the run's ``data`` section)."""
+  if hf is None:
+    eos = (run_data or {}).get("eos_id")
+    return () if eos is None else (int(eos),)
+  hf_config = _read_json(os.path.join(hf, "config.json"))
+  generation = _read_json(os.path.join(hf, "generation_config.json"))
+  return tuple(dict.fromkeys(_ids(hf_config.get("eos_token_id")) +
+                             _ids(generation.get("eos_token_id"))))
 
 
 def _read_json(path: str) -> dict:

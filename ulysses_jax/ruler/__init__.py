@@ -7,7 +7,8 @@ answer tokens before it is the answer token: exactly the condition under which g
 from the prompt writes the answer. So one forward pass over prompt + answer scores it,
 sequence-parallel like the rest of ``ulysses_jax.evaluate`` (the per-token predictions come
 chunk by chunk, never as ``[B, S, V]`` logits), and the argmax at each answer position is kept
-as ``predicted_ids``. RULER's own score reads generated answers (``scoring.ruler_score``).
+as ``predicted_ids``. RULER's own score reads generated answers (``generation.predict``,
+``scoring.ruler_score``).
 """
 
 import json
@@ -71,8 +72,8 @@ def score(evaluator, params, examples, data: Dataset) -> list[dict]:
 
 
 def generate(names, lengths, samples: int, tokenizer, *, seed: int = 0, essays=None,
-             qa_sets=None, wrap=prompts.identity, skipped: list | None = None
-             ) -> list[tasks_lib.Example]:
+             qa_sets=None, wrap=prompts.identity, add_special_tokens: bool = False,
+             skipped: list | None = None) -> list[tasks_lib.Example]:
   """``samples`` examples of every task in ``names`` at every length (``tasks.generate``).
   With a list ``skipped``, a task that a length cannot hold is left out there (``{"task",
   "length", "reason"}``) instead of raising ``tasks.Unfit``."""
@@ -81,7 +82,8 @@ def generate(names, lengths, samples: int, tokenizer, *, seed: int = 0, essays=N
     for length in lengths:
       try:
         out += tasks_lib.generate(name, length, samples, tokenizer, seed=seed, essays=essays,
-                                  qa_sets=qa_sets, wrap=wrap)
+                                  qa_sets=qa_sets, wrap=wrap,
+                                  add_special_tokens=add_special_tokens)
       except tasks_lib.Unfit as e:
         if skipped is None:
           raise

@@ -72,6 +72,21 @@ def identity(text: str) -> str:
   return text
 
 
+def chat_turn(template):
+  """The wrap of a chat model: the task text as one user turn rendered by ``template`` (a
+  ``chat.ChatTemplate``), the assistant's header after it (``add_generation_prompt=True``),
+  as transformers' ``apply_chat_template`` renders it (RULER's ``model_template_type``)."""
+  def wrap(text: str) -> str:
+    import jinja2  # pylint: disable=import-outside-toplevel
+    try:
+      return template.render([{"role": "user", "content": text}],
+                             add_generation_prompt=True)[0]
+    except jinja2.exceptions.TemplateError as e:
+      raise ValueError(f"the chat template fails on a RULER prompt as a user turn: {e}; give "
+                       "another with --chat_template or use --no_chat_template") from None
+  return wrap
+
+
 def assemble(wrap, user: str, prefix: str, shots=()) -> str:
   """The prompt's text: ``wrap(user) + prefix``, after the one-shot examples ``shots`` (each
   ``(user, answer)``, a whole turn with its prefix and answer, then a newline, as RULER's

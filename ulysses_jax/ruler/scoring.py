@@ -54,16 +54,21 @@ def ruler_score(example, prediction: str) -> float:
 
 
 def summarize(examples, results, names=None, threshold: float = THRESHOLD) -> dict:
-  """JSON-able report. ``results[i]``: ``{"correct": bool, ...}`` (strict) and, when generated,
-  ``"prediction"`` (str). ``names``: the whole suite's task names (``tasks.TASKS``): only a
-  report over all of them has an effective length."""
+  """JSON-able report. ``results[i]``: ``{"correct": bool, ...}`` when scored strictly and
+  ``"prediction"`` (str) when generated (one or both). ``names``: the whole suite's task names
+  (``tasks.TASKS``): only a report over all of them has an effective length."""
   tasks = list(dict.fromkeys(ex.task for ex in examples))
   lengths = sorted({ex.length for ex in examples})
-  scorings = ["strict"] + (["ruler"] if all("prediction" in r for r in results) else [])
+  scorings = [s for s, key in (("strict", "correct"), ("ruler", "prediction"))
+              if all(key in r for r in results)]
+  if not scorings:
+    raise ValueError("nothing to score: every result needs 'correct' (strict) or 'prediction' "
+                     "(generated)")
   scores = {}
   for ex, r in zip(examples, results):
     cell = scores.setdefault((ex.task, ex.length), {s: [] for s in scorings})
-    cell["strict"].append(100.0 * bool(r["correct"]))
+    if "strict" in scorings:
+      cell["strict"].append(100.0 * bool(r["correct"]))
     if "ruler" in scorings:
       cell["ruler"].append(ruler_score(ex, r["prediction"]))
   by_task = {t: {"by_length": {str(n): _cell(scores[t, n]) for n in lengths

@@ -102,12 +102,14 @@ def needs(names) -> dict[str, list[str]]:
 
 def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
              essays: str | None = None, qa_sets: dict | None = None,
-             wrap=prompts.identity) -> list[Example]:
+             wrap=prompts.identity, add_special_tokens: bool = False) -> list[Example]:
   """``samples`` examples of task ``name`` at ``length`` tokens: prompt + budget <= length, and
   prompt + canonical answer too (the strict score's row).
 
   ``essays``: the text of the essay haystack; ``qa_sets``: ``{"squad" | "hotpotqa":
-  qa.QASet}``; ``wrap``: the model's chat turn around the task text. Raises ``Unfit`` when
+  qa.QASet}``; ``wrap``: the model's chat turn around the task text; ``add_special_tokens``:
+  the prompt tokenized with the tokenizer's special tokens (BOS), as for a model without a
+  chat template (a rendered template writes its own). Raises ``Unfit`` when
   the length cannot hold the task and ``ValueError`` for a missing input."""
   if name not in TASKS:
     raise ValueError(f"unknown RULER task {name!r}; choose from {', '.join(TASKS)}")
@@ -123,7 +125,8 @@ def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
            "qa": qa.build}[task.family]
   budget = prompts.budget(task.family)
   ctx = _Context(name, length, tokenizer, essays, qa_sets)
-  encode = lambda text: np.asarray(tokenizer.encode_batch([text.encode()])[0], np.int64)
+  encode = lambda text, special=False: np.asarray(
+      tokenizer.encode_batch([text.encode()], add_special_tokens=special)[0], np.int64)
   questions = (np.random.default_rng([seed, zlib.crc32(name.encode())])
                .permutation(len(qa_sets[task.dataset].questions)) if task.family == "qa"
                else None)
@@ -136,7 +139,8 @@ def generate(name: str, length: int, samples: int, tokenizer, *, seed: int = 0,
 
     def fits(n, rng_key=rng_key, tried=attempts):
       draft = build(task, n, np.random.default_rng(rng_key), ctx)
-      ids = encode(prompts.assemble(wrap, draft.user, draft.prefix, draft.shots))
+      ids = encode(prompts.assemble(wrap, draft.user, draft.prefix, draft.shots),
+                   add_special_tokens)
       tried[n] = draft, ids, encode(draft.answer)
       return len(ids) + max(budget, len(tried[n][2])) <= length  # the strict row fits too
     if size is None or not fits(size):  # RULER sizes the haystack once, shrinks it if need be

@@ -266,7 +266,9 @@ def test_bad_input_is_one_error_line_before_the_model_loads(flags, message, refe
   if not any(f.startswith("--prompts") for f in flags):
     flags.append(f"--prompts={tmp_path / 'ok.jsonl'}")
   monkeypatch.setattr(finetune, "load_model", lambda *a, **k: pytest.fail("model loaded"))
-  code = generate_cli.main([f"--hf={references('llama_gqa').path}", "--max_new_tokens=10",
+  hf_dir = references("llama_gqa").path
+  capsys.readouterr()  # the first test to ask writes the model (a progress bar on stderr)
+  code = generate_cli.main([f"--hf={hf_dir}", "--max_new_tokens=10",
                             "--platform=cpu", "--cpu_devices=8", *flags])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err

@@ -69,6 +69,21 @@ def read_records(path: str, batch_rows: int = BATCH_ROWS
     raise ValueError(f"{path}: not a record file (.jsonl, .parquet or .arrow)")
 
 
+def jsonl_lines(path: str) -> Iterator[tuple[str, object, str]]:
+  """(``"PATH, line N"``, its JSON value, the line) for each non-blank line of a JSONL file;
+  raises ``ValueError`` naming the line of one that is not JSON."""
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}, line {number}"
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e.msg})") from None
+      yield where, value, line
+
+
 def _jsonl(path: str, batch_rows: int):
   locations, records = [], []
   with open(path, encoding="utf-8") as f:

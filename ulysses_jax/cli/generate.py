@@ -44,6 +44,7 @@ from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.generate import Sampling
 from ulysses_jax.models.config import LlamaConfig
+from ulysses_jax.records import jsonl_lines
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
 
@@ -181,24 +182,16 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
   if args.prompt is not None:
     return [encode(args.prompt, "--prompt")]
   prompts = []
-  with open(args.prompts, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{args.prompts}, line {number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg})") from None
-      if isinstance(record, dict) and isinstance(record.get("prompt_ids"), list):
-        if not all(isinstance(t, int) for t in record["prompt_ids"]):
-          raise ValueError(f"{where}: prompt_ids must be a list of integers")
-        prompts.append(record["prompt_ids"])
-      elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        prompts.append(encode(record["prompt"], where))
-      else:
-        raise ValueError(f'{where}: expected {{"prompt": str}} or {{"prompt_ids": [int]}}, '
-                         f"got {line.strip()[:80]}")
+  for where, record, line in jsonl_lines(args.prompts):
+    if isinstance(record, dict) and isinstance(record.get("prompt_ids"), list):
+      if not all(isinstance(t, int) for t in record["prompt_ids"]):
+        raise ValueError(f"{where}: prompt_ids must be a list of integers")
+      prompts.append(record["prompt_ids"])
+    elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+      prompts.append(encode(record["prompt"], where))
+    else:
+      raise ValueError(f'{where}: expected {{"prompt": str}} or {{"prompt_ids": [int]}}, '
+                       f"got {line.strip()[:80]}")
   if not prompts:
     raise ValueError(f"{args.prompts}: no prompts (one JSON object per line)")
   return prompts

@@ -18,6 +18,7 @@ import numpy as np
 from ulysses_jax.batches import Dataset
 from ulysses_jax.corpus import resolve_paths
 from ulysses_jax.packing import pack_row
+from ulysses_jax.records import jsonl_lines
 from ulysses_jax.ruler import prompts, qa
 from ulysses_jax.ruler import tasks as tasks_lib
 from ulysses_jax.ruler.scoring import THRESHOLD, summarize
@@ -128,31 +129,23 @@ def read_examples(path: str, tokenizer) -> list[tasks_lib.Example]:
   ``tokenizer``, prompt and answer apart) or ``{"prompt_ids": [int], "answer_ids": [int]}``.
   Raises ``ValueError`` naming the file and line of a malformed one."""
   examples = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}, line {number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON ({e.msg})") from None
-      if isinstance(record, dict) and {"prompt_ids", "answer_ids"} <= record.keys():
-        prompt, answer = record["prompt_ids"], record["answer_ids"]
-        if not all(isinstance(t, int) for t in [*prompt, *answer]):
-          raise ValueError(f"{where}: prompt_ids and answer_ids must be lists of integers")
-        text = None
-      elif (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-            and isinstance(record.get("answer"), str)):
-        prompt, answer = tokenizer.encode_batch([record["prompt"].encode(),
-                                                 record["answer"].encode()])
-        text = record["answer"]
-      else:
-        raise ValueError(f'{where}: expected {{"prompt": str, "answer": str}} or '
-                         f'{{"prompt_ids": [int], "answer_ids": [int]}}, got {line.strip()[:80]}')
-      examples.append(tasks_lib.Example("examples", len(prompt) + len(answer), number - 1,
-                                        np.asarray(prompt, np.int64),
-                                        np.asarray(answer, np.int64), text))
+  for where, record, line in jsonl_lines(path):
+    if isinstance(record, dict) and {"prompt_ids", "answer_ids"} <= record.keys():
+      prompt, answer = record["prompt_ids"], record["answer_ids"]
+      if not all(isinstance(t, int) for t in [*prompt, *answer]):
+        raise ValueError(f"{where}: prompt_ids and answer_ids must be lists of integers")
+      text = None
+    elif (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+          and isinstance(record.get("answer"), str)):
+      prompt, answer = tokenizer.encode_batch([record["prompt"].encode(),
+                                               record["answer"].encode()])
+      text = record["answer"]
+    else:
+      raise ValueError(f'{where}: expected {{"prompt": str, "answer": str}} or '
+                       f'{{"prompt_ids": [int], "answer_ids": [int]}}, got {line.strip()[:80]}')
+    examples.append(tasks_lib.Example("examples", len(prompt) + len(answer), len(examples),
+                                      np.asarray(prompt, np.int64),
+                                      np.asarray(answer, np.int64), text))
   if not examples:
     raise ValueError(f"{path}: no examples (one JSON object per line)")
   return examples

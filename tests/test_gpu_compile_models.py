@@ -1,0 +1,56 @@
+"""The model families' programs compiled for H100s on a machine without a GPU: generation's
+decode step and the mixture-of-experts layer (marked ``gpu_compile``, as
+``tests/test_gpu_compile.py``)."""
+
+from test_gpu_compile import MOSAIC, pytestmark  # noqa: F401  (the marks apply here too)
+from ulysses_jax import aot, make_mesh
+
+
+def test_generation_decode_step_updates_the_donated_cache_in_place():
+  """The decode step compiled for H100s aliases the whole cache (k, v and positions) to its
+  output and holds no copy of it: its temporaries stay below one layer's k (a copy per step is
+  the trap of tpu-inference issue 3459). A 1M-token cache dwarfs the tiny model's weights."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  config = preset("tiny-gqa", dtype="bfloat16", param_dtype="bfloat16", remat_policy="none")
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=1 << 20))
+  memory = aot_generate.lower_steps(generator, layout, cache)["decode"].compile(
+  ).memory_analysis()
+  assert memory.alias_size_in_bytes >= (layout.bytes_per_device()
+                                        + layout.positions_bytes_per_device())
+  one_layer_k = layout.bytes_per_device() // (2 * config.num_layers)
+  assert one_layer_k == 2 * ((1 << 20) + 128) // 8 * 16 * 2  # 2 KV heads, 1/8 of the slots
+  assert memory.temp_size_in_bytes < one_layer_k, memory.temp_size_in_bytes
+
+
+def _compile_moe_layer(backend, tokens=2048):
+  """A mixture-of-experts layer's forward and backward (32 experts of width 512, 4 per token,
+  model width 1024, bfloat16, tiles of 1024 tokens) compiled for one H100."""
+  from benchmarks.moe_layer import compile_moe_layer
+  from ulysses_jax.models.config import MoeConfig, preset
+  config = preset("tiny", hidden_dim=1024, dtype="bfloat16", param_dtype="bfloat16",
+                  mlp_chunk=1024, expert_backend=backend,
+                  moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=512))
+  return compile_moe_layer(config, make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1")),
+                           tokens)
+
+
+def test_experts_compile_to_grouped_mosaic_kernels_not_a_dense_product():
+  """XLA:GPU rewrites ragged_dot into a dense product over the experts (X times the FLOPs and
+  a [rows, X·width] temporary); the default backend on Hopper runs the Mosaic grouped kernels:
+  9 per tile (3 forward, 6 backward) whose FLOPs (aot.cost) are those of the k experts only."""
+  from ulysses_jax.aot import cost
+  tokens, k, e, i = 2048, 4, 1024, 512
+  grouped = 3 * 2 * (tokens * k) * e * i * 3  # three matmuls, forward + two gradients
+  compiled = _compile_moe_layer("auto", tokens)
+  text = compiled.as_text()
+  assert text.count(MOSAIC) >= 9 and "grouped_matmul_mosaic/" in text
+  flops = sum(op.count * op.flops for op in cost.operations(text))
+  assert grouped <= flops < 1.05 * grouped
+  dense = _compile_moe_layer("ragged_dot", tokens)
+  assert MOSAIC not in dense.as_text()
+  assert sum(op.count * op.flops for op in cost.operations(dense.as_text())) > 20 * grouped
+  assert (dense.memory_analysis().temp_size_in_bytes
+          > 10 * compiled.memory_analysis().temp_size_in_bytes)

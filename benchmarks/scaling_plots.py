@@ -35,40 +35,43 @@ def _keys(rows, *names):
   return sorted({tuple(r[n] for n in names) for r in rows if r["scaling"] != "scan"})
 
 
+def _grid(rows, column_key, height):
+  """A figure of one panel per (model, network) row and ``column_key`` value: the figure and
+  ``((model, network), column, ax)`` for each panel."""
+  panels, columns = _keys(rows, "model", "network"), _keys(rows, column_key)
+  fig, axes = _pyplot().subplots(len(panels), len(columns), squeeze=False,
+                                 figsize=(4.2 * len(columns), height * len(panels)))
+  cells = [(panel, column, ax) for panel, row_axes in zip(panels, axes)
+           for (column,), ax in zip(columns, row_axes)]
+  return fig, cells
+
+
 def breakdown(rows, sweep, path):
-  plt = _pyplot()
-  panels, kinds = _keys(rows, "model", "network"), _keys(rows, "mesh_kind")
-  fig, axes = plt.subplots(len(panels), len(kinds), figsize=(4.2 * len(kinds),
-                                                             3.4 * len(panels)), squeeze=False)
-  for (model, network), row_axes in zip(panels, axes):
-    for (kind,), ax in zip(kinds, row_axes):
-      series = _series(rows, model=model, network=network, sweep=sweep, mesh_kind=kind)
-      for i, (term, label) in enumerate(TERMS.items()):
-        points = [(r["devices"], r["terms_s"][term]) for r in series if r["terms_s"][term] > 0]
-        if points:
-          ax.plot(*zip(*points), "o-", ms=3, color=f"C{i}", label=label)
-      ax.set(xscale="log", yscale="log", title=f"{model}, {network}\n{kind}",
-             xlabel="GPUs", ylabel="seconds per step")
-      ax.legend(fontsize=6)
+  fig, cells = _grid(rows, "mesh_kind", 3.4)
+  for (model, network), kind, ax in cells:
+    series = _series(rows, model=model, network=network, sweep=sweep, mesh_kind=kind)
+    for i, (term, label) in enumerate(TERMS.items()):
+      points = [(r["devices"], r["terms_s"][term]) for r in series if r["terms_s"][term] > 0]
+      if points:
+        ax.plot(*zip(*points), "o-", ms=3, color=f"C{i}", label=label)
+    ax.set(xscale="log", yscale="log", title=f"{model}, {network}\n{kind}",
+           xlabel="GPUs", ylabel="seconds per step")
+    ax.legend(fontsize=6)
   save_figure(fig, f"Predicted step by term, {sweep} (ulysses_jax.plan; not measured)", path)
 
 
 def exposed(rows, path):
-  plt = _pyplot()
-  panels, sweeps = _keys(rows, "model", "network"), _keys(rows, "sweep")
-  fig, axes = plt.subplots(len(panels), len(sweeps), figsize=(4.2 * len(sweeps),
-                                                              3.2 * len(panels)), squeeze=False)
-  for (model, network), row_axes in zip(panels, axes):
-    for (sweep,), ax in zip(sweeps, row_axes):
-      for i, (kind,) in enumerate(_keys(rows, "mesh_kind")):
-        series = _series(rows, model=model, network=network, sweep=sweep, mesh_kind=kind)
-        ax.plot([r["devices"] for r in series], [r["exposed_comm_share"] for r in series],
-                "o-", ms=3, color=f"C{i}", label=kind)
-      for level in (0.1, 0.5):
-        ax.axhline(level, ls="--", color="gray", lw=0.8)
-      ax.set(xscale="log", ylim=(0, 1), title=f"{model}, {network}, {sweep}", xlabel="GPUs",
-             ylabel="exposed communication / step")
-      ax.legend(fontsize=6)
+  fig, cells = _grid(rows, "sweep", 3.2)
+  for (model, network), sweep, ax in cells:
+    for i, (kind,) in enumerate(_keys(rows, "mesh_kind")):
+      series = _series(rows, model=model, network=network, sweep=sweep, mesh_kind=kind)
+      ax.plot([r["devices"] for r in series], [r["exposed_comm_share"] for r in series],
+              "o-", ms=3, color=f"C{i}", label=kind)
+    for level in (0.1, 0.5):
+      ax.axhline(level, ls="--", color="gray", lw=0.8)
+    ax.set(xscale="log", ylim=(0, 1), title=f"{model}, {network}, {sweep}", xlabel="GPUs",
+           ylabel="exposed communication / step")
+    ax.legend(fontsize=6)
   save_figure(fig, "Share of the step in exposed communication (predicted)", path)
 
 

@@ -16,10 +16,13 @@ capacity XLA keeps buffers it could do without; near it, it trades time for memo
 layout fits when the smaller of the two does, and that is what the planner predicts and the
 error is taken against. Compiling takes 10 s to 2 minutes per step on 2 CPU cores; no GPU.
 ``--grid`` compares instead the shipped layouts varied over models (1B, 8B), GPU counts (1, 8,
-32), lengths, head chunks and where the state lives (``GRID``).
+32), lengths, head chunks and where the state lives (``GRID``). ``--replan FILE`` (with or
+without ``--grid``, as FILE was written) compiles nothing: it prints the planner's figures now
+beside the compiled ones FILE stores, for a change of the planner's model.
 """
 
 import argparse
+import json
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
@@ -67,22 +70,28 @@ GRID = tuple(
        for s in (8388608, 16777216)])
 
 
-def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> dict:
-  """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
-  slices, hosts, _ = parse_topology(topology)
-  config = gin_config.read([gin_file], list(params))
-  built = step_builder.build_train_step(
-      config, step_builder.run_mesh(config.train, gpu_devices(gpu, topology)))
-  cfg, model_cfg, data_cfg = config.train, built.config.model, config.data
-  layout = plan.Layout(data=built.mesh.shape["data"], seq=built.mesh.shape["seq"],
-                       ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
+def predict(config, devices: int) -> dict:
+  """``plan.predict_memory`` for a read config (its model resolved) on ``devices`` devices."""
+  cfg, model_cfg, data_cfg = config.train, config.model, config.data
+  sequence = cfg.mesh_seq * cfg.mesh_ring
+  layout = plan.Layout(data=devices // sequence if cfg.mesh_data == -1 else cfg.mesh_data,
+                       seq=cfg.mesh_seq, ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
                        offload_optimizer=cfg.offload_optimizer,
                        remat_group=model_cfg.remat_group, offload_params=cfg.offload_params,
                        attn_head_chunks=model_cfg.attn_head_chunks)
-  predicted = plan.predict_memory(
+  return plan.predict_memory(
       plan.Model.from_config(model_cfg), layout, batch=data_cfg.batch_size // cfg.accum_steps,
       seq_len=data_cfg.seq_len, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
       master_weights=cfg.master_weights)
+
+
+def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> dict:
+  """One row: the planner's and the compiler's GiB per device for ``gin_file``."""
+  slices, hosts, per_host = parse_topology(topology)
+  config = gin_config.read([gin_file], list(params))
+  built = step_builder.build_train_step(
+      config, step_builder.run_mesh(config.train, gpu_devices(gpu, topology)))
+  predicted = predict(built.config, slices * hosts * per_host)
   compiled = compile_and_report(built, gpu_spec(gpu), nodes=slices * hosts, under_pressure=True)
   device, host = compiled["least_device_bytes"] / GIB, compiled["host_bytes"] / GIB
   name = " ".join([os.path.basename(gin_file), *(p.split(".", 1)[1] for p in params)])
@@ -96,12 +105,35 @@ def compare(gin_file: str, topology: str, params: tuple[str, ...], gpu: str) -> 
           "host_error": f"{predicted['host'] / GIB / host - 1:+.0%}" if host else "-"}
 
 
+def replan(path: str, layouts) -> list[dict]:
+  """The planner's figure now beside the compiled figures stored in ``path`` (rows in the
+  order of ``layouts``), without compiling: for a change of the planner's model."""
+  rows = []
+  with open(path) as f:
+    stored = json.load(f)["rows"]
+  for (gin_file, topology, params), row in zip(layouts, stored):
+    config = gin_config.read([gin_file], list(params))
+    slices, hosts, per_host = parse_topology(topology)
+    planned = predict(config, slices * hosts * per_host)["total"] / GIB
+    least = min(row["compiled_device_gib"], row["under_pressure_gib"])
+    rows.append({"config": row["config"], "cluster": row["cluster"],
+                 "stored_plan_gib": row["plan_device_gib"], "plan_device_gib": round(planned, 2),
+                 "least_compiled_gib": least, "device_error": f"{planned / least - 1:+.1%}"})
+  return rows
+
+
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--gpu", default="h100")
   parser.add_argument("--grid", action="store_true", help="the GRID of layouts, not CONFIGS")
   parser.add_argument("--json", default="")
+  parser.add_argument("--replan", default="", help="a JSON this wrote: the planner's figures "
+                      "now beside its compiled ones, no compile")
   args = parser.parse_args(argv)
+  if args.replan:
+    rows = replan(args.replan, GRID if args.grid else CONFIGS)
+    common.print_table(rows, list(rows[0]))
+    return rows
   rows = [compare(gin_file, topology, params, args.gpu)
           for gin_file, topology, params in (GRID if args.grid else CONFIGS)]
   print("GiB per device: ulysses_jax.plan.predict_memory vs the compiled GPU step (python -m "

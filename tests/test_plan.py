@@ -1,19 +1,22 @@
 """The layout planner: its recommendation and its memory model against XLA's buffer assignment."""
 
 import dataclasses
+import json
+import pathlib
 
 import gin
 import jax
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import make_mesh, plan
+from ulysses_jax import hf_config, make_mesh, plan
 from ulysses_jax.cli import gin_config
 from ulysses_jax.gpus import GPUS
 from ulysses_jax import train_step as train_step_lib
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
+RESULTS = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
 # Small enough to compile in seconds, big enough that activations and parameters both count.
 # S <= 512 keeps each device's attention to one XLA block.
 SMALL = llama.LlamaConfig(vocab_size=4096, hidden_dim=512, num_layers=4, num_heads=8,
@@ -105,6 +108,61 @@ def test_memory_prediction_matches_the_gpu_compiler(gin_file, mesh_shape, params
   predicted = plan.predict_memory(model, layout, **sizes)
   assert predicted["total"] / 2**30 == pytest.approx(device_gib, rel=0.1)
   assert predicted["host"] / 2**30 == pytest.approx(host_gib, rel=0.1)
+
+
+# The mixture-of-experts fine-tunes compiled for 8 H100s (device arguments + outputs +
+# temporaries as compiled, benchmarks/results/aot_moe/, RESULTS.md "Qwen3-30B-A3B fine-tuning
+# ..."): (gin file, preset whose config.json init_from holds, tokens, jax versions compiled).
+_QWEN3_FT = "configs/finetune_qwen3_30b_a3b_8gpu_2m.gin"
+_GPT_OSS_FT = "configs/finetune_gpt_oss_20b_8gpu_2m.gin"
+_GPT_OSS_GAP = pytest.mark.xfail(strict=True, reason=(
+    "not captured: gpt-oss-20b's compiled peak holds the layer's input in float32 twice and "
+    "five copies of q and the attention output; the planner is 16 to 25 % under"))
+COMPILED_MOE_H100 = [
+    (_QWEN3_FT, "qwen3-30b-a3b", 1 << 20, ("0.10.2", "0.12.0.1")),
+    (_QWEN3_FT, "qwen3-30b-a3b", 1 << 21, ("0.10.2", "0.12.0.1")),
+    (_QWEN3_FT, "qwen3-30b-a3b", 1 << 22, ("0.10.2", "0.12.0.1")),
+    pytest.param(_GPT_OSS_FT, "gpt-oss-20b", 1 << 21, ("0.10.2", "0.12.0.1"), marks=_GPT_OSS_GAP),
+    pytest.param(_GPT_OSS_FT, "gpt-oss-20b", 1 << 22, ("0.10.2", "0.12.0.1"), marks=_GPT_OSS_GAP),
+]
+
+
+@pytest.mark.parametrize("gin_file,preset,seq_len,versions", COMPILED_MOE_H100)
+def test_moe_memory_prediction_matches_the_compiled_fine_tunes(gin_file, preset, seq_len,
+                                                               versions, tmp_path):
+  """The planner predicts the footprint under memory pressure, which these steps (far below
+  the GPU's capacity) undercut by less than the compiled-as-is figures stored: within 11 %
+  under them, and never over by more than 5 %."""
+  (tmp_path / "config.json").write_text(json.dumps(hf_config.config_to_hf(llama.preset(preset))))
+  model, layout, sizes = _config_layout(gin_file, (1, 8, 1), [
+      f'TrainConfig.init_from="{tmp_path}"', f"DataConfig.seq_len={seq_len}"])
+  predicted = plan.predict_memory(model, layout, **sizes)["total"]
+  name = preset.replace("-", "_").replace(".", "_")
+  for version in versions:
+    path = RESULTS / "aot_moe" / f"{name}_{seq_len}_jax{version}.json"
+    compiled = json.loads(path.read_text())["device_bytes"]
+    assert -0.11 < predicted / compiled - 1 < 0.05, (version, predicted / 2**30, compiled / 2**30)
+
+
+def test_ring_memory_matches_the_compiled_70b_ring_layouts():
+  """Llama-3.1-70B with rings of 16 to 256 (``benchmarks.scaling_compiled --fit``, compiled for
+  H100s with jax 0.10.2 after the ring's memory fix, the smaller of as is and under pressure):
+  72.31 to 74.49 GiB, predicted within 3 % (the former ring term was 1.7 to 4.5 % under)."""
+  rows = json.loads((RESULTS / "scaling_fit_70b.json").read_text())["rows"]
+  rings = [row for row in rows if int(row["mesh"].split("x")[2]) > 1]
+  assert len(rings) == 5
+  for row in rings:
+    data, seq, ring = map(int, row["mesh"].split("x"))
+    layout = plan.Layout(data, seq, ring, remat=row["remat"], remat_group=row["remat_group"],
+                         offload_optimizer="opt" in row["on_host"],
+                         offload_params="params" in row["on_host"],
+                         attn_head_chunks=row["head_chunks"])
+    model = plan.Model.from_config(llama.preset("llama3.1-70b", mlp_chunk=row["mlp_chunk"]))
+    predicted = plan.predict_memory(
+        model, layout, batch=1, seq_len=row["seq_len"],
+        param_dtype="float32" if row["params"] == "fp32" else "bfloat16",
+        master_weights="master" in row["params"])["total"] / 2**30
+    assert predicted == pytest.approx(row["compiled_gib"], rel=0.03), (row["nodes"], predicted)
 
 
 def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():

@@ -32,6 +32,8 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          its layers' weights to the device at once)
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
+             + c·X·3·E·I                 with experts: their gradient, which the MoE tiles
+                                         accumulate whole (``plan.moe``)
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
                                          backward: L' layer inputs, L' = L, or L/k + k with
                                          groups of k layers (``remat_group``; the k of the
@@ -40,33 +42,55 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
   host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
              residuals; per device, against
              ``Hardware.host_bytes`` per device
-  working    T·c·(6·E + 1.1·A + 7.5·F')  one layer's recomputed forward and its backward;
-                                         A = (2Hq' + 2Hkv')·D, one head chunk's q, k, v and
-                                         attention output per token
+  working    T·c·(W + 7.5·F')            one layer's recomputed forward and its backward:
+                                         W = max(6·E + 1.1·A, 4·E + (4 + 2s)·Hq'·D + 2.5·Hkv'·D)
+                                         per token, A = (2Hq' + 2Hkv')·D one head chunk's q,
+                                         k, v and attention output (below), s = 1 with
+                                         attention sinks
              + 2·B'·(Hq'/P)·b²·4         two float32 score tiles of the XLA attention (b <= 512)
-             + T·D·(2·Hkv'·c + Hq'·4)    ring > 1: one chunk's incoming K and V blocks and
-                                         one float32 sum, the output's (forward) or dQ's
-                                         (backward); the steps' partials, gradients and the
-                                         dK/dV in flight are in the compute dtype
+             + T·D·Hq'·(4 + c)           ring > 1: one chunk's float32 sum of the output
+                                         (forward) or dQ (backward) and one step's partial of
+                                         it in the compute dtype
 
 F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
 tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers.
+6·E + 1.1·A is fitted (below); the second term of W is counted from the buffers live at the
+peak of a 4-layer Qwen3-30B-A3B's step (XLA's buffer assignment under memory pressure, H100,
+jax 0.10.2, 1M tokens on 1x1x8, the fine-tune config):
+while the MLP or the experts run their backward the recomputed forward holds 4 ``[T, E]``
+buffers (the layer's input, its copy in the compute dtype, the residual sum, the MLP tiles'
+stacked output), the attention's q and output in both all-to-all layouts (4·Hq'·D), k and v
+after it and their projection (2.5·Hkv'·D), and with sinks the output once more in float32
+(2·Hq'·D); with experts, their gradient (the ``gathered`` term). Where Hq·D = E (Llama, every
+layout of the fit) the count is the smaller, so the 25 layouts below are predicted as before;
+it is the larger where the attention is wider than the model (Qwen3-30B-A3B: Hq·D = 4,096,
+E = 2,048). With the two terms the planner is 3 to 10 % under the Qwen3-30B-A3B fine-tunes
+compiled as is (1M to 4M tokens, jax 0.10.2 and 0.12.0.1; it was 11 to 19 % under) and 3.6 %
+and 12.4 % under the 4-layer model under pressure at 1M and 4M tokens: at 4M the peak moves
+to the attention's backward (6 q-sized and 3 ``[T, E]`` buffers), which no term counts.
 
 What is predicted is the footprint XLA's GPU compiler reaches when memory is tight. Far below
 the GPU's capacity XLA keeps buffers it could do without (Llama-3.1-8B on 4x1x8 at 256K tokens
-per GPU: 21.52 GiB compiled for an H100, 17.57 under memory pressure, 19.20 predicted); near it,
+per GPU: 21.52 GiB compiled for an H100, 17.57 under memory pressure, 18.70 predicted); near it,
 it trades time for memory. So a layout fits when this footprint does, and the coefficients are
 fitted against the smaller of the step compiled as is (with the memory limit of a run holding
 the budget, ``aot.report.budget_options``) and under pressure (``aot.report.UNDER_PRESSURE``),
 on H100 compiles (jax 0.10.2, 2026-11-24) of the 25 layouts of ``benchmarks.plan_vs_compiler``
 (``CONFIGS`` and ``GRID``: 1B and 8B; 1, 8 and 32 GPUs; 65K to 32M tokens; 1, 2 and 4 head
-chunks; state on the GPUs or the host; rings of 4): 6 and 1.1, with the ring term fitted to
-the five ring layouts, leave every one within 8.2 % (-5.7 … +8.2 %). The ring's memory fix
-(d9fd7da: no K/V block kept per ring step) shrank the three 8B ring layouts after the fit, which
-now predicts them +3.8 to +9.3 % over (jax 0.10.2; +12.1 % at 8M tokens with jax 0.12.0.1);
-the ring term was not refitted. Not captured: n = 8 on
-one GPU (compiled 65.9 GiB, predicted 61.0; the planner tries n <= 4) and the ring with n = 1 at
-1M tokens per GPU (-23 % before the ring's squeeze, far over any GPU).
+chunks; state on the GPUs or the host; rings of 4): 6 and 1.1 leave every one within 8.2 %
+(-5.7 … +8.2 %). The ring's term was chosen after the ring's memory fix (d9fd7da: no K/V
+block kept per ring step), against the three Llama-3.1-8B ring layouts (8M, 16M, 32M tokens on
+4x1x8) and the five Llama-3.1-70B ring layouts of ``benchmarks.scaling_compiled --fit`` (rings
+of 16 to 256): the former count (incoming K and V blocks and one float32 sum) over-predicted
+the 8B ones (+3.8 … +9.3 %, +12.1 % with jax 0.12.0.1) and under-predicted the 70B ones (-1.7
+… -4.5 %), which hold 8 times more query than KV heads per device; the float32 sum with a
+compute-dtype partial and no K/V term leaves the 8B ones at +0.7 … +6.4 % (jax 0.10.2) and
++0.7 … +9.2 % (jax 0.12.0.1), the five 70B ring layouts at -2.2 … +0.7 % and the two 1B ring
+layouts at -1.4 and +3.7 %. Not captured: n = 8 on one GPU (compiled 65.9 GiB, predicted
+61.0; the planner tries n <= 4), the ring with n = 1 at 1M tokens per GPU (-23 % before the
+ring's squeeze, far over any GPU), and gpt-oss-20b (16 to 25 % under at 2M and 4M tokens, jax
+0.10.2 and 0.12.0.1: its compiled peak holds the layer's input in float32 twice and five
+copies of q and the attention output, counted by no term here).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
 total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
 MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
@@ -94,6 +118,14 @@ _XLA_BLOCK = 512
 # One layer's backward: live [T, E] buffers, buffers of one head chunk's q, k, v and attention
 # output (per element per token), [T, F] buffers (see the module docstring).
 _WORK_E, _WORK_A, _WORK_F = 6.0, 1.1, 7.5
+# Counted from the buffers live at the peak of compiled steps (XLA's buffer assignment, H100,
+# jax 0.10.2): while a layer's MLP (or experts) runs its backward, its recomputed forward holds
+# [T, E] buffers (the layer's input, its compute-dtype copy, the residual sum, the MLP tiles'
+# stacked output), the attention's q and output in both all-to-all layouts ([T, Hq'·D] each),
+# k and v after the all-to-all and their projection (see the module docstring).
+_PEAK_E, _PEAK_Q, _PEAK_KV = 4.0, 4.0, 2.5
+# With attention sinks the output is also kept in float32 for the sinks' gradient (gpt-oss).
+_SINKS_Q = 2.0
 # remat="none": per-layer activations kept for the backward, in [T, E] / [T, F] buffers.
 _NONE_E, _NONE_F = 10.0, 4.0
 
@@ -112,6 +144,7 @@ class Model:
   mlp_chunk: int = 0
   loss_chunk: int = 1024
   layer_windows: tuple[int | None, ...] = ()  # per layer; () = every layer full attention
+  attention_sinks: bool = False
   # Mixture of experts (``plan.moe``): how many layers have experts (0: a dense model).
   moe_layers: int = 0
   num_experts: int = 0
@@ -267,8 +300,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   gathered_kv = layout.attention == "allgather_kv"
   tiles = 2 * seqs * (hq if gathered_kv else hq // layout.seq) * block * block * 4
   incoming = 0
-  if layout.ring > 1:  # one chunk's incoming K and V blocks and a float32 output or dQ sum
-    incoming = t * d * (2 * hkv * c + hq * 4)
+  if layout.ring > 1:  # one chunk's float32 output or dQ sum and a step's partial of it
+    incoming = t * d * hq * (4 + c)
   if gathered_kv:  # one chunk's K and V of the whole sequence, and their gradients
     incoming = 4 * seqs * seq_len * hkv * d * c
   offload = layout.offload_optimizer
@@ -278,9 +311,10 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
-      "gathered": c * model.layer_params + 2 * c * model.vocab_size * e,
+      "gathered": (c * model.layer_params + 2 * c * model.vocab_size * e
+                   + c * moe.layer_params(model) * (model.moe_layers > 0)),
       "saved": saved,
-      "working": (t * c * (_WORK_E * e + _WORK_A * attention_per_token(heads, d))
+      "working": (t * c * _layer_per_token(model, heads)
                   + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + incoming),
   }
   terms["total"] = sum(terms.values())
@@ -290,6 +324,20 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   terms["host"] = (optimizer * offload + 2 * p * host_params / n
                    + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _layer_per_token(model, heads):
+  """Elements per token of one layer's backward working set outside the MLP tiles: the larger
+  of the fitted ``6·E + 1.1·A`` and the counted peak while the MLP runs its backward,
+  ``4·E + 4·Hq'·D + 2.5·Hkv'·D`` (``+ 2·Hq'·D`` with sinks). Where Hq·D = E (Llama, every
+  layout the fit used) the fit is the larger, by 1.5 %; the count is larger where the
+  attention is wider than the model (Qwen3-30B-A3B: Hq·D = 4,096, E = 2,048)."""
+  e, d = model.hidden_dim, model.head_dim
+  fitted = _WORK_E * e + _WORK_A * attention_per_token(heads, d)
+  q = heads.exchanged_q_heads * d
+  counted = (_PEAK_E * e + (_PEAK_Q + _SINKS_Q * model.attention_sinks) * q
+             + _PEAK_KV * heads.exchanged_kv_heads * d)
+  return max(fitted, counted)
 
 
 def _mlp_working(model, t, c, f_eff, mlp_tokens):

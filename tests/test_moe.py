@@ -62,6 +62,7 @@ def reference(w, x_tE, valid_t, moe):
 
 def random_weights(moe, seed):
   rng = np.random.default_rng(seed)
+  X = moe.num_experts  # noqa: N806 (the module's name for it)
   shapes = dict(router=(E, X), gate_proj=(X, E, F), up_proj=(X, E, F), down_proj=(X, F, E))
   if moe.router_bias:
     shapes["router_bias"] = (X,)
@@ -70,46 +71,117 @@ def random_weights(moe, seed):
   return {k: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_moe_layer_matches_dense_reference(case):
-  moe, mesh_shape, chunk = CASES[case]
+def random_inputs(seed, num_experts=X, skew_weights=None):
+  """x ``[B, S, E]``, valid ``[B, S]`` and the cotangents of y and of the router's summed
+  probabilities. ``skew_weights``: route unevenly through its ``"router"`` (changed in
+  place): expert 0 takes most tokens, the last two experts none."""
+  rng = np.random.default_rng(seed)
+  x_BSE = rng.normal(0, 1, (BATCH, SEQ, E))
+  if skew_weights is not None:
+    x_BSE[..., 0] = np.abs(x_BSE[..., 0]) + 1  # feature 0 > 1 on every token
+    router = np.array(skew_weights["router"])
+    router[0, 0], router[0, -2:] = 4.0, -20.0
+    skew_weights["router"] = jnp.asarray(router)
+  valid_BS = jnp.asarray(rng.random((BATCH, SEQ)) < 0.8)
+  cotangent = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+  probs_cotangent = jnp.asarray(rng.normal(0, 1, (num_experts,)), jnp.float32)
+  return jnp.asarray(x_BSE, jnp.float32), valid_BS, cotangent, probs_cotangent
+
+
+def objective(y, stats, cotangent, probs_cotangent):
+  """Reaches the router through the weights and the aux statistics."""
+  return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
+
+
+def layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs):
+  """The MoE layer on ``mesh_shape``: (y, stats, gradients of the weights, of x)."""
+  x_BSE, valid_BS, cotangent, probs_cotangent = inputs
   mesh = mesh_of(*mesh_shape)
   config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
-  weights = random_weights(moe, 1)
   shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
   nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
-  rng = np.random.default_rng(2)
-  x_BSE = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
-  valid_BS = jnp.asarray(rng.random((BATCH, SEQ)) < 0.8)
-  cotangent = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
-  probs_cotangent = jnp.asarray(rng.normal(0, 1, (X,)), jnp.float32)
-
-  def objective(y, stats):  # reaches the router through the weights and the aux statistics
-    return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
 
   def ours(state, x):
     y, stats = nnx.merge(graphdef, state)(x, valid_BS)
-    return objective(y, stats), (y, stats)
-
-  def theirs(w, x):
-    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
-    return objective(y.reshape(x.shape), stats), (y.reshape(x.shape), stats)
+    return objective(y, stats, cotangent, probs_cotangent), (y, stats)
 
   (_, (y, stats)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(
       state, x_BSE)
-  (_, (y_ref, stats_ref)), grads_ref = jax.jit(jax.value_and_grad(
-      theirs, argnums=(0, 1), has_aux=True))(weights, x_BSE)
+  return y, stats, {k: v.get_value() for k, v in grads[0].items()}, grads[1]
+
+
+def reference_values_and_grads(moe, weights, inputs):
+  """``reference`` on one device: (y, stats, gradients of the weights, of x)."""
+  x_BSE, valid_BS, cotangent, probs_cotangent = inputs
+
+  def theirs(w, x):
+    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
+    y = y.reshape(x.shape)
+    return objective(y, stats, cotangent, probs_cotangent), (y, stats)
+
+  (_, (y, stats)), grads = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1), has_aux=True))(
+      weights, x_BSE)
+  return y, stats, grads[0], grads[1]
+
+
+def assert_layer_matches(ours, theirs, valid_BS):
+  y, stats, w_grads, x_grad = ours
+  y_ref, stats_ref, w_grads_ref, x_grad_ref = theirs
   assert relative_error(y, y_ref) < 1e-5
   np.testing.assert_array_equal(stats.counts, stats_ref.counts)
   assert stats.tokens == valid_BS.sum() and stats.counts.sum() == K * valid_BS.sum()
   assert relative_error(stats.probs, stats_ref.probs) < 1e-6
-  ours_grads = {k: v.get_value() for k, v in grads[0].items()}
-  assert_trees_close(ours_grads, grads_ref[0], rtol=1e-5)
-  assert relative_error(grads[1], grads_ref[1]) < 1e-5
+  assert_trees_close(w_grads, w_grads_ref, rtol=1e-5)
+  assert relative_error(x_grad, x_grad_ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_matches_dense_reference(case):
+  moe, mesh_shape, chunk = CASES[case]
+  weights = random_weights(moe, 1)
+  inputs = random_inputs(2)
+  assert_layer_matches(layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs),
+                       reference_values_and_grads(moe, weights, inputs), inputs[1])
   if moe.expert_activation == "clamped_swiglu":  # the clamp is active on both sides
-    up = jnp.einsum("te,xei->txi", x_BSE.reshape(-1, E), weights["up_proj"])
+    up = jnp.einsum("te,xei->txi", inputs[0].reshape(-1, E), weights["up_proj"])
     assert jnp.any(up > moe.swiglu_limit) and jnp.any(up < -moe.swiglu_limit)
+
+
+# Expert parallelism: 8 experts over seq = 4 (2 each), 8 (one each, fewer than k) or 4 with a
+# ring. Quick: one case (~3 s; each compiles the layer twice); slow: the others, which also
+# compare with the gathered placement.
+EXPERT_CASES = {
+    "gpt_oss": (CASES["gpt_oss"][0], (2, 4), 4),
+    "qwen3_moe": (CASES["qwen3_moe_unnormalised"][0], (1, 8), 2),
+    "mixtral": (CASES["mixtral"][0], (1, 2, 4), 0),
+}
+
+
+@pytest.mark.parametrize("case", [
+    "gpt_oss", *(pytest.param(c, marks=pytest.mark.slow) for c in ("qwen3_moe", "mixtral"))])
+def test_expert_placement_matches_dense_reference(case):
+  """Routing skewed so one expert takes most pairs and two take none: the expert placement's
+  output, statistics and gradients equal the dense reference's (and, slow cases, the
+  gathered placement's)."""
+  moe, mesh_shape, chunk = EXPERT_CASES[case]
+  moe = moe.replace(num_experts=8)
+  weights = random_weights(moe, 3)
+  inputs = random_inputs(4, moe.num_experts, weights)
+  ours = layer_values_and_grads(moe.replace(placement="expert"), mesh_shape, chunk, weights,
+                                inputs)
+  counts = np.asarray(ours[1].counts)
+  assert counts[-2:].sum() == 0 and counts[0] > 2 * counts.sum() / moe.num_experts, counts
+  assert_layer_matches(ours, reference_values_and_grads(moe, weights, inputs), inputs[1])
+  if case != "gpt_oss":
+    assert_layer_matches(ours, layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs),
+                         inputs[1])
+
+
+def test_expert_placement_needs_experts_divisible_by_seq():
+  config = preset("tiny", hidden_dim=E, moe=MoeConfig(num_experts=6, placement="expert"))
+  with pytest.raises(ConfigError, match=r"6 experts over the mesh's seq axis of 4 devices"):
+    MoE(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
 
 
 def test_load_balancing_loss_is_switch_transformers_over_all_layers():

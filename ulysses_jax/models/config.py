@@ -29,6 +29,9 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ROUTERS = ("softmax_topk", "topk_softmax")
 # silu: SwiGLU; clamped_swiglu: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), clamped.
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+# Where the experts live (``models.moe``): fsdp, sharded like every weight and all-gathered
+# per layer; expert, split over the ``seq`` axis with tokens sent to them by all-to-all.
+EXPERT_PLACEMENTS = ("fsdp", "expert")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
 
@@ -50,6 +53,11 @@ class MoeConfig:
   Layer schedule (Qwen3-MoE's): layer i is a mixture of experts unless i is in
   ``mlp_only_layers``, and only when (i + 1) is a multiple of ``decoder_sparse_step``; the
   other layers run the dense MLP of width ``LlamaConfig.mlp_dim``.
+  ``placement`` (one of ``EXPERT_PLACEMENTS``): ``"fsdp"`` shards the experts like every
+  weight and all-gathers them per layer; ``"expert"`` (expert parallelism) gives each device
+  of the ``seq`` axis X/seq of the experts and sends the tokens to them by all-to-all
+  (``models.expert_parallel``; X must divide by the ``seq`` size). ``plan.moe.placement``
+  says which moves fewer bytes.
   """
   num_experts: int = dataclasses.field(default=8, metadata=at_least(1))
   experts_per_token: int = dataclasses.field(default=2, metadata=at_least(1))
@@ -63,6 +71,7 @@ class MoeConfig:
   swiglu_alpha: float = 1.702
   mlp_only_layers: tuple[int, ...] = ()
   decoder_sparse_step: int = dataclasses.field(default=1, metadata=at_least(1))
+  placement: Literal[EXPERT_PLACEMENTS] = "fsdp"
 
   def __post_init__(self):
     if isinstance(self.mlp_only_layers, list):  # gin and JSON give lists

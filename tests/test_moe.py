@@ -93,11 +93,11 @@ def objective(y, stats, cotangent, probs_cotangent):
   return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
 
 
-def layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs):
+def layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs, placement="fsdp"):
   """The MoE layer on ``mesh_shape``: (y, stats, gradients of the weights, of x)."""
   x_BSE, valid_BS, cotangent, probs_cotangent = inputs
   mesh = mesh_of(*mesh_shape)
-  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk)
+  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk, expert_placement=placement)
   graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
   shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
   nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
@@ -168,8 +168,7 @@ def test_expert_placement_matches_dense_reference(case):
   moe = moe.replace(num_experts=8)
   weights = random_weights(moe, 3)
   inputs = random_inputs(4, moe.num_experts, weights)
-  ours = layer_values_and_grads(moe.replace(placement="expert"), mesh_shape, chunk, weights,
-                                inputs)
+  ours = layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs, placement="expert")
   counts = np.asarray(ours[1].counts)
   assert counts[-2:].sum() == 0 and counts[0] > 2 * counts.sum() / moe.num_experts, counts
   assert_layer_matches(ours, reference_values_and_grads(moe, weights, inputs), inputs[1])
@@ -179,7 +178,7 @@ def test_expert_placement_matches_dense_reference(case):
 
 
 def test_expert_placement_needs_experts_divisible_by_seq():
-  config = preset("tiny", hidden_dim=E, moe=MoeConfig(num_experts=6, placement="expert"))
+  config = preset("tiny", hidden_dim=E, moe=MoeConfig(num_experts=6), expert_placement="expert")
   with pytest.raises(ConfigError, match=r"6 experts over the mesh's seq axis of 4 devices"):
     MoE(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
 

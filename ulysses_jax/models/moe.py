@@ -154,13 +154,14 @@ def moe_tile(x_tE, valid_t, w: dict, moe: MoeConfig, dtype, backend: str = "auto
 
 
 def check_expert_axis(moe: MoeConfig, mesh: Mesh) -> None:
-  """Raises unless the ``seq`` axis of ``mesh`` divides the experts (expert placement)."""
+  """Raises unless the ``seq`` axis of ``mesh`` divides the experts (``expert_placement=
+  "expert"``)."""
   shards = mesh.shape[SEQ]
   if moe.num_experts % shards:
     raise ConfigError(
-        f"MoeConfig.placement='expert' splits the {moe.num_experts} experts over the mesh's "
-        f"seq axis of {shards} devices, which does not divide them; choose seq among the "
-        f"divisors of {moe.num_experts}, or placement='fsdp'.")
+        f"LlamaConfig.expert_placement='expert' splits the {moe.num_experts} experts over the "
+        f"mesh's seq axis of {shards} devices, which does not divide them; choose seq among "
+        f"the divisors of {moe.num_experts}, or expert_placement='fsdp'.")
 
 
 class MoE(nnx.Module):
@@ -176,10 +177,10 @@ class MoE(nnx.Module):
     zeros = lambda shape: jnp.zeros(shape, config.param_dtype)
     # fsdp: the experts sharded along the model width over every axis, like every weight;
     # expert: split over ``seq`` (X/seq each), the width over the other axes (data, ring).
-    if moe.placement == "expert":
+    self.split = config.expert_placement == "expert"
+    if self.split:
       check_expert_axis(moe, mesh)
-    experts, embed = ((SEQ, (DATA, RING)) if moe.placement == "expert"
-                      else ("experts", "embed"))
+    experts, embed = (SEQ, (DATA, RING)) if self.split else ("experts", "embed")
     self.router = param(normal((e, x)), ("embed", "experts"), **place)
     self.router_bias = param(zeros((x,)), ("experts",), **place) if moe.router_bias else None
     self.gate_proj = param(normal((x, e, i)), (experts, embed, "expert_mlp"), **place)
@@ -202,8 +203,7 @@ class MoE(nnx.Module):
     dtypes = dict(router=jnp.float32, router_bias=jnp.float32, gate_proj=self.dtype,
                   up_proj=self.dtype, down_proj=self.dtype, gate_bias=self.dtype,
                   up_bias=self.dtype, down_bias=self.dtype)
-    split = self.moe.placement == "expert"
-    specs = {name: P(SEQ) if split and not name.startswith("router") else P()
+    specs = {name: P(SEQ) if self.split and not name.startswith("router") else P()
              for name in dtypes if getattr(self, name) is not None}
     weights = {name: jax.lax.with_sharding_constraint(
         getattr(self, name)[...].astype(dtypes[name]), NamedSharding(self.mesh, spec))
@@ -220,7 +220,7 @@ class MoE(nnx.Module):
     # parameter's gradient would be built with the outer (Auto) mesh's sharding inside it.
     norm_graph, norm_state = nnx.split(norm or nnx.Module())
     moe, chunk, dtype, backend = self.moe, self.chunk, self.dtype, self.backend
-    expert_axis_size = self.mesh.shape[SEQ] if moe.placement == "expert" else 0
+    expert_axis_size = self.mesh.shape[SEQ] if self.split else 0
     axes = (DATA, *sequence_axes(self.mesh))
 
     def local(x_bsE, valid_bs, w, norm_state):

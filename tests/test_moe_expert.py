@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax import make_mesh
+from ulysses_jax import make_mesh, plan
 from ulysses_jax.models.config import preset
 from ulysses_jax.plan import moe as plan_moe
 from ulysses_jax.plan.model import Model
@@ -35,3 +35,28 @@ def test_qwen3_moe_with_expert_placement_has_transformers_logits_and_exports(tmp
   save_llama(model, tmp_path / "ours")
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
   np.testing.assert_array_less(np.abs(torch_logits(exported, tokens) - expected), TOL)
+
+
+def test_planner_gathers_experts_for_long_context_and_splits_them_for_few_tokens():
+  """Qwen3-30B-A3B on seq = 8 (128 experts, 16 per device, k = 8): the fixed blocks move
+  2·7·T·8·E values, the gathered layer 3·128·E·768, equal at T = 2,633 tokens per device."""
+  qwen = Model.from_config(preset("qwen3-30b-a3b", mlp_chunk=2048))
+  long_context = plan_moe.placement(qwen, 2**21 // 8, 8)
+  assert long_context["placement"] == "fsdp" and "gathering moves less" in long_context["why"]
+  # Tiles of 2,048 tokens: 8·2,048·8 rows through the experts instead of 2,048·8, more than
+  # the 15/16 of the gathered layer it saves.
+  memory = long_context["memory_bytes"]
+  assert memory["expert"] > memory["fsdp"], memory
+  few = plan_moe.placement(qwen, 1024, 8)
+  assert few["placement"] == "expert", few["why"]
+  assert "LlamaConfig.expert_placement = 'expert'" in few["why"]
+  assert few["dispatched_values"] == 2 * 7 * 1024 * 8 * 2048 < few["gathered_values"]
+  assert [plan_moe.placement(qwen, t, 8)["placement"] for t in (2633, 2634)] == ["expert",
+                                                                               "fsdp"]
+  # No seq axis to split over, or one that does not divide the experts: gathered.
+  assert "needs seq > 1" in plan_moe.placement(qwen, 1024, 1)["why"]
+  assert plan_moe.placement(qwen, 16, 3)["placement"] == "fsdp"
+  # The step prediction carries the choice for its layout (1,024 tokens per device here).
+  step = plan.predict_step(qwen, plan.Layout(1, 8, 1), batch=1, seq_len=8192,
+                           hardware=plan.Hardware.of("h100"))
+  assert step["experts"]["placement"] == "expert"

@@ -1,7 +1,7 @@
 """Expert parallelism: a tile's (token, expert) pairs sent to the devices that hold their
 experts and the outputs sent back, by two all-to-alls over one mesh axis (``seq``).
 
-Runs inside the MoE layer's ``shard_map`` (``models.moe``, ``MoeConfig.placement =
+Runs inside the MoE layer's ``shard_map`` (``models.moe``, ``LlamaConfig.expert_placement =
 "expert"``). The ``D`` devices of the axis each hold ``Xd = X / D`` experts, device d experts
 ``[d·Xd, (d+1)·Xd)``. For one tile of ``t`` local tokens with k experts each::
 
@@ -24,13 +24,18 @@ Cost per tile, compared with the k·t pairs the gathered placement handles:
 
   moved      each all-to-all sends (D - 1)·C·E values of the compute dtype per device and
              receives as many: 2·(D - 1)·C·E per pass (there and back), the backward as many
-             again; C = t·min(k, Xd), so (D - 1)·min(k, Xd)/k times the (D - 1)/D·t·k·E
-             per direction that only the used rows would need
+             again; C = t·min(k, Xd), so D·min(k, Xd)/k times the (D - 1)/D·t·k·E per
+             direction that sending only the used rows would need (with routing spread
+             evenly)
   memory     the send and receive buffers, 2·D·C·E, and the experts' rows (D·C of them:
              the input, gate, up, activation and output rows) for D·C instead of t·k rows
-  expert FLOPs  those of the rows the groups hold (t·k per device on average) where the
-             grouped matmul skips rows outside its groups (the Mosaic kernels); XLA:CPU's
-             ``ragged_dot`` is dense anyway
+  expert FLOPs  of the D·C rows, D·min(k, Xd)/k times the t·k pairs': JAX's Hopper grouped
+             matmul kernels (``kernels.grouped_matmul``, "mosaic") run every block of rows,
+             past the last group too (a static grid; those rows' outputs are left unwritten,
+             and ``expert_mlp`` zeroes them); XLA:CPU's ``ragged_dot`` is dense anyway
+
+So the placement pays off only where the gathered experts cost more than D·min(k, Xd)/k
+times the pairs: few tokens per device, many experts (``plan.moe.placement``).
 """
 
 from collections.abc import Callable
@@ -48,7 +53,7 @@ def exchange(x_tE: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array,
 
   ``local_experts(x_RE, expert_R, sizes_Xd, valid_R) -> y_RE`` runs this device's ``Xd``
   experts on rows sorted by local expert ``expert_R`` (``sizes_Xd`` rows each; the rows where
-  ``valid_R`` is False come last, in no group, and their outputs are never read).
+  ``valid_R`` is False, the unused slots, come last in no group: zero in, never read out).
   """
   t, k = experts_tk.shape
   e = x_tE.shape[-1]

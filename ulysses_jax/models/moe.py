@@ -97,19 +97,15 @@ def expert_mlp(x_RE, expert_R, sizes_X, w: dict, moe: MoeConfig, *, backend: str
                valid_R=None) -> jax.Array:
   """The experts ``w`` on rows ``x_RE`` sorted by expert: ``expert_R`` each row's, ``sizes_X``
   the rows of each (a grouped matmul, ``kernels.grouped_matmul``). ``valid_R`` (expert
-  placement): False for rows in no group (last), whose outputs are zero and whose biases
-  get no gradient."""
-  def bias(name):
-    if name not in w:
-      return 0
-    b = w[name][expert_R]
-    return b if valid_R is None else jnp.where(valid_R[:, None], b, 0)
-
+  placement): False for the rows after the groups, which the Mosaic kernels leave unwritten;
+  they are set to zero after each matmul, so no stale value reaches a gradient."""
+  keep = (lambda a: a) if valid_R is None else (lambda a: jnp.where(valid_R[:, None], a, 0))
+  bias = lambda name: w[name][expert_R] if name in w else 0
   grouped_matmul = functools.partial(grouped_matmul_lib.grouped_matmul, backend=backend)
-  gate = grouped_matmul(x_RE, w["gate_proj"], sizes_X) + bias("gate_bias")
-  up = grouped_matmul(x_RE, w["up_proj"], sizes_X) + bias("up_bias")
+  gate = keep(grouped_matmul(x_RE, w["gate_proj"], sizes_X) + bias("gate_bias"))
+  up = keep(grouped_matmul(x_RE, w["up_proj"], sizes_X) + bias("up_bias"))
   y_RE = grouped_matmul(expert_activation(gate, up, moe), w["down_proj"], sizes_X)
-  return y_RE + bias("down_bias")
+  return keep(y_RE + bias("down_bias"))
 
 
 def experts_forward(x_tE, weights_tk, experts_tk, w: dict, moe: MoeConfig, *,

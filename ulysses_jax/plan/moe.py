@@ -24,7 +24,8 @@ and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
       experts and back by all-to-all (``models.expert_parallel``): 2·(D-1)·T·min(k, Xd)·E,
       its fixed dropless blocks; the ideal, the used rows only, is about 2·T·k·E. The
       layer's Xd experts held: 2·Xd·3·E·I·c bytes; per tile of t tokens, D·t·min(k, Xd)
-      rows through the experts instead of t·k, and the blocks sent and received.
+      rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
+      the grouped matmul computes every slot), and the blocks sent and received.
 
 ``placement`` picks the one that moves fewer values (the expert placement only where D
 divides X), and states both placements' memory. With the used rows only, (a) would move less
@@ -84,9 +85,10 @@ def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
             "gathering")
   else:
     why += (f"split over seq = {d} (expert): {dispatched:,} (2 (D-1) T min(k, X/D) E at "
-            f"T = {tokens:,} tokens per device), {gib(memory['expert'])}: "
+            f"T = {tokens:,} tokens per device), {gib(memory['expert'])}, "
+            f"{d * slots / k:g}x the expert FLOPs (every slot computed): "
             + ("gathering moves less" if chosen == "fsdp" else
                "expert parallelism moves less: LlamaConfig.expert_placement = 'expert'"))
   return {"placement": chosen, "gathered_values": gathered, "dispatched_values": dispatched,
           "ideal_dispatched_values": 2 * tokens * k * e, "crossover_tokens": crossover,
-          "memory_bytes": memory, "why": why}
+          "memory_bytes": memory, "expert_flops_factor": d * slots / k, "why": why}

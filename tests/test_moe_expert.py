@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax import make_mesh, plan
+from ulysses_jax import aot, make_mesh, plan
 from ulysses_jax.models.config import preset
 from ulysses_jax.plan import moe as plan_moe
 from ulysses_jax.plan.model import Model
@@ -60,3 +60,27 @@ def test_planner_gathers_experts_for_long_context_and_splits_them_for_few_tokens
   step = plan.predict_step(qwen, plan.Layout(1, 8, 1), batch=1, seq_len=8192,
                            hardware=plan.Hardware.of("h100"))
   assert step["experts"]["placement"] == "expert"
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not aot.cuda_plugin_installed(),
+                    reason="needs JAX's CUDA plugin: run `make test-gpu-compile`")
+def test_expert_placement_compiles_for_8_h100s_to_its_all_to_alls():
+  """An MoE layer (32 experts of width 512, 4 per token, width 1024, bfloat16) on 8 H100s
+  (seq = 8), 1,024 tokens per GPU in tiles of 512, forward and backward compiled: no expert
+  weight is gathered (only the router), and the all-to-alls move the fixed blocks: per tile
+  the tokens there and back and their gradients, 4 · D·C·E values (C = 512 · min(4, 32/8)),
+  and the experts' indices. (A ~15 s compile.)"""
+  from benchmarks.moe_layer import compile_moe_layer
+  from ulysses_jax import hlo
+  from ulysses_jax.models.config import MoeConfig
+  x, k, e, i, tile, tokens, d = 32, 4, 1024, 512, 512, 1024, 8
+  config = preset("tiny", hidden_dim=e, dtype="bfloat16", param_dtype="bfloat16",
+                  mlp_chunk=tile, expert_placement="expert",
+                  moe=MoeConfig(num_experts=x, experts_per_token=k, expert_mlp_dim=i))
+  mesh = make_mesh(1, d, devices=aot.gpu_devices("h100", "1x1x8"))
+  moved = hlo.executed_collective_bytes(compile_moe_layer(config, mesh, d * tokens).as_text())
+  c = tile * min(k, x // d)
+  tiles = tokens // tile
+  assert moved["all-to-all"] == tiles * (4 * d * c * e * 2 + d * c * 4)
+  assert moved["all-gather"] == e * x * 2  # the router, bfloat16

@@ -2,9 +2,8 @@
 sorted by expert and multiplied by their experts only (a grouped matmul).
 
 Every token reaches its k experts: no capacity, nothing dropped. Per device, on its own
-tokens (a ``shard_map`` over every mesh axis; the experts' weights are all-gathered per
-layer like every FSDP weight), for each tile of ``c`` local tokens per batch row
-(``LlamaConfig.mlp_chunk``, each tile recomputed in the backward; 0 = one tile)::
+tokens (a ``shard_map`` over every mesh axis), for each tile of ``c`` local tokens per batch
+row (``LlamaConfig.mlp_chunk``, each tile recomputed in the backward; 0 = one tile)::
 
   logits_tX   float32 x @ router (+ bias)
   softmax_topk  w, e = top_k(softmax(logits), k), w renormalised over the k if asked
@@ -18,6 +17,13 @@ tile at a time. FLOPs of the expert matmuls are 6·t·k·E·I, a k/X share of ru
 expert on every token, where the grouped matmul is one (``kernels.grouped_matmul``: the
 Mosaic kernels on Hopper; ``jax.lax.ragged_dot`` elsewhere, which XLA:CPU computes densely).
 
+Where the experts live (``LlamaConfig.expert_placement``): ``"fsdp"``, the experts'
+weights all-gathered per layer like every FSDP weight, the pairs multiplied on their own
+device; ``"expert"``, each device of the ``seq`` axis holds X/seq whole experts (their width
+sharded over ``data`` and ``ring``, gathered over those), and the sorted pairs go to their
+experts' devices and back (``models.expert_parallel``, which states what that costs). The
+router and the statistics are the same in both.
+
 Load balancing (Switch Transformer, arXiv 2101.03961, eqs. 4-6, over all MoE layers as
 transformers' ``load_balancing_loss_func`` concatenates them): each layer returns
 ``RouterStats``, sums over its valid tokens of every device and tile: ``counts`` (pairs
@@ -26,7 +32,8 @@ router bias) and ``tokens``. ``load_balancing_loss`` turns the stack over layers
 ``X · sum_e f_e · P_e``, f_e = counts_e / N and P_e = probs_e / N, N the tokens summed over
 MoE layers: sums, so exact however the tokens are split into tiles and devices.
 
-Parameters (one layer; stacked with a leading [L] by the decoder)::
+Parameters (one layer; stacked with a leading [L] by the decoder; with the expert placement
+the experts' X dimension is sharded over ``seq``, their E over ``data`` and ``ring``)::
 
   router.kernel  [E, X]       float32 at use     router.bias [X]    (router_bias)
   gate_proj, up_proj  [X, E, I]                  gate_bias, up_bias [X, I]  (expert_bias)

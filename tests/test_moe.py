@@ -217,20 +217,21 @@ MOE_MODEL = preset("tiny-gqa", loss_chunk=8, mlp_chunk=3, router_aux_loss_coef=0
                                  mlp_only_layers=(0,)))
 
 
-def _one_step(mesh_shape, state, batch, **memory):
+def _one_step(mesh_shape, state, batch, placement="fsdp", **memory):
   mesh = mesh_of(*mesh_shape)
+  model = MOE_MODEL.replace(expert_placement=placement)
   # eps 1: Adam's first step is then about linear in the gradient, so the comparison measures
   # the gradients (with a small eps it is sign(g) per element, chaotic where g is about 0).
   optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=2,
                                              eps=1.0))
   memory = train_step.MemoryOptions(**memory)
-  graphdef, train_state = train_step.init_train_state(model_on(MOE_MODEL, mesh, state),
+  graphdef, train_state = train_step.init_train_state(model_on(model, mesh, state),
                                                       optimizer, memory=memory)
   step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh,
                                     seq_len=batch["tokens"].shape[1], accum_steps=2,
                                     memory=memory)
   new_state, metrics = step(train_state, batch)
-  return tree_on_host(new_state.params), jax.device_get(metrics)
+  return tree_on_host(nnx.to_pure_dict(new_state.params)), jax.device_get(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -243,13 +244,15 @@ def moe_step_single_device():
 # Slow (a train step compiles for ~15 s of CPU): the quick suite has the whole model's
 # gradient with the load-balancing loss against transformers (test_hf_moe).
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, memory", [((2, 4), {}),
-                                                ((1, 2, 4), dict(offload_optimizer=True))])
-def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, memory):
+@pytest.mark.parametrize("mesh_shape, placement, memory", [
+    ((2, 4), "fsdp", {}), ((1, 2, 4), "fsdp", dict(offload_optimizer=True)),
+    ((2, 4), "expert", {}), ((1, 2, 4), "expert", dict(offload_optimizer=True))])
+def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, placement,
+                                              memory):
   """Two micro-batches, each with its load-balancing loss (coefficient 0.1): the update and
-  the routing metrics of a sharded step equal one device's."""
+  the routing metrics of a sharded step, with either expert placement, equal one device's."""
   state, batch, (want_params, want) = moe_step_single_device
-  params, metrics = _one_step(mesh_shape, state, batch, **memory)
+  params, metrics = _one_step(mesh_shape, state, batch, placement, **memory)
   assert_trees_close(params, want_params)
   keys = {"router_aux_loss", "expert_share_min/layer_01", "expert_share_max/layer_01"}
   assert keys <= set(metrics) and "expert_share_min/layer_00" not in metrics

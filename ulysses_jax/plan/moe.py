@@ -27,11 +27,12 @@ and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
       rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
       the grouped matmul computes every slot), and the blocks sent and received.
 
-``placement`` picks the one that moves fewer values (the expert placement only where D
-divides X), and states both placements' memory. With the used rows only, (a) would move less
-above T = 3·X·I / (2k) tokens per device (18,432 for Qwen3-30B-A3B, 34,560 for gpt-oss-20b);
-with the blocks implemented, above 3·X·I / (2·(D-1)·min(k, Xd)) (2,633 for Qwen3-30B-A3B on
-seq = 8): every long-context layout gathers.
+``placement`` picks the expert placement where D divides X and it both moves fewer values
+and holds less memory, else gathering (its all-gathers can be prefetched behind compute; the
+dispatch's all-to-alls wait for the router), and states both. With the used rows only, (a)
+would move less above T = 3·X·I / (2k) tokens per device (18,432 for Qwen3-30B-A3B, 34,560
+for gpt-oss-20b); with the blocks implemented, above 3·X·I / (2·(D-1)·min(k, Xd)) (2,633 for
+Qwen3-30B-A3B on seq = 8): every long-context layout gathers.
 """
 
 _MOE_E, _MOE_I, _MOE_X = 4.0, 6.0, 16.0  # see the module docstring
@@ -61,7 +62,9 @@ def working_bytes(model, tile_tokens: int, c: int) -> float:
 def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
   """Each expert placement at ``tokens`` per device with ``expert_devices`` (the ``seq``
   axis) to split the experts over and ``c`` bytes per value: values moved per MoE layer and
-  pass, the memory the layer holds, the one that moves less (``"placement"``), and why."""
+  pass, the memory the layer holds, the one to use (``"placement"``), and why: the expert
+  placement where it both moves fewer values and needs no more memory, else gathering (whose
+  all-gathers can be prefetched behind compute, the dispatch's all-to-alls cannot)."""
   e, x, i, k = model.hidden_dim, model.num_experts, model.expert_mlp_dim, model.experts_per_token
   d = expert_devices
   slots = min(k, x // d)
@@ -75,7 +78,9 @@ def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
       "expert": (2 * gathered // d * c + working_bytes(model, rows / k, c)
                  + 4 * rows * e * c)}
   splits = d > 1 and x % d == 0
-  chosen = "expert" if splits and dispatched < gathered else "fsdp"
+  moves_less = dispatched < gathered
+  fits_in_less = memory["expert"] <= memory["fsdp"]
+  chosen = "expert" if splits and moves_less and fits_in_less else "fsdp"
   crossover = 3 * x * i / (2 * k)
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   why = (f"experts gathered per layer (fsdp): {gathered:,} values per MoE layer and pass, "
@@ -87,8 +92,11 @@ def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
     why += (f"split over seq = {d} (expert): {dispatched:,} (2 (D-1) T min(k, X/D) E at "
             f"T = {tokens:,} tokens per device), {gib(memory['expert'])}, "
             f"{d * slots / k:g}x the expert FLOPs (every slot computed): "
-            + ("gathering moves less" if chosen == "fsdp" else
-               "expert parallelism moves less: LlamaConfig.expert_placement = 'expert'"))
+            + ("gathering moves less" if not moves_less else
+               "expert parallelism moves less but needs more memory: gathering"
+               if not fits_in_less else
+               "expert parallelism moves less in less memory: "
+               "LlamaConfig.expert_placement = 'expert'"))
   return {"placement": chosen, "gathered_values": gathered, "dispatched_values": dispatched,
           "ideal_dispatched_values": 2 * tokens * k * e, "crossover_tokens": crossover,
           "memory_bytes": memory, "expert_flops_factor": d * slots / k, "why": why}

@@ -89,3 +89,18 @@ def test_expert_placement_compiles_for_8_h100s_to_its_all_to_alls():
   tiles = tokens // tile
   assert moved["all-to-all"] == tiles * (4 * d * c * e * 2 + d * c * 4)
   assert moved["all-gather"] == e * x * 2  # the router, bfloat16
+
+
+def test_ulysses_plan_recommends_the_placement_it_chooses(capsys):
+  """4,096 tokens on 8 GPUs (512 each): the recommended gin settings set the expert placement;
+  at 2M tokens they leave the default (gathering)."""
+  from ulysses_jax.cli import plan as plan_cli
+  args = ["--model=qwen3-30b-a3b", "--devices=8", "--gpu=h100", "--mesh=1x8x1",
+          "--mlp_chunk=512", "--host_mem_per_gpu=256"]
+  plan_cli.run([*args, "--seq_len=4096"])
+  out = capsys.readouterr().out
+  assert "--gin_param='LlamaConfig.expert_placement=\"expert\"'" in out
+  assert "LlamaConfig.expert_placement = 'expert'" in out  # the why
+  plan_cli.run([*args, "--seq_len=2097152", "--mlp_chunk=2048"])
+  out = capsys.readouterr().out
+  assert "expert_placement=" not in out and "gathering moves less" in out

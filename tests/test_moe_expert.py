@@ -2,6 +2,7 @@
 Face model, and the planner's choice between the two expert placements. The layer's own
 comparisons with the dense reference are in ``test_moe.py``."""
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -104,3 +105,31 @@ def test_ulysses_plan_recommends_the_placement_it_chooses(capsys):
   plan_cli.run([*args, "--seq_len=2097152", "--mlp_chunk=2048"])
   out = capsys.readouterr().out
   assert "expert_placement=" not in out and "gathering moves less" in out
+
+
+# Slow (two train states of the two-layer MoE model are built and a checkpoint written).
+@pytest.mark.slow
+def test_a_checkpoint_of_the_gathered_placement_restores_into_the_expert_one(tmp_path):
+  """A run may switch placement on resume: the parameters restore with their values, in the
+  expert placement's layout (the experts' X over seq)."""
+  from flax import nnx
+  from model_cases import initial_state, mesh_of, model_on, tree_on_host
+  from test_moe import MOE_MODEL
+  from ulysses_jax import checkpoint, train_step
+  from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
+  optimizer = make_optimizer(OptimizerConfig(warmup_steps=0, total_steps=2))
+  state, mesh = initial_state(MOE_MODEL), mesh_of(2, 4)
+
+  def train_state(placement):
+    model = model_on(MOE_MODEL.replace(expert_placement=placement), mesh, state)
+    return train_step.init_train_state(model, optimizer)[1]
+
+  saved = train_state("fsdp")
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, saved, {"next_row": 1}, run_config={}, force=True)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    restored = ckpt.restore(train_state("expert")).state
+  assert restored.params["layers"]["moe"]["gate_proj"][...].sharding.spec == P(
+      None, "seq", "data", None)
+  jax.tree.map(np.testing.assert_array_equal, tree_on_host(nnx.to_pure_dict(restored.params)),
+               tree_on_host(nnx.to_pure_dict(saved.params)))

@@ -16,9 +16,10 @@ Runs inside the MoE layer's ``shard_map`` (``models.moe``, ``LlamaConfig.expert_
 Dropless without knowing the counts in advance: a block holds C = t·min(k, Xd) rows, the
 most one device can receive from another (a token's k experts are distinct, at most
 min(k, Xd) of them on one device). Why a fixed block and not ``jax.lax.ragged_all_to_all``,
-which would send only the used rows: XLA:CPU has no ragged all-to-all (jax 0.10.2:
-"UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so it could not be tested against the
-reference here; and its receive buffer would need the same worst case, D·C rows.
+which would send only the used rows: it compiles for H100, its transpose too (jax 0.10.2 and
+0.12.0.1), but XLA:CPU cannot run it ("UNIMPLEMENTED: HLO opcode ragged-all-to-all"), so it
+could not be tested against the reference here; and its receive buffer would need the same
+worst case, D·C rows.
 
 Cost per tile, compared with the k·t pairs the gathered placement handles:
 

@@ -14,6 +14,12 @@ of one GPU, forward and backward, bfloat16, with each grouped-matmul backend: th
 FLOPs (``aot.cost``) and temporaries. Compiled, not run:
 
   JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python -m benchmarks.moe_layer --h100 --tokens 4096
+
+8 H100s, compiled (``--h100x8``): the same layer on a Ulysses mesh (seq = 8) with ``--tokens``
+tokens per GPU in tiles of 2,048, with each expert placement (``LlamaConfig.
+expert_placement``): the collectives' bytes per GPU as they run, FLOPs, temporaries:
+
+  JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python -m benchmarks.moe_layer --h100x8 --tokens 4096
 """
 
 import argparse
@@ -32,6 +38,8 @@ from ulysses_jax.models.moe import MoE
 
 CPU_COLUMNS = ["experts", "k", "tokens", "moe_ms", "dense_ms", "ratio"]
 H100_COLUMNS = ["backend", "tokens", "tflop", "temporaries_gib"]
+H100X8_COLUMNS = ["placement", "tokens_per_gpu", "tflop", "all_gather_gib", "all_to_all_gib",
+                  "reduce_gib", "temporaries_gib"]
 WIDTH, EXPERT_WIDTH = 256, 128
 
 
@@ -76,14 +84,16 @@ def cpu_rows(tokens: int) -> list[dict]:
 
 
 def compile_moe_layer(config, mesh, tokens: int):
-  """The forward and backward of one MoE layer of ``config`` on ``[1, tokens, E]`` inputs of
-  one device of ``mesh``, compiled (abstract inputs: nothing is allocated)."""
+  """The forward and backward of one MoE layer of ``config`` on ``[1, tokens, E]`` inputs
+  sharded over ``mesh``'s sequence axes (``tokens`` / seq per device), compiled (abstract
+  inputs: nothing is allocated)."""
   graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
                        sharding.tree_shardings(state, mesh))
-  whole = NamedSharding(mesh, P())
-  x = jax.ShapeDtypeStruct((1, tokens, config.hidden_dim), config.dtype, sharding=whole)
-  valid = jax.ShapeDtypeStruct((1, tokens), jnp.bool_, sharding=whole)
+  rows = NamedSharding(mesh, sharding.batch_spec(mesh, tokens))
+  x = jax.ShapeDtypeStruct((1, tokens, config.hidden_dim), config.dtype,
+                           sharding=NamedSharding(mesh, P(*rows.spec, None)))
+  valid = jax.ShapeDtypeStruct((1, tokens), jnp.bool_, sharding=rows)
 
   def loss(state, x, valid):
     y, stats = nnx.merge(graphdef, state)(x, valid)
@@ -106,21 +116,50 @@ def h100_rows(tokens: int) -> list[dict]:
   return rows
 
 
+def h100x8_rows(tokens: int) -> list[dict]:
+  """One Qwen3-30B-A3B MoE layer on 8 H100s (Ulysses, seq = 8), ``tokens`` per GPU in tiles
+  of 2,048, with each expert placement: the collectives' bytes per GPU as they run (loops
+  weighted by their trip counts), FLOPs and temporaries."""
+  from ulysses_jax import hlo
+  from ulysses_jax.aot import cost, gpu_devices
+  mesh = make_mesh(1, 8, devices=gpu_devices("h100", "1x1x8"))
+  rows = []
+  for placement in ("fsdp", "expert"):
+    config = preset("qwen3-30b-a3b", dtype="bfloat16", param_dtype="bfloat16", mlp_chunk=2048,
+                    expert_placement=placement)
+    compiled = compile_moe_layer(config, mesh, 8 * tokens)
+    text = compiled.as_text()
+    moved = hlo.executed_collective_bytes(text)
+    rows.append({"placement": placement, "tokens_per_gpu": tokens,
+                 "tflop": sum(op.count * op.flops for op in cost.operations(text)) / 1e12,
+                 "all_gather_gib": moved["all-gather"] / 2**30,
+                 "all_to_all_gib": moved["all-to-all"] / 2**30,
+                 "reduce_gib": (moved["reduce-scatter"] + moved["all-reduce"]) / 2**30,
+                 "temporaries_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30})
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--tokens", type=int, default=2048)
   parser.add_argument("--h100", action="store_true", help="compile for one H100 instead")
+  parser.add_argument("--h100x8", action="store_true",
+                      help="compile for 8 H100s, each expert placement, instead")
   parser.add_argument("--json", default="", help="also write the rows here")
   args = parser.parse_args()
-  if args.h100:
+  if args.h100x8:
+    rows, columns = h100x8_rows(args.tokens), H100X8_COLUMNS
+  elif args.h100:
     rows, columns = h100_rows(args.tokens), H100_COLUMNS
   else:
     rows, columns = cpu_rows(args.tokens), CPU_COLUMNS
   print_table(rows, columns)
   if args.json:
-    write_json(args.json, rows, note="compiled for one H100, not run" if args.h100 else
-               "measured on the CPU, float32, one device")
+    note = ("compiled for 8 H100s, not run" if args.h100x8 else
+            "compiled for one H100, not run" if args.h100 else
+            "measured on the CPU, float32, one device")
+    write_json(args.json, rows, note=note)
 
 
 if __name__ == "__main__":

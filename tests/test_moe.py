@@ -62,6 +62,7 @@ def reference(w, x_tE, valid_t, moe):
 
 def random_weights(moe, seed):
   rng = np.random.default_rng(seed)
+  X = moe.num_experts  # noqa: N806 (the module's name for it)
   shapes = dict(router=(E, X), gate_proj=(X, E, F), up_proj=(X, E, F), down_proj=(X, F, E))
   if moe.router_bias:
     shapes["router_bias"] = (X,)
@@ -70,46 +71,114 @@ def random_weights(moe, seed):
   return {k: jnp.asarray(rng.normal(0, 0.5, s), jnp.float32) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_moe_layer_matches_dense_reference(case):
-  moe, mesh_shape, chunk = CASES[case]
-  mesh = mesh_of(*mesh_shape)
-  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk)
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
-  weights = random_weights(moe, 1)
-  shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
-  nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
-  rng = np.random.default_rng(2)
-  x_BSE = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
+def random_inputs(seed, num_experts=X, skew_weights=None):
+  """x ``[B, S, E]``, valid ``[B, S]`` and the cotangents of y and of the router's summed
+  probabilities. ``skew_weights``: route unevenly through its ``"router"`` (changed in
+  place): expert 0 takes most tokens, the last two experts none."""
+  rng = np.random.default_rng(seed)
+  x_BSE = rng.normal(0, 1, (BATCH, SEQ, E))
+  if skew_weights is not None:
+    x_BSE[..., 0] = np.abs(x_BSE[..., 0]) + 1  # feature 0 > 1 on every token
+    router = np.array(skew_weights["router"])
+    router[0, 0], router[0, -2:] = 4.0, -20.0
+    skew_weights["router"] = jnp.asarray(router)
   valid_BS = jnp.asarray(rng.random((BATCH, SEQ)) < 0.8)
   cotangent = jnp.asarray(rng.normal(0, 1, (BATCH, SEQ, E)), jnp.float32)
-  probs_cotangent = jnp.asarray(rng.normal(0, 1, (X,)), jnp.float32)
+  probs_cotangent = jnp.asarray(rng.normal(0, 1, (num_experts,)), jnp.float32)
+  return jnp.asarray(x_BSE, jnp.float32), valid_BS, cotangent, probs_cotangent
 
-  def objective(y, stats):  # reaches the router through the weights and the aux statistics
-    return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
+
+def objective(y, stats, cotangent, probs_cotangent):
+  """Reaches the router through the weights and the aux statistics."""
+  return jnp.sum(y * cotangent) + jnp.sum(stats.probs * probs_cotangent)
+
+
+def layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs, placement="fsdp"):
+  """The MoE layer on ``mesh_shape``: (y, stats, gradients of the weights, of x)."""
+  x_BSE, valid_BS, cotangent, probs_cotangent = inputs
+  mesh = mesh_of(*mesh_shape)
+  config = preset("tiny", hidden_dim=E, moe=moe, mlp_chunk=chunk, expert_placement=placement)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(config, mesh=mesh, rngs=nnx.Rngs(0))))
+  shardings = nnx.to_pure_dict(sharding.tree_shardings(state, mesh))
+  nnx.replace_by_pure_dict(state, jax.device_put(weights, shardings))
 
   def ours(state, x):
     y, stats = nnx.merge(graphdef, state)(x, valid_BS)
-    return objective(y, stats), (y, stats)
-
-  def theirs(w, x):
-    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
-    return objective(y.reshape(x.shape), stats), (y.reshape(x.shape), stats)
+    return objective(y, stats, cotangent, probs_cotangent), (y, stats)
 
   (_, (y, stats)), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(
       state, x_BSE)
-  (_, (y_ref, stats_ref)), grads_ref = jax.jit(jax.value_and_grad(
-      theirs, argnums=(0, 1), has_aux=True))(weights, x_BSE)
+  return y, stats, {k: v.get_value() for k, v in grads[0].items()}, grads[1]
+
+
+def reference_values_and_grads(moe, weights, inputs):
+  """``reference`` on one device: (y, stats, gradients of the weights, of x)."""
+  x_BSE, valid_BS, cotangent, probs_cotangent = inputs
+
+  def theirs(w, x):
+    y, stats = reference(w, x.reshape(-1, E), valid_BS.reshape(-1), moe)
+    y = y.reshape(x.shape)
+    return objective(y, stats, cotangent, probs_cotangent), (y, stats)
+
+  (_, (y, stats)), grads = jax.jit(jax.value_and_grad(theirs, argnums=(0, 1), has_aux=True))(
+      weights, x_BSE)
+  return y, stats, grads[0], grads[1]
+
+
+def assert_layer_matches(ours, theirs, valid_BS):
+  y, stats, w_grads, x_grad = ours
+  y_ref, stats_ref, w_grads_ref, x_grad_ref = theirs
   assert relative_error(y, y_ref) < 1e-5
   np.testing.assert_array_equal(stats.counts, stats_ref.counts)
   assert stats.tokens == valid_BS.sum() and stats.counts.sum() == K * valid_BS.sum()
   assert relative_error(stats.probs, stats_ref.probs) < 1e-6
-  ours_grads = {k: v.get_value() for k, v in grads[0].items()}
-  assert_trees_close(ours_grads, grads_ref[0], rtol=1e-5)
-  assert relative_error(grads[1], grads_ref[1]) < 1e-5
+  assert_trees_close(w_grads, w_grads_ref, rtol=1e-5)
+  assert relative_error(x_grad, x_grad_ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_moe_layer_matches_dense_reference(case):
+  moe, mesh_shape, chunk = CASES[case]
+  weights = random_weights(moe, 1)
+  inputs = random_inputs(2)
+  assert_layer_matches(layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs),
+                       reference_values_and_grads(moe, weights, inputs), inputs[1])
   if moe.expert_activation == "clamped_swiglu":  # the clamp is active on both sides
-    up = jnp.einsum("te,xei->txi", x_BSE.reshape(-1, E), weights["up_proj"])
+    up = jnp.einsum("te,xei->txi", inputs[0].reshape(-1, E), weights["up_proj"])
     assert jnp.any(up > moe.swiglu_limit) and jnp.any(up < -moe.swiglu_limit)
+
+
+# Expert parallelism: 8 experts over seq = 4 (2 each) or 8 (one each, fewer than k). Quick:
+# one case (each compiles the layer twice); slow: the other, which also compares with the
+# gathered placement. Ulysses x ring: the whole train step (test_moe_train_step_...).
+EXPERT_CASES = {
+    "gpt_oss": (CASES["gpt_oss"][0], (2, 4), 4),
+    "qwen3_moe": (CASES["qwen3_moe_unnormalised"][0], (1, 8), 2),
+}
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_expert_placement_matches_dense_reference(case):
+  """Routing skewed so one expert takes most pairs and two take none: the expert placement's
+  output, statistics and gradients equal the dense reference's (and, slow cases, the
+  gathered placement's)."""
+  moe, mesh_shape, chunk = EXPERT_CASES[case]
+  moe = moe.replace(num_experts=8)
+  weights = random_weights(moe, 3)
+  inputs = random_inputs(4, moe.num_experts, weights)
+  ours = layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs, placement="expert")
+  counts = np.asarray(ours[1].counts)
+  assert counts[-2:].sum() == 0 and counts[0] > 2 * counts.sum() / moe.num_experts, counts
+  assert_layer_matches(ours, reference_values_and_grads(moe, weights, inputs), inputs[1])
+  if case != "gpt_oss":
+    assert_layer_matches(ours, layer_values_and_grads(moe, mesh_shape, chunk, weights, inputs),
+                         inputs[1])
+
+
+def test_expert_placement_needs_experts_divisible_by_seq():
+  config = preset("tiny", hidden_dim=E, moe=MoeConfig(num_experts=6), expert_placement="expert")
+  with pytest.raises(ConfigError, match=r"6 experts over the mesh's seq axis of 4 devices"):
+    MoE(config, mesh=mesh_of(2, 4), rngs=nnx.Rngs(0))
 
 
 def test_load_balancing_loss_is_switch_transformers_over_all_layers():
@@ -146,20 +215,21 @@ MOE_MODEL = preset("tiny-gqa", loss_chunk=8, mlp_chunk=3, router_aux_loss_coef=0
                                  mlp_only_layers=(0,)))
 
 
-def _one_step(mesh_shape, state, batch, **memory):
+def _one_step(mesh_shape, state, batch, placement="fsdp", **memory):
   mesh = mesh_of(*mesh_shape)
+  model = MOE_MODEL.replace(expert_placement=placement)
   # eps 1: Adam's first step is then about linear in the gradient, so the comparison measures
   # the gradients (with a small eps it is sign(g) per element, chaotic where g is about 0).
   optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=0, total_steps=2,
                                              eps=1.0))
   memory = train_step.MemoryOptions(**memory)
-  graphdef, train_state = train_step.init_train_state(model_on(MOE_MODEL, mesh, state),
+  graphdef, train_state = train_step.init_train_state(model_on(model, mesh, state),
                                                       optimizer, memory=memory)
   step = train_step.make_train_step(graphdef, train_state, optimizer, mesh=mesh,
                                     seq_len=batch["tokens"].shape[1], accum_steps=2,
                                     memory=memory)
   new_state, metrics = step(train_state, batch)
-  return tree_on_host(new_state.params), jax.device_get(metrics)
+  return tree_on_host(nnx.to_pure_dict(new_state.params)), jax.device_get(metrics)
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +242,15 @@ def moe_step_single_device():
 # Slow (a train step compiles for ~15 s of CPU): the quick suite has the whole model's
 # gradient with the load-balancing loss against transformers (test_hf_moe).
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh_shape, memory", [((2, 4), {}),
-                                                ((1, 2, 4), dict(offload_optimizer=True))])
-def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, memory):
+@pytest.mark.parametrize("mesh_shape, placement, memory", [
+    ((2, 4), "fsdp", {}), ((1, 2, 4), "fsdp", dict(offload_optimizer=True)),
+    ((2, 4), "expert", {}), ((1, 2, 4), "expert", dict(offload_optimizer=True))])
+def test_moe_train_step_matches_single_device(moe_step_single_device, mesh_shape, placement,
+                                              memory):
   """Two micro-batches, each with its load-balancing loss (coefficient 0.1): the update and
-  the routing metrics of a sharded step equal one device's."""
+  the routing metrics of a sharded step, with either expert placement, equal one device's."""
   state, batch, (want_params, want) = moe_step_single_device
-  params, metrics = _one_step(mesh_shape, state, batch, **memory)
+  params, metrics = _one_step(mesh_shape, state, batch, placement, **memory)
   assert_trees_close(params, want_params)
   keys = {"router_aux_loss", "expert_share_min/layer_01", "expert_share_max/layer_01"}
   assert keys <= set(metrics) and "expert_share_min/layer_00" not in metrics

@@ -202,10 +202,13 @@ def put_sharded(make: Callable[[], nnx.Module], state, mesh: Mesh,
 
   Copies existing parameters (e.g. restored, or from a model on another mesh) to a new mesh
   or layout; ``state`` stays valid (a donating train step cannot delete it). ``make`` is
-  only traced, never run.
+  only traced, never run. The values move, not the variables' metadata: ``state`` may come
+  from a layout that names its axes differently (``LlamaConfig.expert_placement``).
   """
-  graphdef, shardings = _abstract(make, mesh, rules)
-  return nnx.merge(graphdef, jax.device_put(state, shardings, may_alias=False))
+  graphdef, placed = _abstract(make, mesh, rules)
+  values = jax.device_put(nnx.to_pure_dict(state), nnx.to_pure_dict(placed), may_alias=False)
+  nnx.replace_by_pure_dict(placed, values)
+  return nnx.merge(graphdef, placed)
 
 
 def constrain(x, axes: tuple[str | None, ...], mesh: Mesh, rules: Rules = DEFAULT_RULES):

@@ -54,6 +54,8 @@ def settings(row: dict, args) -> dict:
       "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
   if args.init_from:
     settings["TrainConfig.init_from"] = args.init_from
+  if row["step"].get("experts", {}).get("placement") == "expert":  # plan.moe.placement
+    settings["LlamaConfig.expert_placement"] = "expert"
   return settings
 
 

@@ -29,6 +29,9 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ROUTERS = ("softmax_topk", "topk_softmax")
 # silu: SwiGLU; clamped_swiglu: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate), clamped.
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+# Where the experts live (``models.moe``): fsdp, sharded like every weight and all-gathered
+# per layer; expert, split over the ``seq`` axis with tokens sent to them by all-to-all.
+EXPERT_PLACEMENTS = ("fsdp", "expert")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_names", "offload",
                   "full_offload")
 
@@ -140,6 +143,12 @@ class LlamaConfig:
   loss (Switch Transformer's, over every token of the step and every MoE layer) is added
   to the objective times ``router_aux_loss_coef`` (0 = logged only). ``expert_backend``: the
   experts' grouped matmul (one of ``kernels.grouped_matmul.GROUPED_MATMUL_BACKENDS``).
+  ``expert_placement`` (one of ``EXPERT_PLACEMENTS``; how the run holds the experts, not the
+  model's shape, so a fine-tune may change it): ``"fsdp"`` shards the experts like every
+  weight and all-gathers them per layer; ``"expert"`` (expert parallelism) gives each device
+  of the mesh's ``seq`` axis X/seq of the experts and sends the tokens to them by all-to-all
+  (``models.expert_parallel``; X must divide by the ``seq`` size). ``plan.moe.placement``
+  says which moves fewer bytes.
   """
   preset: str = ""
   vocab_size: int = _field(1)
@@ -178,6 +187,7 @@ class LlamaConfig:
   moe: MoeConfig | None = _field()
   router_aux_loss_coef: float = _field(0)
   expert_backend: Literal[GROUPED_MATMUL_BACKENDS] = _field()
+  expert_placement: Literal[EXPERT_PLACEMENTS] = _field()
   attention_sinks: bool = _field()
 
   def __post_init__(self):
@@ -311,7 +321,8 @@ _DEFAULTS = dict(
     attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
     sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
     norm_offset_one=False, post_norms=False, embed_scale=False, attn_out_bias=False, moe=None,
-    router_aux_loss_coef=0.0, expert_backend="auto", attention_sinks=False)
+    router_aux_loss_coef=0.0, expert_backend="auto", expert_placement="fsdp",
+    attention_sinks=False)
 
 _LLAMA3_SCALING = dict(kind="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position=8192)

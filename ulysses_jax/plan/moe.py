@@ -15,15 +15,24 @@ bytes of the compute dtype):
              it assumes a grouped matmul (k rows per token): a masked dense one over the X
              experts (XLA's CPU lowering of ``ragged_dot``) holds X times the rows.
 
-Expert placement, values moved per MoE layer and pass over the network:
+Expert placement (``LlamaConfig.expert_placement``), values each device sends per MoE layer
+and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
 
-  (a) experts FSDP-sharded, all-gathered per layer (``models.moe``, the one implemented):
-      X·3·E·I, whatever T;
-  (b) expert parallelism (experts sharded over the devices, tokens sent to them and back by
-      all-to-all; not implemented): about 2·T·k·E.
+  (a) "fsdp": experts FSDP-sharded, all-gathered per layer: X·3·E·I, whatever T; the
+      gathered layer (and its gradient) held for the layer: 2·X·3·E·I·c bytes;
+  (b) "expert": experts split over ``seq``, a tile's (token, expert) pairs sent to their
+      experts and back by all-to-all (``models.expert_parallel``): 2·(D-1)·T·min(k, Xd)·E,
+      its fixed dropless blocks; the ideal, the used rows only, is about 2·T·k·E. The
+      layer's Xd experts held: 2·Xd·3·E·I·c bytes; per tile of t tokens, D·t·min(k, Xd)
+      rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
+      the grouped matmul computes every slot), and the blocks sent and received.
 
-(a) moves less once T > 3·X·I / (2k): 18,432 tokens per device for Qwen3-30B-A3B and 34,560
-for gpt-oss-20b, fewer than any long-context layout has.
+``placement`` picks the expert placement where D divides X and it both moves fewer values
+and holds less memory, else gathering (its all-gathers can be prefetched behind compute; the
+dispatch's all-to-alls wait for the router), and states both. With the used rows only, (a)
+would move less above T = 3·X·I / (2k) tokens per device (18,432 for Qwen3-30B-A3B, 34,560
+for gpt-oss-20b); with the blocks implemented, above 3·X·I / (2·(D-1)·min(k, Xd)) (2,633 for
+Qwen3-30B-A3B on seq = 8): every long-context layout gathers.
 """
 
 _MOE_E, _MOE_I, _MOE_X = 4.0, 6.0, 16.0  # see the module docstring
@@ -50,17 +59,44 @@ def working_bytes(model, tile_tokens: int, c: int) -> float:
                         + _MOE_X * model.num_experts)
 
 
-def placement(model, tokens: int) -> dict:
-  """Values moved per MoE layer and pass by each expert placement at ``tokens`` per device,
-  the one used, and why."""
+def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
+  """Each expert placement at ``tokens`` per device with ``expert_devices`` (the ``seq``
+  axis) to split the experts over and ``c`` bytes per value: values moved per MoE layer and
+  pass, the memory the layer holds, the one to use (``"placement"``), and why: the expert
+  placement where it both moves fewer values and needs no more memory, else gathering (whose
+  all-gathers can be prefetched behind compute, the dispatch's all-to-alls cannot)."""
   e, x, i, k = model.hidden_dim, model.num_experts, model.expert_mlp_dim, model.experts_per_token
-  gathered, dispatched = 3 * x * e * i, 2 * tokens * k * e
+  d = expert_devices
+  slots = min(k, x // d)
+  gathered, dispatched = 3 * x * e * i, 2 * (d - 1) * tokens * slots * e
+  tile = min(model.mlp_chunk, tokens) if model.mlp_chunk else tokens
+  # Rows through the experts per tile: t·k gathered; D·t·min(k, Xd) dispatched, plus the
+  # blocks sent and received (and their gradients).
+  rows = d * tile * slots
+  memory = {
+      "fsdp": 2 * gathered * c + working_bytes(model, tile, c),
+      "expert": (2 * gathered // d * c + working_bytes(model, rows / k, c)
+                 + 4 * rows * e * c)}
+  splits = d > 1 and x % d == 0
+  moves_less = dispatched < gathered
+  fits_in_less = memory["expert"] <= memory["fsdp"]
+  chosen = "expert" if splits and moves_less and fits_in_less else "fsdp"
   crossover = 3 * x * i / (2 * k)
-  why = (f"experts gathered per layer (FSDP): {gathered:,} values per MoE layer and pass; "
-         f"expert parallelism would move about {dispatched:,} (2 T k E at T = {tokens:,} "
-         f"tokens per device), "
-         + ("more: gathering moves less" if gathered <= dispatched else
-            "less, but it is not implemented")
-         + f" (gathering moves less above {crossover:,.0f} tokens per device)")
-  return {"placement": "fsdp", "gathered_values": gathered, "dispatched_values": dispatched,
-          "crossover_tokens": crossover, "why": why}
+  gib = lambda n: f"{n / 2**30:.2f} GiB"
+  why = (f"experts gathered per layer (fsdp): {gathered:,} values per MoE layer and pass, "
+         f"{gib(memory['fsdp'])} per device for the layer; ")
+  if not splits:
+    why += (f"expert parallelism needs seq > 1 dividing the {x} experts (seq = {d}): "
+            "gathering")
+  else:
+    why += (f"split over seq = {d} (expert): {dispatched:,} (2 (D-1) T min(k, X/D) E at "
+            f"T = {tokens:,} tokens per device), {gib(memory['expert'])}, "
+            f"{d * slots / k:g}x the expert FLOPs (every slot computed): "
+            + ("gathering moves less" if not moves_less else
+               "expert parallelism moves less but needs more memory: gathering"
+               if not fits_in_less else
+               "expert parallelism moves less in less memory: "
+               "LlamaConfig.expert_placement = 'expert'"))
+  return {"placement": chosen, "gathered_values": gathered, "dispatched_values": dispatched,
+          "ideal_dispatched_values": 2 * tokens * k * e, "crossover_tokens": crossover,
+          "memory_bytes": memory, "expert_flops_factor": d * slots / k, "why": why}

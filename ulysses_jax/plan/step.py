@@ -120,7 +120,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
           "fsdp_bytes": moved("fsdp_all_gather", "fsdp_reduce_scatter"),
           "allgather_kv_bytes": moved("allgather_kv", "allgather_kv_grad"), **times,
           "step_s": sum(times.values()), "breakdown": breakdown,
-          **({"experts": moe.placement(model, t)} if model.moe_layers else {})}
+          **({"experts": moe.placement(model, t, layout.seq, c)} if model.moe_layers else {})}
 
 
 def _term(name, seconds, hidden_by):

@@ -15,6 +15,12 @@ buffer for a windowed layer), in place (``cache.write_chunk``, ``cache.write_tok
 * ``decode`` feeds one token per row, attends the cache and the token itself, writes its k
   and v and returns the next token. The cache is donated to both programs and comes back
   aliased.
+
+Attention sinks (gpt-oss) enter the cache attention once, after the partial results are
+combined over the devices (``attention.cache_attention``); a one-pass prefill attends as
+training does. Mixture-of-experts layers run the model's own ``MoE``: in prefill on the
+chunk's (data, seq)-sharded tokens, in decode on the rows spread over the devices
+(``_decode_block``).
 """
 
 import jax

@@ -179,8 +179,9 @@ class DecoderLayer(nnx.Module):
     """The layer around ``attention(x_BSE) -> [B, S, E]``, the attention sublayer with its
     pre-norm (``attn_norm``): (output ``[B, S, E]``, ``RouterStats`` or None), as
     ``__call__``. ``__call__`` passes the training attention, ``ulysses_jax.generate`` one that
-    reads and writes a KV cache (dense models only: ``valid_BS`` and ``sparse`` are the
-    router's)."""
+    reads and writes a KV cache. ``valid_BS`` (the tokens the router's statistics count) and
+    ``sparse`` (this layer runs the experts) are the MoE MLP's; a model without experts
+    ignores them."""
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     post = lambda norm, y: y if norm is None else norm(y)
     x_BSE = constrain(x_BSE + post(self.attn_post_norm, attention(x_BSE)))

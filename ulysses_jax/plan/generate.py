@@ -16,7 +16,10 @@ prefill pass (one chunk of ``chunk_len`` tokens with chunked prefill):
              being formed, E each; gate, up and their product, F' each, F' = F times the MLP
              tile's share of T), T·(c·k·(2·E + 3·I) + 8·X) for experts (the k copies of each
              token and of its output; gate, up and product of width I; float32 router logits
-             and probabilities). Counted from the arrays, not fitted.
+             and probabilities). Counted from the arrays, not fitted. Not counted: a
+             ring's incoming K and V blocks (the compiled 4M-token prefill on 32 H100s holds
+             0.28 GiB more temporaries than the 1M one on 8; training's ring term,
+             ``plan.model``, would add 2.5 GiB here, far more).
 
 Times, as ``aot.generate`` predicts them from the compiled programs (lower bounds: peak rates,
 no overlap), and at the planner's achieved rates (``plan.hardware.ACHIEVED``):

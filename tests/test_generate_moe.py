@@ -5,6 +5,8 @@ q/k/v/o biases, alternating sliding and full layers, YaRN, a router bias), promp
 lengths longer than the windows, on Ulysses, data x seq and Ulysses x ring meshes; the decode
 attention with sinks against a dense reference."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from test_hf import random_hf_model  # noqa: E402
 from test_hf_moe import FAMILIES, random_gpt_oss  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax.attention.reference import dense_attention  # noqa: E402
+from ulysses_jax.cli import generate as generate_cli  # noqa: E402
 from ulysses_jax.generate import attention as gen_attention  # noqa: E402
 from ulysses_jax.hf import load_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
@@ -78,9 +81,20 @@ GREEDY_CASES = [("gpt_oss", "ulysses_1x8", None), ("gpt_oss", "data_2x4", None),
 # suite has the attention test above.
 @pytest.mark.slow
 @pytest.mark.parametrize("family, mesh, chunk_len", GREEDY_CASES)
-def test_greedy_equals_transformers(family, mesh, chunk_len, references):
-  """``chunk_len=8``: the longest prompt in three chunks, each attending the cache so far."""
+def test_greedy_equals_transformers(family, mesh, chunk_len, references, tmp_path):
+  """``chunk_len=8``: the longest prompt in three chunks, each attending the cache so far.
+  gpt-oss on 1 x 8 runs the command line (weights replicated, ``generate.PARAM_RULES``); the
+  others the Python API (weights as training shards them)."""
   ref = references(family)
+  if (family, mesh) == ("gpt_oss", "ulysses_1x8"):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.json"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ref.prompts))
+    assert generate_cli.main([f"--hf={ref.path}", f"--prompts={prompts}",
+                              f"--max_new_tokens={NEW_TOKENS}", "--mesh_seq=8",
+                              "--platform=cpu", "--cpu_devices=8", f"--json={out}"]) == 0
+    got = [r["output_ids"] for r in json.loads(out.read_text())["results"]]
+    assert got == ref.until_eos()
+    return
   model = load_llama(ref.path, make_mesh(*MESHES[mesh]))
   assert gen.generate(model, ref.prompts, max_new_tokens=NEW_TOKENS,
                       chunk_len=chunk_len) == ref.expected

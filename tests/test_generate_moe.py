@@ -98,3 +98,33 @@ def test_greedy_equals_transformers(family, mesh, chunk_len, references, tmp_pat
   model = load_llama(ref.path, make_mesh(*MESHES[mesh]))
   assert gen.generate(model, ref.prompts, max_new_tokens=NEW_TOKENS,
                       chunk_len=chunk_len) == ref.expected
+
+
+def test_decode_experts_over_the_stack_equal_the_layers_own():
+  """``experts.stacked_experts`` (the decode step's experts where the grouped matmul is the
+  Mosaic kernel, layer i's tokens sent to groups i·X + e of all layers' experts) equals the
+  layer's own ``MoE`` on its slice, on a 2 x 4 mesh, with every feature of gpt-oss's experts
+  (run here with XLA's ragged_dot)."""
+  from flax import nnx
+  from ulysses_jax.generate import experts
+  from ulysses_jax.models.config import LlamaConfig, MoeConfig
+  from ulysses_jax.models.llama import init_llama
+  config = LlamaConfig(preset="tiny", num_layers=2, moe=MoeConfig(
+      num_experts=4, experts_per_token=2, expert_mlp_dim=32, router="topk_softmax",
+      router_bias=True, expert_bias=True, expert_activation="clamped_swiglu"))
+  model = init_llama(config, make_mesh(2, 4), seed=1)
+  rng = np.random.default_rng(0)
+  for name in ("router_bias", "gate_bias", "up_bias", "down_bias"):  # zeros at init
+    param = getattr(model.layers.moe, name)
+    param[...] = jnp.asarray(rng.normal(0, 0.5, param.shape), param.dtype)
+  x = jnp.asarray(rng.standard_normal((2, 8, config.hidden_dim)), jnp.float32)
+  valid = jnp.ones((2, 8), bool)
+
+  @nnx.jit
+  def both(model, x):  # the last layer: its groups start at X, not 0
+    layer = model.layer(1)
+    return (experts.stacked_experts(model, 1, x, norm=layer.mlp_norm),
+            layer.moe(x, valid, norm=layer.mlp_norm)[0])
+
+  stacked, own = both(model, x)
+  np.testing.assert_allclose(np.asarray(stacked), np.asarray(own), atol=1e-5, rtol=1e-5)

@@ -23,12 +23,15 @@ chunk's (data, seq)-sharded tokens, in decode on the rows spread over the device
 (``_decode_block``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulysses_jax.generate import cache as cache_lib
+from ulysses_jax.generate import experts
 from ulysses_jax.generate.attention import cache_attention
 from ulysses_jax.generate.cache import CacheLayout, KVCache
 from ulysses_jax.generate.sampling import Sampling, sample
@@ -142,6 +145,7 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
   config = model.config
   positions_B = lengths_B + step
   new = {n: ([], []) for n in range(len(layout.kinds))}
+  stacked = experts.uses_stacked_experts(config, layout.mesh)
   x_B1E = model.embed(tokens_B[:, None])
   for i, layer_type in enumerate(config.attention_types()):
     layer = model.layer(i)
@@ -157,7 +161,11 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
           scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i],
           new_kv=(k, v), sinks_H=layer.attn.sink_logits()))
 
-    x_B1E = _decode_block(layer, layout, x_B1E, attention, config.sparse_layers()[i])
+    feed_forward = None
+    if config.sparse_layers()[i] and stacked:
+      feed_forward = functools.partial(experts.stacked_experts, model, i, norm=layer.mlp_norm)
+    x_B1E = _decode_block(layer, layout, x_B1E, attention, config.sparse_layers()[i],
+                          feed_forward)
   ks, vs, positions = [], [], []
   for n, kind in enumerate(layout.kinds):
     slots_B = cache_lib.token_slots(layout, kind, step, positions_B)
@@ -169,14 +177,16 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
                                                                       sampling, step + 1)
 
 
-def _decode_block(layer, layout: CacheLayout, x_B1E, attention, sparse: bool):
+def _decode_block(layer, layout: CacheLayout, x_B1E, attention, sparse: bool,
+                  feed_forward=None):
   """One decoder layer of a decode step: ``[B, 1, E]`` (rows over ``data``) -> the same.
 
   A dense layer runs as it comes. In a model with experts, each row's token is one token of
   the MoE layer's (data, seq)-sharded input: the B/data rows of a data shard are spread over
   its seq x ring devices (padded with zero rows to a multiple of them, dropped after), so
   each device routes and multiplies ⌈B/(data·seq·ring)⌉ tokens, not every row of its shard,
-  and the layer runs ``MoE`` as training does. The attention sublayer sees the rows as they
+  and the layer runs ``MoE`` as training does, or ``feed_forward`` (the experts over the
+  whole stack, ``experts.stacked_experts``). The attention sublayer sees the rows as they
   came in."""
   if layer.moe is None:
     return layer.block(x_B1E, attention)[0]
@@ -199,7 +209,7 @@ def _decode_block(layer, layout: CacheLayout, x_B1E, attention, sparse: bool):
   valid_dR = jax.lax.with_sharding_constraint(
       jnp.broadcast_to(jnp.arange(padded) < rows, (data, padded)), spread)
   x_dRE, _ = layer.block(to_tokens(x_B1E), lambda x: to_tokens(attention(to_rows(x))),
-                         valid_dR, sparse)
+                         valid_dR, sparse, feed_forward)
   return to_rows(x_dRE)
 
 

@@ -18,7 +18,8 @@ where the prefill and the cache run.
   ``CacheLayout.bytes_per_device``); sliding-window layers keep rolling buffers.
 * ``attention``: the decode attention, partial outputs with float32 log-sum-exps combined over
   the devices (an empty shard is the neutral state).
-* ``steps``: the jitted prefill and decode programs, from the model's own layers.
+* ``steps``: the jitted prefill and decode programs, from the model's own layers
+  (``experts``: a decode step's mixture-of-experts layer over the whole stack of experts).
 * ``sampling``: greedy, temperature, top-k, top-p; one key per step on every device.
 
 The command line is ``ulysses-generate`` (``python -m ulysses_jax.generate``,

@@ -100,6 +100,7 @@ def test_greedy_equals_transformers(family, mesh, chunk_len, references, tmp_pat
                       chunk_len=chunk_len) == ref.expected
 
 
+@pytest.mark.slow  # 3 to 4 s: over the quick suite's 3 s a test
 def test_decode_experts_over_the_stack_equal_the_layers_own():
   """``experts.stacked_experts`` (the decode step's experts where the grouped matmul is the
   Mosaic kernel, layer i's tokens sent to groups i·X + e of all layers' experts) equals the

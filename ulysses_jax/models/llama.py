@@ -178,11 +178,10 @@ class DecoderLayer(nnx.Module):
   def block(self, x_BSE, attention, valid_BS=None, sparse=False, feed_forward=None):
     """The layer around ``attention(x_BSE) -> [B, S, E]``, the attention sublayer with its
     pre-norm (``attn_norm``): (output ``[B, S, E]``, ``RouterStats`` or None), as
-    ``__call__``. ``__call__`` passes the training attention, ``ulysses_jax.generate`` one that
-    reads and writes a KV cache. ``valid_BS`` (the tokens the router's statistics count) and
-    ``sparse`` (this layer runs the experts) are the MoE MLP's; a model without experts
-    ignores them. ``feed_forward(x_BSE) -> [B, S, E]``: another MLP sublayer with its pre-norm
-    (a decode step's experts over the whole stack, ``generate.experts``), no stats."""
+    ``__call__``; ``ulysses_jax.generate`` passes one that reads and writes a KV cache.
+    ``valid_BS`` and ``sparse`` are the MoE MLP's (the tokens its statistics count; whether
+    this layer runs it). ``feed_forward(x) -> [B, S, E]``: another MLP sublayer with its
+    pre-norm, no stats (a decode step's experts over the stack, ``generate.experts``)."""
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     post = lambda norm, y: y if norm is None else norm(y)
     x_BSE = constrain(x_BSE + post(self.attn_post_norm, attention(x_BSE)))

@@ -1,12 +1,14 @@
 """How often greedy generation agrees with transformers' ``generate``, in float32 and bfloat16.
 
     python -m benchmarks.generate_agreement [--prompts 8] [--new_tokens 32] [--json PATH]
+        [--families llama,gpt_oss,...]
 
 For random models of each family (``FAMILIES``: Llama, Mistral with a window of 16 tokens,
-Qwen3 with YaRN, Gemma 3 with sliding and full layers; 2 layers, weights drawn with standard
-deviation 0.15 so that logits are far from ties), ``--prompts`` prompts of 24 to 96 tokens in one
-batch on a 1 x 2 x 4 (Ulysses x ring) mesh of CPU devices, ``--new_tokens`` greedy tokens each,
-beside transformers' ``generate`` (one prompt at a time, no EOS):
+Qwen3 with YaRN, Gemma 3 with sliding and full layers, Qwen3-MoE, Mixtral and gpt-oss; 2 or 3
+layers, weights drawn with standard deviation 0.15 so that logits are far from ties),
+``--prompts`` prompts of 24 to 96 tokens in one batch on a 1 x 2 x 4 (Ulysses x ring) mesh of
+CPU devices, ``--new_tokens`` greedy tokens each, beside transformers' ``generate`` (one prompt
+at a time, no EOS):
 
 * ``float32`` against transformers in float32;
 * ``bfloat16``: our weights in float32, compute and cache in bfloat16, against transformers with
@@ -49,6 +51,16 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, dict(
         sliding_window=16, layer_types=["sliding_attention", "full_attention"],
         query_pre_attn_scalar=32, tie_word_embeddings=False)),
+    # Mixtures of experts (4 experts, 2 per token); gpt-oss with its sinks, biases, sliding
+    # (16) and full layers and YaRN.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        num_hidden_layers=3, mlp_only_layers=[0], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=128)),
+    "mixtral_window16": (transformers.MixtralConfig, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"])),
 }
 COLUMNS = ["family", "ours", "transformers", "identical", "prefix", "positions"]
 
@@ -80,15 +92,18 @@ def main():
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--json", default="")
+  parser.add_argument("--families", default=",".join(FAMILIES),
+                      help=f"comma-separated, of {', '.join(FAMILIES)}")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, SHAPES["vocab_size"], n).tolist()
              for n in rng.integers(24, 97, args.prompts)]
   mesh = make_mesh(1, 2, 4)
   rows = []
-  for family, (config_class, fields) in FAMILIES.items():
+  for family in args.families.split(","):
+    config_class, fields = FAMILIES[family]
     torch.manual_seed(0)
-    config = config_class(**SHAPES, **fields)
+    config = config_class(**{**SHAPES, **fields})
     model_class = getattr(transformers, config_class.__name__.replace(
         "TextConfig", "ForCausalLM").replace("Config", "ForCausalLM"))
     theirs32 = model_class(config).eval()

@@ -45,15 +45,13 @@ MESHES = {"ulysses_1x8": (1, 8), "data_2x4": (2, 4), "ulysses_ring_1x2x4": (1, 2
 
 class Reference:
   """A random transformers model saved as a checkpoint, with its greedy continuations of
-  ``prompts`` (no EOS: all ``NEW_TOKENS``)."""
+  ``prompts`` (no EOS: all ``NEW_TOKENS``), drawn with ``seed``."""
 
-  def __init__(self, case, directory):
-    cls_name, overrides = CASES[case]
-    model = random_hf_model(cls_name, **overrides)
+  def __init__(self, model, directory, seed):
     model.save_pretrained(directory)
     self.path = directory
     self.eos_id = model.generation_config.eos_token_id
-    rng = np.random.default_rng(len(case))
+    rng = np.random.default_rng(seed)
     self.prompts = [rng.integers(0, 128, n).tolist() for n in PROMPT_LENGTHS]
     self.expected = []
     for prompt in self.prompts:
@@ -76,7 +74,9 @@ def references(tmp_path_factory):
 
   def get(case):
     if case not in made:
-      made[case] = Reference(case, tmp_path_factory.mktemp(case))
+      cls_name, overrides = CASES[case]
+      made[case] = Reference(random_hf_model(cls_name, **overrides),
+                             tmp_path_factory.mktemp(case), len(case))
     return made[case]
   return get
 

@@ -178,18 +178,3 @@ def test_sinks_are_a_replicated_parameter_per_query_head_without_weight_decay():
   with_sinks = nnx.eval_shape(lambda: Llama(LlamaConfig(preset="tiny-gqa", attention_sinks=True),
                                             mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
   assert with_sinks.layers.attn.sinks.shape == (2, 4)  # [L, Hq]
-
-
-def test_generation_refuses_a_model_with_sinks_or_experts():
-  from ulysses_jax.generate import Generator  # pylint: disable=import-outside-toplevel
-  model = nnx.eval_shape(lambda: Llama(LlamaConfig(preset="tiny-gqa", attention_sinks=True),
-                                       mesh=mesh_of(1, 1), rngs=nnx.Rngs(0)))
-  with pytest.raises(ValueError, match="generation does not take attention sinks yet"):
-    Generator(model, layout=None)
-  from ulysses_jax.generate import check_model  # pylint: disable=import-outside-toplevel
-  from ulysses_jax.models.config import MoeConfig  # pylint: disable=import-outside-toplevel
-  moe = LlamaConfig(preset="tiny", moe=MoeConfig(num_experts=4, experts_per_token=2,
-                                                 expert_mlp_dim=32))
-  with pytest.raises(ValueError, match=r"take mixture-of-experts layers yet .*--scoring=strict"):
-    check_model(moe)
-  check_model(LlamaConfig(preset="tiny"))

@@ -270,9 +270,17 @@ class UlyssesAttention(nnx.Module):
                                          self._sinks()))
 
   def project_out(self, out_BSHD: jax.Array) -> jax.Array:
-    """The output projection: attention output ``[B, S, Hq, D]`` -> ``[B, S, E]``."""
-    return self._output(out_BSHD.astype(self.q_proj.dtype),
-                        {"o_proj": self.o_proj.compute_kernel()})
+    """The output projection (its bias too, with ``out_bias``): attention output
+    ``[B, S, Hq, D]`` -> ``[B, S, E]``."""
+    y_BSE = self._output(out_BSHD.astype(self.q_proj.dtype),
+                         {"o_proj": self.o_proj.compute_kernel()})
+    if self.o_proj.bias is not None:
+      y_BSE = y_BSE + self.o_proj.bias[...].astype(y_BSE.dtype)
+    return y_BSE
+
+  def sink_logits(self) -> jax.Array | None:
+    """The float32 sink logits ``[Hq]`` (``attention_sinks``), or None without."""
+    return self._sinks()
 
   def attention_scale_or_default(self) -> float:
     """The score scale this layer applies: ``attention_scale``, or ``head_dim ** -0.5``."""

@@ -67,7 +67,6 @@ from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.corpus import make_tokenizer
 from ulysses_jax.data import DataConfig, document_windows
 from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
-from ulysses_jax.generate import check_model as check_generation
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.ruler import generation as ruler_generation
 from ulysses_jax.ruler import prompts as ruler_prompts
@@ -239,8 +238,6 @@ def evaluate(args) -> dict:
       vocab_size=config.vocab_size)
   skipped = None if args.lengths else []  # default lengths leave out what they cannot hold
   if args.ruler:
-    if args.scoring != "strict":
-      check_generation(config)
     qa_paths = [q for flag in args.qa_data for q in flag.split(",") if q]
     names = _ruler_tasks(args.ruler, has_essays=bool(data_config.paths),
                          has_qa=bool(qa_paths))

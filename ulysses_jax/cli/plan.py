@@ -43,7 +43,7 @@ import argparse
 import dataclasses
 
 from ulysses_jax import cli
-from ulysses_jax.cli import model_spec, plan_text
+from ulysses_jax.cli import model_spec, plan_generate, plan_text
 from ulysses_jax.gpus import GB as _GB, GPUS
 from ulysses_jax.models.llama import PRESETS
 from ulysses_jax.plan import report, search
@@ -111,6 +111,12 @@ def parser() -> cli.Parser:
       "optimizer's, or it and the layer parameters (default: searched)")
   add("--mesh", type=_mesh, help="DATAxSEQxRING (default: searched)")
   add("--top", type=int, default=12, help="rows to print")
+  gen = p.add_argument_group("generation (--generate: ulysses_jax.plan.generate)")
+  gen.add_argument("--generate", action="store_true", help="plan generation, not training")
+  gen.add_argument("--prompt_len", type=int, help="tokens per prompt")
+  gen.add_argument("--max_new_tokens", type=int, default=128, help="new tokens per prompt")
+  gen.add_argument("--prefill_chunk", type=int, help="prefill in chunks of this many tokens "
+                   "(default: one pass)")
   cli.add_json_flag(p, "the answer")
   add("--verify", action="store_true", help="compile the recommendation for the GPUs with "
       "ulysses_jax.aot (needs JAX's CUDA plugin) and print its memory beside the prediction")
@@ -134,7 +140,7 @@ def _parse(argv):
   for name, default in (("dtype", "bfloat16"), ("param_dtype", None), ("mlp_chunk", None)):
     if getattr(args, name) is None:
       setattr(args, name, getattr(config, name) if from_gin else default)
-  if args.seq_len is None:
+  if args.seq_len is None and not args.generate:
     cli.fail("give --seq_len (tokens per sequence), or a gin --model that sets "
              "DataConfig.seq_len.")
   _topology_flags(args)
@@ -231,6 +237,8 @@ def run(argv: list[str] | None = None) -> dict:
   """Prints the plan (and writes ``--json``) and returns its recommended row; exits 1 when
   no layout fits, 2 on bad input."""
   args = _parse(argv)
+  if args.generate:
+    return plan_generate.run(args, _gpu(args))
   model = Model.from_config(args.model_config)
   hardware = _hardware(args)
   knobs = _knobs(args, model)

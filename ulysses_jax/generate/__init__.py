@@ -18,7 +18,8 @@ where the prefill and the cache run.
   ``CacheLayout.bytes_per_device``); sliding-window layers keep rolling buffers.
 * ``attention``: the decode attention, partial outputs with float32 log-sum-exps combined over
   the devices (an empty shard is the neutral state).
-* ``steps``: the jitted prefill and decode programs, from the model's own layers.
+* ``steps``: the jitted prefill and decode programs, from the model's own layers
+  (``experts``: a decode step's mixture-of-experts layer over the whole stack of experts).
 * ``sampling``: greedy, temperature, top-k, top-p; one key per step on every device.
 
 The command line is ``ulysses-generate`` (``python -m ulysses_jax.generate``,
@@ -49,7 +50,7 @@ PARAM_RULES = tuple((name, None if name == "embed" else axes)
                     for name, axes in sharding.DEFAULT_RULES)
 
 __all__ = ["GREEDY", "PARAM_RULES", "CacheLayout", "Generator", "KVCache", "Sampling",
-           "check_model", "check_prompts", "generate", "plan_cache"]
+           "check_prompts", "generate", "plan_cache"]
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int, max_new_tokens: int,
@@ -103,7 +104,6 @@ class Generator:
   """
 
   def __init__(self, model, layout: CacheLayout, sampling: Sampling = GREEDY):
-    check_model(model.config)
     self.graphdef, self.params = nnx.split(model)
     self.config = model.config
     self.layout, self.sampling = layout, sampling
@@ -144,17 +144,6 @@ class Generator:
                                                np.int32(self.step), self.lengths)
     self.step += 1
     return np.asarray(jax.device_get(self.tokens))
-
-
-def check_model(config):
-  """Raises ``ValueError`` for a model (``LlamaConfig``) generation cannot run yet."""
-  unsupported = [what for what, present in (
-      ("attention sinks", config.attention_sinks),
-      ("mixture-of-experts layers", config.moe is not None)) if present]
-  if unsupported:
-    raise ValueError(f"generation does not take {' or '.join(unsupported)} yet (gpt-oss, "
-                     "Qwen3-MoE, Mixtral): train and evaluate such a model (RULER with "
-                     "--scoring=strict); generate with transformers for now.")
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

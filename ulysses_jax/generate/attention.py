@@ -131,21 +131,31 @@ def _with_new_token(o, lse, q_bKGTD, k_bKD, v_bKD, scale):
   top = jnp.maximum(lse, score)
   old = jnp.where(jnp.isfinite(lse), jnp.exp(lse - top), 0.0)
   new = jnp.exp(score - top)
-  return (old[..., None] * o + new[..., None] * f32(v_bKD)[:, :, None, None]) / (
+  o = (old[..., None] * o + new[..., None] * f32(v_bKD)[:, :, None, None]) / (
       old + new)[..., None]
+  return o, top + jnp.log(old + new)
+
+
+def _with_sinks(o, lse, sinks_KG):
+  """``o`` with each query head's sink logit in its softmax (``attention.sinks``): o ·
+  σ(lse - s), applied once to the combined attention (a row that sees nothing stays 0)."""
+  return o * jax.nn.sigmoid(lse - sinks_KG[None, :, :, None])[..., None]
 
 
 def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *,
-                    scale: float, window: int | None, new_kv=None):
+                    scale: float, window: int | None, new_kv=None, sinks_H=None):
   """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
   cache (k ``[B, Hkv, C, D]``, v ``[B, Hkv, D, C]`` and the slots' positions ``[B, C]``,
   placed as ``layout`` says). ``new_kv``: a decode step's own k and v ``[B, 1, Hkv, D]``, not
-  in the cache yet, which each query (T = 1) sees besides the cache's slots. Returns
-  ``[B, T, Hq, D]`` in q's dtype, replicated over the slot axes."""
+  in the cache yet, which each query (T = 1) sees besides the cache's slots. ``sinks_H``:
+  float32 sink logits ``[Hq]`` (gpt-oss) or None, applied once to the attention combined over
+  the devices and merged with the new token (per shard, each device's partial lse would give
+  the sink a share of every shard's mass). Returns ``[B, T, Hq, D]`` in q's dtype, replicated
+  over the slot axes."""
   hq, hkv = q_BTHD.shape[2], k_BKCD.shape[1]
   q_spec = P(DATA, None, layout.heads_axis, None)
 
-  def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, *new_kv):
+  def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, *extra):
     b, t, h, d = q_bThD.shape
     k_heads = k_bkCD.shape[1]
     q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
@@ -153,16 +163,20 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos
                                window=window, fused=fused)
     out, lse = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
     if new_kv:
-      out = _with_new_token(out, lse, q, *(x[:, 0] for x in new_kv), scale)
+      out, lse = _with_new_token(out, lse, q, *(x[:, 0] for x in extra[:2]), scale)
+    if sinks_H is not None:
+      out = _with_sinks(out, lse, extra[-1].reshape(k_heads, h // k_heads))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q_bThD.dtype)
 
   if hq % hkv:
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
   new_kv = () if new_kv is None else tuple(new_kv)
+  sinks = () if sinks_H is None else (sinks_H.astype(jnp.float32),)
   on = target.of_mesh(layout.mesh)
   fused = q_BTHD.shape[1] == 1 and on is not None and on.on_gpu
   return jax.shard_map(attend, mesh=layout.mesh,
                        in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(values=True), P(DATA),
-                                 layout.positions_spec(), *(q_spec,) * len(new_kv)),
+                                 layout.positions_spec(), *(q_spec,) * len(new_kv),
+                                 *(P(layout.heads_axis),) * len(sinks)),
                        out_specs=q_spec, check_vma=False)(
-                           q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *new_kv)
+                           q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *new_kv, *sinks)

@@ -15,7 +15,15 @@ buffer for a windowed layer), in place (``cache.write_chunk``, ``cache.write_tok
 * ``decode`` feeds one token per row, attends the cache and the token itself, writes its k
   and v and returns the next token. The cache is donated to both programs and comes back
   aliased.
+
+Attention sinks (gpt-oss) enter the cache attention once, after the partial results are
+combined over the devices (``attention.cache_attention``); a one-pass prefill attends as
+training does. Mixture-of-experts layers run the model's own ``MoE``: in prefill on the
+chunk's (data, seq)-sharded tokens, in decode on the rows spread over the devices
+(``_decode_block``).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +31,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulysses_jax.generate import cache as cache_lib
+from ulysses_jax.generate import experts
 from ulysses_jax.generate.attention import cache_attention
 from ulysses_jax.generate.cache import CacheLayout, KVCache
 from ulysses_jax.generate.sampling import Sampling, sample
-from ulysses_jax.mesh import DATA
+from ulysses_jax.mesh import DATA, sequence_axes, sequence_shards
 
 
 def _segments(config, layout: CacheLayout) -> list[tuple[int, int]]:
@@ -62,6 +71,9 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
           NamedSharding(layout.mesh, layout.positions_spec()))
       for kind in layout.kinds)
   layers_graphdef, layer_states = nnx.split(model.layers)
+  # The MoE layers' router takes only the prompts' tokens into its statistics (unused here).
+  valid_BT = positions_BT < lengths_B[:, None]
+  sparse_L = jnp.array(config.sparse_layers())
   ks, vs = list(cache.k), list(cache.v)
   x_BTE = model.embed(tokens_BT)
   for start, stop in _segments(config, layout):
@@ -89,10 +101,10 @@ def prefill(graphdef, layout: CacheLayout, params, cache: KVCache, tokens_BT, ch
                               for x in "kv")
           out = cache_attention(layout, q, k_layer, v_layer, positions_BT, positions[n],
                                 scale=layer.attn.attention_scale_or_default(),
-                                window=window)
+                                window=window, sinks_H=layer.attn.sink_logits())
         return layer.attn.project_out(out)
 
-      x_BTE, _ = layer.block(x_BTE, attention)
+      x_BTE, _ = layer.block(x_BTE, attention, valid_BT, sparse_L[i])
       return (x_BTE, written["k"], written["v"]), None
 
     (x_BTE, ks[n], vs[n]), _ = jax.lax.scan(body, (x_BTE, ks[n], vs[n]),
@@ -133,6 +145,7 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
   config = model.config
   positions_B = lengths_B + step
   new = {n: ([], []) for n in range(len(layout.kinds))}
+  stacked = experts.uses_stacked_experts(config, layout.mesh)
   x_B1E = model.embed(tokens_B[:, None])
   for i, layer_type in enumerate(config.attention_types()):
     layer = model.layer(i)
@@ -146,9 +159,13 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
       return layer.attn.project_out(cache_attention(
           layout, q, cache.k[n][j], cache.v[n][j], positions_B[:, None], cache.positions[n],
           scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i],
-          new_kv=(k, v)))
+          new_kv=(k, v), sinks_H=layer.attn.sink_logits()))
 
-    x_B1E, _ = layer.block(x_B1E, attention)
+    feed_forward = None
+    if config.sparse_layers()[i] and stacked:
+      feed_forward = functools.partial(experts.stacked_experts, model, i, norm=layer.mlp_norm)
+    x_B1E = _decode_block(layer, layout, x_B1E, attention, config.sparse_layers()[i],
+                          feed_forward)
   ks, vs, positions = [], [], []
   for n, kind in enumerate(layout.kinds):
     slots_B = cache_lib.token_slots(layout, kind, step, positions_B)
@@ -158,6 +175,42 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
     positions.append(cache_lib.write_token(layout, cache.positions[n], positions_B, slots_B))
   return KVCache(tuple(ks), tuple(vs), tuple(positions)), _next_token(model, x_B1E[:, 0],
                                                                       sampling, step + 1)
+
+
+def _decode_block(layer, layout: CacheLayout, x_B1E, attention, sparse: bool,
+                  feed_forward=None):
+  """One decoder layer of a decode step: ``[B, 1, E]`` (rows over ``data``) -> the same.
+
+  A dense layer runs as it comes. In a model with experts, each row's token is one token of
+  the MoE layer's (data, seq)-sharded input: the B/data rows of a data shard are spread over
+  its seq x ring devices (padded with zero rows to a multiple of them, dropped after), so
+  each device routes and multiplies ⌈B/(data·seq·ring)⌉ tokens, not every row of its shard,
+  and the layer runs ``MoE`` as training does, or ``feed_forward`` (the experts over the
+  whole stack, ``experts.stacked_experts``). The attention sublayer sees the rows as they
+  came in."""
+  if layer.moe is None:
+    return layer.block(x_B1E, attention)[0]
+  mesh = layout.mesh
+  b, _, e = x_B1E.shape
+  shards = sequence_shards(mesh)
+  data = mesh.shape[DATA]
+  rows = b // data
+  padded = -(-rows // shards) * shards
+  spread = NamedSharding(mesh, P(DATA, sequence_axes(mesh)))
+
+  def to_tokens(x_B1E):
+    x_dRE = jnp.pad(x_B1E.reshape(data, rows, e), [(0, 0), (0, padded - rows), (0, 0)])
+    return jax.lax.with_sharding_constraint(x_dRE, spread)
+
+  def to_rows(x_dRE):
+    x_B1E = x_dRE[:, :rows].reshape(b, 1, e)
+    return jax.lax.with_sharding_constraint(x_B1E, rows_sharding(layout, 3))
+
+  valid_dR = jax.lax.with_sharding_constraint(
+      jnp.broadcast_to(jnp.arange(padded) < rows, (data, padded)), spread)
+  x_dRE, _ = layer.block(to_tokens(x_B1E), lambda x: to_tokens(attention(to_rows(x))),
+                         valid_dR, sparse, feed_forward)
+  return to_rows(x_dRE)
 
 
 def rows_sharding(layout: CacheLayout, ndim: int = 1) -> NamedSharding:

@@ -175,16 +175,18 @@ class DecoderLayer(nnx.Module):
     return self.block(x_BSE, lambda x: self._attention(x, positions_BS, segment_ids_BS,
                                                        sliding), valid_BS, sparse)
 
-  def block(self, x_BSE, attention, valid_BS=None, sparse=False):
+  def block(self, x_BSE, attention, valid_BS=None, sparse=False, feed_forward=None):
     """The layer around ``attention(x_BSE) -> [B, S, E]``, the attention sublayer with its
     pre-norm (``attn_norm``): (output ``[B, S, E]``, ``RouterStats`` or None), as
-    ``__call__``. ``__call__`` passes the training attention, ``ulysses_jax.generate`` one that
-    reads and writes a KV cache (dense models only: ``valid_BS`` and ``sparse`` are the
-    router's)."""
+    ``__call__``; ``ulysses_jax.generate`` passes one that reads and writes a KV cache.
+    ``valid_BS`` and ``sparse`` are the MoE MLP's (the tokens its statistics count; whether
+    this layer runs it). ``feed_forward(x) -> [B, S, E]``: another MLP sublayer with its
+    pre-norm, no stats (a decode step's experts over the stack, ``generate.experts``)."""
     constrain = lambda x: sharding.constrain(x, _ACT_BSE, self.mesh, self.rules)
     post = lambda norm, y: y if norm is None else norm(y)
     x_BSE = constrain(x_BSE + post(self.attn_post_norm, attention(x_BSE)))
-    y_BSE, stats = self._feed_forward(x_BSE, valid_BS, sparse)
+    y_BSE, stats = (self._feed_forward(x_BSE, valid_BS, sparse) if feed_forward is None
+                    else (feed_forward(x_BSE), None))
     return constrain(x_BSE + post(self.mlp_post_norm, y_BSE)), stats
 
   def _feed_forward(self, x_BSE, valid_BS, sparse):

@@ -1,0 +1,31 @@
+"""Generation of a mixture-of-experts model compiled for H100s on a machine without a GPU
+(marked ``gpu_compile``, as ``tests/test_gpu_compile.py``): the decode step reads its experts
+from the whole stack, holding no copy of a layer's experts."""
+
+import re
+
+import pytest
+from test_gpu_compile import MOSAIC, pytestmark  # noqa: F401  (the marks apply here too)
+from ulysses_jax import aot, make_mesh
+
+
+@pytest.mark.slow  # 38 s on 2 busy cores
+def test_moe_decode_step_hands_the_kernel_the_whole_stack_and_copies_no_layer():
+  """4 layers of 32 experts (width 512, model width 1024, bfloat16) on 1 x 8: every Mosaic
+  grouped matmul of the decode step takes all 4 x 32 groups, and the step's temporaries stay
+  far below one layer's experts (a slice of the stack copied per layer, as XLA does for a
+  custom call's operand, would hold them)."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import MoeConfig, preset
+  config = preset("tiny", hidden_dim=1024, num_layers=4, dtype="bfloat16",
+                  param_dtype="bfloat16", remat_policy="none",
+                  moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=512))
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=4096))
+  compiled = aot_generate.lower_steps(generator, layout, cache)["decode"].compile()
+  kernels = [line for line in compiled.as_text().splitlines() if MOSAIC in line]
+  assert len(kernels) == 3 * config.num_layers  # gate, up, down per layer
+  assert all(re.search(r"bf16\[128,(1024,512|512,1024)\]", line) for line in kernels)
+  one_layer_experts = 3 * 32 * 1024 * 512 * 2
+  assert compiled.memory_analysis().temp_size_in_bytes < one_layer_experts / 8

@@ -1,0 +1,140 @@
+"""The split-K decode kernel (``kernels.decode_hopper``) against XLA's ``partial_attention`` and
+a float64 NumPy reference, in Pallas' GPU interpret mode (which simulates the two warpgroups,
+the ring's barriers and the TMA copies; its buffers start as NaN, so an element the kernel
+fails to write shows up), under the race detector where the installed JAX has one, and lowered
+for Hopper (compiling and running it needs an H100).
+
+Every case has a slot count that is not a multiple of the block (the last block starts early
+and masks what the block before it took), empty slots (-1), slots out of position order (a
+rolling window buffer), a batch row whose query sees nothing, and more splits than some
+(batch, KV head) has blocks for (empty splits).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks.kernel_resources import lowering_target
+from ulysses_jax.generate.attention import partial_attention
+from ulysses_jax.kernels import decode_hopper, hopper_interpret
+
+
+def _inputs(seed, b, kv_heads, g, t, c, d, dtype):
+  """Random q, k, v in the cache's layout, shuffled slot positions with empty slots, and query
+  positions: row 0 sees most slots, row 1 (if any) none."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((b, kv_heads, g, t, d)).astype(np.float32)
+  k = rng.standard_normal((b, kv_heads, c, d)).astype(np.float32)
+  v = rng.standard_normal((b, kv_heads, d, c)).astype(np.float32)
+  k_pos = np.stack([rng.permutation(c) for _ in range(b)]).astype(np.int32)
+  k_pos[rng.random((b, c)) < 0.1] = -1
+  q_pos = np.tile(np.arange(t, dtype=np.int32) + c - t - 20, (b, 1))
+  if b > 1:
+    q_pos[1] = -1 - np.arange(t)  # before every slot: sees nothing
+  cast = lambda x: jnp.asarray(x, dtype)
+  return cast(q), cast(k), cast(v), jnp.asarray(q_pos), jnp.asarray(k_pos)
+
+
+def _float64_reference(q, k, v, q_pos, k_pos, scale, window):
+  """``(o, lse)`` in float64, (0, -inf) for a query that sees nothing."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  q_pos, k_pos = np.asarray(q_pos), np.asarray(k_pos)
+  scores = np.einsum("bkgtd,bkcd->bkgtc", q, k) * scale
+  distance = q_pos[:, :, None] - k_pos[:, None, :]  # [b, t, c]
+  visible = (k_pos[:, None, :] >= 0) & (distance >= 0)
+  if window is not None:
+    visible &= distance < window
+  scores = np.where(visible[:, None, None], scores, -np.inf)
+  top = scores.max(-1, keepdims=True)
+  weights = np.where(np.isfinite(scores), np.exp(scores - np.where(np.isfinite(top), top, 0)), 0)
+  total = weights.sum(-1)
+  o = np.einsum("bkgtc,bkdc->bkgtd", weights, v) / np.where(total > 0, total, 1)[..., None]
+  with np.errstate(divide="ignore"):
+    lse = np.where(total > 0, top[..., 0] + np.log(np.where(total > 0, total, 1)), -np.inf)
+  return o, lse
+
+
+def _check(case, dtype, tol, **kernel_options):
+  b, kv_heads, g, t, c, d, window = case
+  q, k, v, q_pos, k_pos = _inputs(sum(case[:6]), b, kv_heads, g, t, c, d, dtype)
+  scale = d ** -0.5
+  o, lse = jax.jit(lambda *x: decode_hopper.decode_attention(
+      *x, scale=scale, window=window, interpret=True, **kernel_options))(q, k, v, q_pos, k_pos)
+  o_xla, lse_xla = partial_attention(q, k, v, q_pos, k_pos, scale=scale, window=window)
+  o_64, lse_64 = _float64_reference(q, k, v, q_pos, k_pos, scale, window)
+  assert np.isfinite(lse_64[0]).all() and (lse_64[1:] == -np.inf).all()  # the premise
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(lse_64))
+  np.testing.assert_array_equal(np.asarray(o)[1:], 0.0)  # the neutral state
+  np.testing.assert_allclose(lse, lse_64, atol=tol, rtol=0)
+  np.testing.assert_allclose(o, o_64, atol=tol, rtol=0)
+  # The kernel against XLA's path: the same inputs, each off the float64 truth by what its
+  # bfloat16 probabilities cost.
+  np.testing.assert_allclose(lse, lse_xla, atol=tol, rtol=0)
+  np.testing.assert_allclose(o, o_xla, atol=2 * tol, rtol=0)
+
+
+# (b, Hkv, G, T, C, D, window), dtype, kernel options. GPU interpret mode takes seconds per CTA
+# on a CPU, so the grids are small and the cases slow (about 5 to 15 s each on jax 0.10).
+# "gqa-empty-split": C = 200 slots are four 64-slot blocks (the last starts at 136) in three
+# splits of two blocks, the third empty; batch row 1 sees nothing. "mha-window-f16": G = 1,
+# float16, a window, the default block (128: two blocks, the second from slot 72) and splits
+# (one CTA per SM: here one per block). "d128-two-tokens": a chunk of two new tokens, D = 128,
+# three blocks through the two-slot ring in one split.
+CASES = {
+    "gqa-empty-split": ((2, 1, 4, 1, 200, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
+    "mha-window-f16": ((1, 1, 1, 1, 200, 128, 90), jnp.float16, {}),
+    "d128-two-tokens": ((1, 2, 2, 2, 136, 128, 50), jnp.bfloat16, dict(num_splits=1, block=64)),
+}
+TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # 16-bit probabilities; float32 sums and combine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_decode_kernel_matches_references(name):
+  case, dtype, options = CASES[name]
+  _check(case, dtype, TOL[dtype], **options)
+
+
+def test_decode_kernel_refuses_what_it_cannot_take():
+  q, k, v, q_pos, k_pos = _inputs(0, 1, 1, 1, 1, 128, 64, jnp.float32)
+  with pytest.raises(ValueError, match="float32; the kernel takes bfloat16 or float16.*'xla'"):
+    decode_hopper.decode_attention(q, k, v, q_pos, k_pos, scale=1.0, window=None)
+  assert "at least 64" in decode_hopper.unsupported_reason((1, 1, 1, 1, 64), (1, 1, 40, 64),
+                                                           jnp.bfloat16)
+  assert "96 rows" in decode_hopper.unsupported_reason((1, 1, 48, 2, 64), (1, 1, 128, 64),
+                                                       jnp.bfloat16)
+  with pytest.raises(ValueError, match="block 96 must be a multiple of 64"):
+    decode_hopper.decode_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                   v.astype(jnp.bfloat16), q_pos, k_pos, scale=1.0,
+                                   window=None, block=96)
+
+
+@pytest.mark.skipif(not hopper_interpret.has_proxy_aware_race_detector(),
+                    reason="this JAX's GPU interpret mode has no race detector that models "
+                           "TMA's async proxy (jax >= 0.12 has)")
+@pytest.mark.slow
+def test_decode_kernel_has_no_races():
+  """Four blocks through a two-slot ring (it wraps twice) under the race detector."""
+  try:
+    with plgpu.force_gpu_interpret_mode(hopper_interpret.params(detect_races=True)):
+      _check((1, 1, 4, 1, 256, 64, None), jnp.bfloat16, TOL[jnp.bfloat16], num_splits=1,
+             block=64)
+  finally:
+    hopper_interpret.reset_state()
+
+
+@pytest.mark.parametrize("d,window", [(64, None), (128, 1000)])
+def test_decode_kernel_lowers_for_hopper(d, window):
+  """The hardware path (wgmma with a register A and a transposed B, register layouts) through
+  Mosaic GPU's lowering, which rejects layouts it cannot realise."""
+  q = jax.ShapeDtypeStruct((1, 2, 4, 1, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 2, 4096, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 2, d, 4096), jnp.bfloat16)
+  positions = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+  with lowering_target(90):
+    lowered = jax.jit(lambda *x: decode_hopper.decode_attention(
+        *x, scale=0.1, window=window)).trace(q, k, v, *positions).lower(
+            lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu") >= 1

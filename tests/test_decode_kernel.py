@@ -10,6 +10,8 @@ rolling window buffer), a batch row whose query sees nothing, and more splits th
 (batch, KV head) has blocks for (empty splits).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,14 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.kernel_resources import lowering_target
+from ulysses_jax import aot
+from ulysses_jax.doctor import decode as decode_doctor
+from ulysses_jax import generate as gen
+from ulysses_jax.generate import attention as gen_attention
+from ulysses_jax.generate import cache as cache_lib
 from ulysses_jax.generate.attention import partial_attention
-from ulysses_jax.kernels import decode_hopper, hopper_interpret
+from ulysses_jax.kernels import decode_hopper, hopper_interpret, target
+from ulysses_jax.mesh import make_mesh
 
 
 def _inputs(seed, b, kv_heads, g, t, c, d, dtype):
@@ -138,3 +146,97 @@ def test_decode_kernel_lowers_for_hopper(d, window):
         *x, scale=0.1, window=window)).trace(q, k, v, *positions).lower(
             lowering_platforms=("cuda",))
   assert lowered.as_text().count("mosaic_gpu") >= 1
+
+
+# --- The kernel in the decode step (generate.attention's decode_backend) --------------------
+
+def test_decode_backend_choice():
+  """``auto`` takes the kernel on Hopper where it can take the cache, XLA elsewhere;
+  ``mosaic`` raises where the kernel cannot run (off GPUs it runs interpreted, for tests)."""
+  h100 = target.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0)
+  a100 = target.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0)
+  cpu = target.Target("cpu", "cpu")
+  q, k = (1, 1, 4, 1, 128), (1, 1, 131088, 128)  # Llama-3.1-8B on 8 H100s at 1M tokens
+  chosen = lambda backend, on, dtype=jnp.bfloat16, k=k: gen_attention._decode_kernel_chosen(
+      backend, on, q, k, dtype)
+  assert chosen("auto", h100) and chosen("mosaic", h100) and chosen("mosaic", cpu)
+  assert not (chosen("auto", cpu) or chosen("auto", a100) or chosen("xla", h100))
+  assert not chosen("auto", h100, jnp.float32) and not chosen("auto", h100, k=(1, 1, 1001, 128))
+  with pytest.raises(ValueError, match="needs a Hopper GPU .*A100.*use 'xla' or 'auto'"):
+    chosen("mosaic", a100)
+  with pytest.raises(ValueError, match="1001 cache slots per device; the kernel takes a "
+                                       "multiple of 8"):
+    chosen("mosaic", h100, k=(1, 1, 1001, 128))
+  with pytest.raises(ValueError, match=r"decode_backend must be one of \('auto', 'xla', "
+                                       r"'mosaic'\), got 'triton'"):
+    chosen("triton", h100)
+
+
+@pytest.mark.slow
+def test_decode_step_attention_with_the_kernel_equals_xla():
+  """``cache_attention`` of a decode step over layer 1 of a two-layer stack on a seq = 2 mesh
+  (the slots split over the two devices, combined across them): the kernel (interpreted) and
+  XLA's path agree, with the new token's own k and v; row 1's 30 tokens leave the second
+  device's shard empty. About 15 s on jax 0.10."""
+  mesh = make_mesh(1, 2, devices=jax.devices()[:2])
+  layout = gen.plan_cache(mesh, batch=2, prompt_len=240, max_new_tokens=17, kv_heads=1,
+                          head_dim=64, dtype="bfloat16", layer_windows=(None, None))
+  assert layout.slot_axes and layout.full_capacity // layout.slot_shards == 128
+  rng = np.random.default_rng(0)
+  c, d = layout.full_capacity, layout.head_dim
+  k, v = (jnp.asarray(rng.standard_normal((2, 2, 1, c, d)), jnp.bfloat16) for _ in range(2))
+  v = v.transpose(0, 1, 2, 4, 3)
+  q = jnp.asarray(rng.standard_normal((2, 1, 4, d)), jnp.bfloat16)
+  new_kv = tuple(jnp.asarray(rng.standard_normal((2, 1, 1, d)), jnp.bfloat16) for _ in range(2))
+  lengths = jnp.asarray([200, 30])
+  positions = cache_lib.chunk_positions(layout, None, 0, lengths)
+  outputs = {}
+  for backend in ("xla", "mosaic"):
+    chosen = dataclasses.replace(layout, decode_backend=backend)
+    outputs[backend] = np.asarray(jax.jit(lambda *x, chosen=chosen: gen_attention.cache_attention(
+        chosen, *x, scale=0.125, window=None, new_kv=new_kv, layer=1))(
+            q, k, v, lengths[:, None], positions), np.float32)
+  np.testing.assert_allclose(outputs["mosaic"], outputs["xla"], atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not aot.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (make "
+                    "test-gpu-compile builds .venv-gpu-compile)")
+def test_decode_step_compiled_for_h100_reads_each_layer_with_the_kernel():
+  """Llama-3.1-8B's shapes (two layers) at 1M tokens on 8 H100s: ``auto`` puts one kernel per
+  layer in the decode step, reading each layer's k and v where they lie in the stack (its
+  temporaries stay below one layer's k: no copy), where XLA's fusions broadcast each layer's
+  k and v over the 4 query heads of its group (``benchmarks/decode_compiled.py``)."""
+  from benchmarks.decode_compiled import compile_decode
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  config = preset("llama3.1-8b", dtype="bfloat16", param_dtype="bfloat16", remat_policy="none",
+                  attn_head_chunks=1, num_layers=2)
+  reports = {backend: compile_decode(config, aot_generate.GenerationSetup(
+      prompt_len=1 << 20, max_new_tokens=129, mesh_seq=8, decode_backend=backend))
+      for backend in ("auto", "xla")}
+  one_layer_k_gib = ((1 << 20) + 128) * 128 * 2 / 2**30
+  assert reports["auto"]["mosaic_kernels"] == 2
+  assert reports["auto"]["temporaries_gib"] < one_layer_k_gib
+  assert reports["auto"]["cache_reads_of_fusions"] == []
+  assert reports["xla"]["mosaic_kernels"] == 0
+  assert reports["xla"]["cache_reads_of_fusions"] == [4]
+  assert reports["xla"]["fusions_broadcasting_a_cache_layer"] == 4  # k and v of 2 layers
+
+
+def test_doctor_decode_check_needs_a_hopper_gpu():
+  row = decode_doctor.decode_row(jax.devices()[0])
+  assert row["passed"] is None and row["status"] == "needs a Hopper GPU (sm90)"
+  assert decode_doctor.check(row) == {"name": "decode kernel vs XLA", "passed": None,
+                                      "detail": "needs a Hopper GPU (sm90)"}
+
+
+@pytest.mark.slow
+def test_doctor_decode_check_runs_the_kernel_interpreted():
+  """What the doctor runs on a Hopper GPU (the kernel and XLA's path against float32, then
+  timed), on a 256-slot cache with the kernel interpreted. About 10 s on jax 0.10."""
+  row = decode_doctor.decode_row(jax.devices()[0], slots=256, warmup=0, iters=1,
+                                 interpret=True)
+  assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
+  assert row["kernel_ms"] > 0 and row["xla_ms"] > 0
+  assert "256 slots: kernel" in decode_doctor.check(row)["detail"]

@@ -80,7 +80,8 @@ class CacheLayout:
   ``batch`` B (a multiple of the data axis), ``prompt_len`` S = ``chunks`` · ``chunk_len``
   (T), ``gen_slots`` G, ``layer_windows`` (each layer's sliding window or None),
   ``slot_axes`` (mesh axes the slots are split over, major first), ``heads_axis`` (the mesh
-  axis the KV heads are split over, or None). See the module docstring.
+  axis the KV heads are split over, or None), ``decode_backend`` (a decode step's attention
+  over the cache: ``generate.attention.DECODE_BACKENDS``). See the module docstring.
   """
   mesh: Mesh
   batch: int
@@ -93,6 +94,7 @@ class CacheLayout:
   layer_windows: tuple
   slot_axes: tuple
   heads_axis: str | None
+  decode_backend: str = "auto"
 
   @property
   def chunks(self) -> int:

@@ -78,22 +78,31 @@ def default_splits(b: int, kv_heads: int, num_blocks: int) -> int:
 
 
 def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
-                     window: int | None, num_splits: int | None = None,
-                     block: int | None = None, num_stages: int = 2, interpret: bool = False):
-  """One device's partial attention ``(o, lse)`` (module docstring). ``num_splits``: splits of
-  the slots per (batch, KV head) (default: ``default_splits``); ``block``: slots per pipeline
-  step, a multiple of 64 at most C (default: ``default_block``)."""
+                     window: int | None, layer: int | None = None,
+                     num_splits: int | None = None, block: int | None = None,
+                     num_stages: int = 2, interpret: bool = False):
+  """One device's partial attention ``(o, lse)`` (module docstring). ``layer``: k and v are
+  stacks of layers ``[L, b, Hkv, C, D]`` and ``[L, b, Hkv, D, C]`` and the kernel reads layer
+  ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
+  first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
+  (batch, KV head) (default: ``default_splits``); ``block``: slots per pipeline step, a multiple
+  of 64 at most C (default: ``default_block``)."""
   b, kv_heads, g, t, d = q_bKGTD.shape
-  c = k_bKCD.shape[2]
-  reason = unsupported_reason(q_bKGTD.shape, k_bKCD.shape, k_bKCD.dtype)
+  if layer is not None:
+    if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v_bKDC.shape[0]:
+      raise ValueError(f"decode kernel: layer {layer} of stacks of {k_bKCD.shape[0]} (k) and "
+                       f"{v_bKDC.shape[0]} (v) layers.")
+  k_shape, v_shape = (x.shape[0 if layer is None else 1:] for x in (k_bKCD, v_bKDC))
+  c = k_shape[2]
+  reason = unsupported_reason(q_bKGTD.shape, k_shape, k_bKCD.dtype)
   if reason is not None:
     raise ValueError(f"decode kernel: {reason}; use decode_backend='xla'.")
   if not q_bKGTD.dtype == k_bKCD.dtype == v_bKDC.dtype:
     raise ValueError(f"decode kernel: q, k and v must share a dtype, got {q_bKGTD.dtype}, "
                      f"{k_bKCD.dtype}, {v_bKDC.dtype}.")
-  if k_bKCD.shape != (b, kv_heads, c, d) or v_bKDC.shape != (b, kv_heads, d, c):
-    raise ValueError(f"decode kernel: k must be [b, Hkv, C, D] = {(b, kv_heads, c, d)} and v "
-                     f"[b, Hkv, D, C]; got {k_bKCD.shape} and {v_bKDC.shape}.")
+  if k_shape != (b, kv_heads, c, d) or v_shape != (b, kv_heads, d, c):
+    raise ValueError(f"decode kernel: a layer's k must be [b, Hkv, C, D] = {(b, kv_heads, c, d)}"
+                     f" and v [b, Hkv, D, C]; got {k_shape} and {v_shape}.")
   block = block or default_block(c, d)
   if block % MIN_BLOCK or not MIN_BLOCK <= block <= c:
     raise ValueError(f"decode kernel: block {block} must be a multiple of {MIN_BLOCK} in "
@@ -108,7 +117,8 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
                      constant_values=-1)
   kernel = functools.partial(_kernel, scale=scale, window=window, block=block,
                              blocks_per_split=-(-num_blocks // num_splits),
-                             num_blocks=num_blocks, num_stages=num_stages, interpret=interpret)
+                             num_blocks=num_blocks, num_stages=num_stages, interpret=interpret,
+                             layer=() if layer is None else (layer,))
   o_split, lse_split = plgpu.kernel(
       kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS, d), jnp.float32),
                         jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS), jnp.float32)),
@@ -136,7 +146,7 @@ def combine_splits(o_bKSRD, lse_bKSR):
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale, window, block,
-            blocks_per_split, num_blocks, num_stages, interpret):
+            blocks_per_split, num_blocks, num_stages, interpret, layer):
   d, dtype = q_ref.shape[-1], q_ref.dtype
   buffers = dict(
       q=flash_hopper.smem_tile((1, ROWS, d), dtype),
@@ -152,12 +162,13 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
     first = split * blocks_per_split
     end = jnp.minimum(first + blocks_per_split, num_blocks)
     num_steps = jnp.maximum(end - first, 0)
-    start_of = lambda j: jnp.minimum(j * block, k_ref.shape[2] - block)
+    start_of = lambda j: jnp.minimum(j * block, k_pos_ref.shape[1] - block)
 
     def groups_of_step(t):
       slots = pl.ds(start_of(first + t), block)
-      return [("k", dict(k=k_ref.at[batch, head, slots])),
-              ("v", dict(v=v_ref.at[batch, head, :, slots], k_pos=k_pos_ref.at[batch, slots]))]
+      return [("k", dict(k=k_ref.at[(*layer, batch, head, slots)])),
+              ("v", dict(v=v_ref.at[(*layer, batch, head, slice(None), slots)],
+                         k_pos=k_pos_ref.at[batch, slots]))]
 
     def compute():
       plgpu.set_max_registers(232, action="increase")

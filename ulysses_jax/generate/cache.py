@@ -196,9 +196,11 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
       kv_heads=kv_heads, head_dim=head_dim, dtype=str(jnp.dtype(dtype)),
       layer_windows=tuple(layer_windows), slot_axes=tuple(slot_axes),
       heads_axis=SEQ if heads_split else None)
-  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one.
-  return dataclasses.replace(layout, gen_slots=_round_up(max(max_new_tokens - 1, 1),
-                                                         layout.slot_shards))
+  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one; more
+  # (at most 7 per device) so that each device holds a multiple of 8 slots, as the decode
+  # kernel's TMA copies need (16-byte strides: ``kernels.decode_hopper``).
+  capacity = _round_up(layout.prompt_len + max(max_new_tokens - 1, 1), 8 * layout.slot_shards)
+  return dataclasses.replace(layout, gen_slots=capacity - layout.prompt_len)
 
 
 def empty_cache(layout: CacheLayout) -> KVCache:

@@ -212,6 +212,7 @@ def test_decode_step_attention_with_the_kernel_equals_xla():
   np.testing.assert_allclose(outputs["mosaic"], outputs["xla"], atol=2e-2, rtol=0)
 
 
+@pytest.mark.slow  # 11 to 20 s
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not aot.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (make "
                     "test-gpu-compile builds .venv-gpu-compile)")

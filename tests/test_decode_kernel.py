@@ -254,3 +254,23 @@ def test_doctor_decode_check_runs_the_kernel_interpreted():
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
   assert row["kernel_ms"] > 0 and row["xla_ms"] > 0
   assert "256 slots: kernel" in decode_doctor.check(row)["detail"]
+
+
+def test_cache_reads_counts_a_layer_broadcast_over_the_heads():
+  """``benchmarks.decode_compiled.cache_reads`` on a fused computation as XLA's GPU compiler
+  writes it for q . k (a layer's k [C, D] broadcast over 4 heads) and on one without."""
+  from benchmarks.decode_compiled import cache_reads
+  hlo = """%fused_reduce.7 (param_0.5: bf16[1,1,1,96,8], param_1.5: bf16[1,1,4,8]) -> f32[4,96] {
+  %param_0.5 = bf16[1,1,1,96,8]{4,3,2,1,0} parameter(0)
+  %bitcast.21 = bf16[96,8]{1,0} bitcast(%param_0.5)
+  %convert.41 = f32[96,8]{1,0} convert(%bitcast.21)
+  %mul.263 = f32[1,1,4,1,96,8]{5,4,3,2,1,0} broadcast(%convert.41), dimensions={4,5}
+  ROOT %reduce.36 = f32[4,96]{1,0} reduce(%mul.263, %c), dimensions={2}, to_apply=%add
+}
+
+%fused_copy (param_0.6: bf16[96,8]) -> bf16[96,8] {
+  ROOT %param_0.6 = bf16[96,8]{1,0} parameter(0)
+}
+"""
+  assert cache_reads(hlo, 96 * 8) == [4]
+  assert cache_reads(hlo, 97 * 8) == []

@@ -4,7 +4,8 @@
       [--gin_param=...] [--reserve_gib=G] [--json=PATH]
   ulysses-aot --generate (--preset=NAME | --init_from=DIR) --prompt_len=S [--max_new_tokens=N]
       [--batch=B] [--mesh_data=D] [--mesh_seq=P] [--mesh_ring=R] [--prefill_chunk=T]
-      [--dtype=bfloat16] [--fsdp_params] [--gpu=h100] [--topology=1x1x8] [--json=PATH]
+      [--dtype=bfloat16] [--fsdp_params] [--decode_backend=auto|xla|mosaic] [--gpu=h100]
+      [--topology=1x1x8] [--json=PATH]
 
 (or ``python -m ulysses_jax.aot``.) Builds the step ``ulysses-train`` would run for the config
 on that cluster (``step_builder.build_train_step``: same model, mesh, state layout, offload,
@@ -22,7 +23,7 @@ With ``--generate`` it compiles generation instead (``ulysses_jax.aot.generate``
 (one pass, or one chunk of ``--prefill_chunk`` tokens) and one decode step of ``ulysses-generate``
 for the model of a preset or checkpoint, prints the KV cache and each program's memory per
 device, and predicts the prefill's and a token's time (compiled, not run); it fits when both
-programs do.
+programs do. ``--decode_backend``: the decode step's attention (``generate.attention``).
 """
 
 import os

@@ -21,6 +21,11 @@ and transformers loads the same weights.
   Ulysses attention) after an untimed call, on P = 1 and 8; transformers' forward of the
   prompt with a cache (``use_cache=True``); tokens/s of the median of ``--repeats`` runs.
 
+Beside each measured time, the work per device of the compiled decode step (what 1/P scaling
+rests on, whatever the cores): the cache each device holds, and XLA's cost analysis of the
+program every device runs (bytes accessed, FLOPs); ``work_ratio_vs_1`` is the bytes accessed
+per device at P = 1 over those at P.
+
 Measured on this machine's CPU devices (``--xla_force_host_platform_device_count=8``): the
 virtual devices share the machine's cores, so the time per token falls as 1/P only while P
 stays within the cores. The JSON records the device count, the cores (``os.cpu_count``) and
@@ -50,7 +55,8 @@ from ulysses_jax.models.llama import init_llama  # noqa: E402
 MODEL = LlamaConfig(vocab_size=1024, hidden_dim=256, num_layers=4, num_heads=8, num_kv_heads=8,
                     head_dim=32, mlp_dim=512, rope_theta=10_000.0, remat_policy="none")
 DECODE_COLUMNS = ["context", "devices", "ms_per_token", "transformers_ms", "transformers_ratio",
-                  "speedup_vs_1"]
+                  "speedup_vs_1", "cache_mib_per_device", "gib_accessed_per_device",
+                  "mflop_per_device", "work_ratio_vs_1"]
 PREFILL_COLUMNS = ["context", "devices", "tokens_per_s", "transformers_tokens_per_s",
                    "speed_ratio"]
 
@@ -77,7 +83,9 @@ def filled_generator(model, context: int, steps: int) -> gen.Generator:
   return generator
 
 
-def time_decode(model, context: int, steps: int) -> float:
+def time_decode(model, context: int, steps: int) -> tuple[float, dict]:
+  """The median wall time of a decode step (s), and the compiled step's work per device: the
+  cache it holds (MiB), XLA's cost analysis of its program (bytes accessed, GiB; MFLOP)."""
   generator = filled_generator(model, context, steps)
   generator.decode()  # compiles
   times = []
@@ -85,7 +93,19 @@ def time_decode(model, context: int, steps: int) -> float:
     start = time.perf_counter()
     generator.decode()  # fetches the token: blocks on the step
     times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(times), decode_work(generator)
+
+
+def decode_work(generator: gen.Generator) -> dict:
+  """The per-device work of ``generator``'s compiled decode step (an SPMD program: every
+  device runs the same one over its shards)."""
+  compiled = generator.decode_step.lower(generator.params, generator.cache, generator.tokens,
+                                         np.int32(0), generator.lengths).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost  # a list of one on older JAX
+  return {"cache_mib_per_device": generator.layout.bytes_per_device() / 2**20,
+          "gib_accessed_per_device": cost["bytes accessed"] / 2**30,
+          "mflop_per_device": cost["flops"] / 1e6}
 
 
 def time_prefill(model, context: int, repeats: int) -> float:
@@ -160,14 +180,15 @@ def main():
   decode = []
   for context in args.contexts:
     for p in args.devices:
-      row = {"context": context, "devices": p,
-             "ms_per_token": 1e3 * time_decode(models[p], context, args.steps)}
+      seconds, work = time_decode(models[p], context, args.steps)
+      row = {"context": context, "devices": p, "ms_per_token": 1e3 * seconds, **work}
       if theirs:
         row["transformers_ms"] = 1e3 * theirs["decode"][context]
         row["transformers_ratio"] = row["transformers_ms"] / row["ms_per_token"]
       decode.append(row)
       first = next(r for r in decode if r["context"] == context)
       row["speedup_vs_1"] = first["ms_per_token"] / row["ms_per_token"]
+      row["work_ratio_vs_1"] = first["gib_accessed_per_device"] / row["gib_accessed_per_device"]
       print(row, flush=True)
   prefill = []
   for context in args.prefill_lengths:

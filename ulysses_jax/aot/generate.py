@@ -41,7 +41,8 @@ class GenerationSetup:
   """What is compiled: ``batch`` prompts of ``prompt_len`` tokens and ``max_new_tokens`` new
   ones, prefilled in chunks of ``chunk_len`` (None: one pass) on a ``mesh_data`` x
   ``mesh_ring`` x ``mesh_seq`` mesh, weights replicated (``gen.PARAM_RULES``) or, with
-  ``fsdp_params``, sharded as in training."""
+  ``fsdp_params``, sharded as in training; the decode step's attention as ``decode_backend``
+  says (``generate.attention.DECODE_BACKENDS``)."""
   prompt_len: int
   max_new_tokens: int = 128
   batch: int = 1
@@ -50,6 +51,7 @@ class GenerationSetup:
   mesh_seq: int = 1
   mesh_ring: int = 1
   fsdp_params: bool = False
+  decode_backend: str = "auto"
 
 
 def abstract_generator(config: LlamaConfig, mesh, setup: GenerationSetup):
@@ -65,6 +67,7 @@ def abstract_generator(config: LlamaConfig, mesh, setup: GenerationSetup):
                           kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                           dtype=config.dtype, layer_windows=config.layer_windows(),
                           chunk_len=setup.chunk_len)
+  layout = dataclasses.replace(layout, decode_backend=setup.decode_backend)
   generator = gen.Generator(nnx.merge(graphdef, params), layout)
   return generator, layout, cache_lib.abstract_cache(layout)
 

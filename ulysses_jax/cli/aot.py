@@ -4,7 +4,8 @@
       [--gin_param=...] [--reserve_gib=G] [--json=PATH]
   ulysses-aot --generate (--preset=NAME | --init_from=DIR) --prompt_len=S [--max_new_tokens=N]
       [--batch=B] [--mesh_data=D] [--mesh_seq=P] [--mesh_ring=R] [--prefill_chunk=T]
-      [--dtype=bfloat16] [--fsdp_params] [--gpu=h100] [--topology=1x1x8] [--json=PATH]
+      [--dtype=bfloat16] [--fsdp_params] [--decode_backend=auto|xla|mosaic] [--gpu=h100]
+      [--topology=1x1x8] [--json=PATH]
 
 (or ``python -m ulysses_jax.aot``.) Builds the step ``ulysses-train`` would run for the config
 on that cluster (``step_builder.build_train_step``: same model, mesh, state layout, offload,
@@ -22,7 +23,7 @@ With ``--generate`` it compiles generation instead (``ulysses_jax.aot.generate``
 (one pass, or one chunk of ``--prefill_chunk`` tokens) and one decode step of ``ulysses-generate``
 for the model of a preset or checkpoint, prints the KV cache and each program's memory per
 device, and predicts the prefill's and a token's time (compiled, not run); it fits when both
-programs do.
+programs do. ``--decode_backend``: the decode step's attention (``generate.attention``).
 """
 
 import os
@@ -32,6 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start wi
 from ulysses_jax import cli  # noqa: E402
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
+from ulysses_jax.generate.attention import DECODE_BACKENDS  # noqa: E402
 from ulysses_jax.gpus import GPUS, RUNTIME_RESERVE_FRACTION  # noqa: E402
 
 
@@ -60,6 +62,9 @@ def parser() -> cli.Parser:
   g.add_argument("--dtype", default="bfloat16", help="compute, cache and weights dtype")
   g.add_argument("--fsdp_params", action="store_true",
                  help="weights sharded as in training (default: replicated)")
+  g.add_argument("--decode_backend", default="auto", choices=DECODE_BACKENDS,
+                 help="the decode step's attention: our split-K Mosaic GPU kernel, XLA's, or "
+                      "auto (the kernel on Hopper where it can take the cache)")
   return p
 
 
@@ -106,7 +111,8 @@ def _generate(args) -> int:
     setup = generate.GenerationSetup(
         prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens, batch=args.batch,
         chunk_len=args.prefill_chunk or None, mesh_data=args.mesh_data,
-        mesh_seq=args.mesh_seq, mesh_ring=args.mesh_ring, fsdp_params=args.fsdp_params)
+        mesh_seq=args.mesh_seq, mesh_ring=args.mesh_ring, fsdp_params=args.fsdp_params,
+        decode_backend=args.decode_backend)
     gpu_spec(args.gpu)
     make_mesh(args.mesh_data, args.mesh_seq, args.mesh_ring,
               devices=gpu_devices(args.gpu, args.topology))

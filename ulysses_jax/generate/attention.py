@@ -14,6 +14,12 @@ neutral state o = 0, lse = -inf, whose weight is 0; a query that sees nothing at
 
 A slot is visible to a query at position q when its position p (``cache.KVCache.positions``)
 satisfies ``0 <= p <= q`` and, in a layer with a sliding window W, ``q - p < W``.
+
+A decode step's partial attention (one new token per row) is XLA's (``partial_attention``) or
+our split-K Mosaic GPU kernel's (``kernels.decode_hopper``), as ``CacheLayout.decode_backend``
+says: ``"xla"``; ``"mosaic"`` (Hopper GPUs; in GPU interpret mode off GPUs, for tests; an
+error on other GPUs or for a cache it cannot take); ``"auto"``: the kernel on Hopper where it
+can take the cache, else XLA (why: ``benchmarks/RESULTS.md``, split-K decode kernel).
 """
 
 import jax
@@ -22,8 +28,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.generate.cache import CacheLayout
-from ulysses_jax.kernels import target
+from ulysses_jax.kernels import decode_hopper, target
 from ulysses_jax.mesh import DATA
+
+DECODE_BACKENDS = ("auto", "xla", "mosaic")
 
 # Slots per step of a device's loop when queries times slots would make big score blocks
 # (chunked prefill); a decode step (one query per row) scores all its slots at once.
@@ -143,24 +151,34 @@ def _with_sinks(o, lse, sinks_KG):
 
 
 def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *,
-                    scale: float, window: int | None, new_kv=None, sinks_H=None):
+                    scale: float, window: int | None, new_kv=None, sinks_H=None,
+                    layer: int | None = None):
   """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
   cache (k ``[B, Hkv, C, D]``, v ``[B, Hkv, D, C]`` and the slots' positions ``[B, C]``,
-  placed as ``layout`` says). ``new_kv``: a decode step's own k and v ``[B, 1, Hkv, D]``, not
-  in the cache yet, which each query (T = 1) sees besides the cache's slots. ``sinks_H``:
+  placed as ``layout`` says; with ``layer``, k and v are a kind's stacks, layers first, and
+  layer ``layer`` of them is attended: the kernel reads it where it lies, where a slice taken
+  before would be copied for it). ``new_kv``: a decode step's own k and v ``[B, 1, Hkv, D]``,
+  not in the cache yet, which each query (T = 1) sees besides the cache's slots. ``sinks_H``:
   float32 sink logits ``[Hq]`` (gpt-oss) or None, applied once to the attention combined over
   the devices and merged with the new token (per shard, each device's partial lse would give
   the sink a share of every shard's mass). Returns ``[B, T, Hq, D]`` in q's dtype, replicated
   over the slot axes."""
-  hq, hkv = q_BTHD.shape[2], k_BKCD.shape[1]
+  hq, hkv = q_BTHD.shape[2], k_BKCD.shape[-3]
   q_spec = P(DATA, None, layout.heads_axis, None)
 
   def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, *extra):
     b, t, h, d = q_bThD.shape
-    k_heads = k_bkCD.shape[1]
+    k_heads = k_bkCD.shape[-3]
     q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
-    o, lse = partial_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, scale=scale,
-                               window=window, fused=fused)
+    if use_kernel(q.shape, k_bkCD.shape[-4:]):
+      o, lse = decode_hopper.decode_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC,
+                                              scale=scale, window=window, layer=layer,
+                                              interpret=on is None or not on.on_gpu)
+    else:
+      if layer is not None:
+        k_bkCD, v_bkDC = k_bkCD[layer], v_bkDC[layer]
+      o, lse = partial_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, scale=scale,
+                                 window=window, fused=fused)
     out, lse = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
     if new_kv:
       out, lse = _with_new_token(out, lse, q, *(x[:, 0] for x in extra[:2]), scale)
@@ -172,11 +190,32 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos
     raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
   new_kv = () if new_kv is None else tuple(new_kv)
   sinks = () if sinks_H is None else (sinks_H.astype(jnp.float32),)
+  kv_specs = ((layout.kv_spec(), layout.kv_spec(values=True)) if layer is None else
+              (layout.stack_spec(), layout.stack_spec(values=True)))
   on = target.of_mesh(layout.mesh)
   fused = q_BTHD.shape[1] == 1 and on is not None and on.on_gpu
+  use_kernel = lambda q_shape, k_shape: q_BTHD.shape[1] == 1 and _decode_kernel_chosen(
+      layout.decode_backend, on, q_shape, k_shape, q_BTHD.dtype)
   return jax.shard_map(attend, mesh=layout.mesh,
-                       in_specs=(q_spec, layout.kv_spec(), layout.kv_spec(values=True), P(DATA),
+                       in_specs=(q_spec, *kv_specs, P(DATA),
                                  layout.positions_spec(), *(q_spec,) * len(new_kv),
                                  *(P(layout.heads_axis),) * len(sinks)),
                        out_specs=q_spec, check_vma=False)(
                            q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *new_kv, *sinks)
+
+
+def _decode_kernel_chosen(backend: str, on, q_shape, k_shape, dtype) -> bool:
+  """Whether a decode step's partial attention over one device's cache shard (queries
+  ``q_shape`` ``[b, Hkv, G, 1, D]``, keys ``k_shape``) runs our Mosaic GPU kernel: see the
+  module docstring; raises for ``"mosaic"`` where the kernel cannot run."""
+  if backend not in DECODE_BACKENDS:
+    raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {backend!r}.")
+  if backend == "xla":
+    return False
+  on_gpu = on is not None and on.on_gpu
+  reason = decode_hopper.unsupported_reason(q_shape, k_shape, dtype)
+  if on_gpu and on.generation != "sm90":
+    reason = f"it needs a Hopper GPU (sm90), not {on.device_kind}"
+  if backend == "mosaic" and reason is not None:
+    raise ValueError(f"decode_backend='mosaic' cannot run: {reason}; use 'xla' or 'auto'.")
+  return backend == "mosaic" or (on_gpu and reason is None)

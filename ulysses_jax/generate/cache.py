@@ -80,7 +80,8 @@ class CacheLayout:
   ``batch`` B (a multiple of the data axis), ``prompt_len`` S = ``chunks`` · ``chunk_len``
   (T), ``gen_slots`` G, ``layer_windows`` (each layer's sliding window or None),
   ``slot_axes`` (mesh axes the slots are split over, major first), ``heads_axis`` (the mesh
-  axis the KV heads are split over, or None). See the module docstring.
+  axis the KV heads are split over, or None), ``decode_backend`` (a decode step's attention
+  over the cache: ``generate.attention.DECODE_BACKENDS``). See the module docstring.
   """
   mesh: Mesh
   batch: int
@@ -93,6 +94,7 @@ class CacheLayout:
   layer_windows: tuple
   slot_axes: tuple
   heads_axis: str | None
+  decode_backend: str = "auto"
 
   @property
   def chunks(self) -> int:
@@ -194,9 +196,11 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
       kv_heads=kv_heads, head_dim=head_dim, dtype=str(jnp.dtype(dtype)),
       layer_windows=tuple(layer_windows), slot_axes=tuple(slot_axes),
       heads_axis=SEQ if heads_split else None)
-  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one.
-  return dataclasses.replace(layout, gen_slots=_round_up(max(max_new_tokens - 1, 1),
-                                                         layout.slot_shards))
+  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one; more
+  # (at most 7 per device) so that each device holds a multiple of 8 slots, as the decode
+  # kernel's TMA copies need (16-byte strides: ``kernels.decode_hopper``).
+  capacity = _round_up(layout.prompt_len + max(max_new_tokens - 1, 1), 8 * layout.slot_shards)
+  return dataclasses.replace(layout, gen_slots=capacity - layout.prompt_len)
 
 
 def empty_cache(layout: CacheLayout) -> KVCache:

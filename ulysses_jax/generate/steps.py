@@ -157,9 +157,9 @@ def decode(graphdef, layout: CacheLayout, sampling: Sampling, params, cache: KVC
       new[n][0].append(k)
       new[n][1].append(v)
       return layer.attn.project_out(cache_attention(
-          layout, q, cache.k[n][j], cache.v[n][j], positions_B[:, None], cache.positions[n],
+          layout, q, cache.k[n], cache.v[n], positions_B[:, None], cache.positions[n],
           scale=layer.attn.attention_scale_or_default(), window=layout.layer_windows[i],
-          new_kv=(k, v), sinks_H=layer.attn.sink_logits()))
+          new_kv=(k, v), sinks_H=layer.attn.sink_logits(), layer=j))
 
     feed_forward = None
     if config.sparse_layers()[i] and stacked:

@@ -100,16 +100,16 @@ def own_buffers(operands):
   return buffers
 
 
-def ring_buffers(stages, operands, free_groups):
+def ring_buffers(stages, operands, free_groups, consumers=COMPUTE_WARPGROUPS):
   """The producer's ring: ``stages`` slots of each ``{name: (shape, dtype)}``, a ``<name>_ready``
-  barrier per operand and slot, and a ``<group>_free`` barrier per group name and slot."""
+  barrier per operand and slot, and a ``<group>_free`` barrier per group name and slot (one
+  arrival per consumer warpgroup)."""
   buffers = {}
   for name, (shape, dtype) in operands.items():
     buffers[name] = smem_tile((stages, *shape), dtype)
     buffers[f"{name}_ready"] = plgpu.Barrier(num_barriers=stages)
   for group in free_groups:
-    buffers[f"{group}_free"] = plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS,
-                                             num_barriers=stages)
+    buffers[f"{group}_free"] = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
   return buffers
 
 

@@ -1,0 +1,86 @@
+"""The doctor's check of our split-K decode kernel (``kernels.decode_hopper``) on a Hopper GPU.
+
+One device's partial attention of a decode step as ``decode_backend="auto"`` runs it there:
+Llama-3.1-8B's group (4 query heads per KV head, head dim 128, bfloat16) over ``slots`` cache
+slots at shuffled positions, a tenth of them empty. The kernel and XLA's path
+(``generate.attention.partial_attention``, fused as on GPUs) are each compared with the same
+computation in float32, then timed (median of ``iters`` calls after ``warmup``), with the HBM
+bandwidth each reached reading k and v: the measurement that the compiled comparison behind
+``auto``'s choice (``benchmarks/decode_compiled.py``) predicts.
+"""
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from ulysses_jax.doctor.kernels import TOLERANCE, relative_error
+from ulysses_jax.generate.attention import partial_attention
+from ulysses_jax.kernels import decode_hopper
+from ulysses_jax.kernels import target as target_lib
+
+SLOTS = 1 << 20
+GROUP, HEAD_DIM = 4, 128
+
+
+def _inputs(device, slots):
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  q = jax.random.normal(keys[0], (1, 1, GROUP, 1, HEAD_DIM), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, 1, slots, HEAD_DIM), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, 1, HEAD_DIM, slots), jnp.bfloat16)
+  k_pos = jax.random.permutation(keys[3], slots)[None].astype(jnp.int32)
+  k_pos = jnp.where(k_pos % 10 == 9, -1, k_pos)  # empty slots
+  q_pos = jnp.array([[slots]], jnp.int32)
+  return jax.device_put((q, k, v, q_pos, k_pos), device)
+
+
+def _median_ms(fn, args, warmup, iters):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
+               interpret: bool = False) -> dict:
+  """The kernel's check and timing beside XLA's on ``device`` (``passed`` None where it cannot
+  run: not a Hopper GPU). ``interpret``: the kernel in GPU interpret mode (tests, on a CPU)."""
+  row = {"kernel": "ours mosaic decode", "slots": slots, "group": GROUP, "head_dim": HEAD_DIM}
+  if not interpret and target_lib.of_device(device).generation != "sm90":
+    return {**row, "status": "needs a Hopper GPU (sm90)", "passed": None}
+  args = _inputs(device, slots)
+  scale = HEAD_DIM ** -0.5
+  kernel = jax.jit(lambda *x: decode_hopper.decode_attention(
+      *x, scale=scale, window=None, interpret=interpret))
+  xla = jax.jit(lambda *x: partial_attention(*x, scale=scale, window=None, fused=True))
+  f32 = [x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args]
+  with jax.default_matmul_precision("highest"):
+    reference = jax.jit(lambda *x: partial_attention(*x, scale=scale, window=None))(*f32)
+  errors = {name: max(relative_error(o, reference[0]), relative_error(lse, reference[1]))
+            for name, (o, lse) in (("kernel", kernel(*args)), ("xla", xla(*args)))}
+  row.update(error=errors["kernel"], xla_error=errors["xla"],
+             passed=bool(errors["kernel"] <= TOLERANCE))
+  row["status"] = "ok" if row["passed"] else (
+      f"relative error {errors['kernel']:.2e} > {TOLERANCE} (XLA's: {errors['xla']:.2e})")
+  if row["passed"]:
+    cache_gb = 2 * slots * HEAD_DIM * 2 / 1e9  # k and v, bfloat16
+    row["kernel_ms"] = _median_ms(kernel, args, warmup, iters)
+    row["xla_ms"] = _median_ms(xla, args, warmup, iters)
+    row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
+    row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
+  return row
+
+
+def check(row: dict) -> dict:
+  """The doctor's check line of ``decode_row``'s row."""
+  detail = row["status"]
+  if row.get("kernel_ms") is not None:
+    detail += (f"; {row['slots']:,} slots: kernel {row['kernel_ms']:.3f} ms "
+               f"({row['kernel_gb_per_s']:.0f} GB/s), XLA {row['xla_ms']:.3f} ms "
+               f"({row['xla_gb_per_s']:.0f} GB/s)")
+  return {"name": "decode kernel vs XLA", "passed": row["passed"], "detail": detail}

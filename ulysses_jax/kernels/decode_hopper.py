@@ -1,0 +1,240 @@
+"""Split-K (flash-decoding) attention of a few queries over one device's KV cache shard, in
+Pallas Mosaic GPU for Hopper: the kernel form of ``generate.attention.partial_attention``.
+
+Inputs in the generation cache's layout (``generate.cache``): queries ``q [b, Hkv, G, T, D]``
+(G query heads per KV head, T new tokens: 1 at decode), keys ``k [b, Hkv, C, D]``, values
+``v [b, Hkv, D, C]`` (slots last) and the slots' positions ``[b, C]`` (-1: empty). A slot at
+position p is visible to a query at position q when ``0 <= p <= q`` and, with a sliding window
+W, ``q - p < W`` (the rule of ``generate.attention``; slots need not be in position order, as in
+a rolling window buffer). Returns ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
+``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot.
+
+The grid is ``(split, batch, kv_head)``. A CTA takes the ``G * T`` query rows of one (batch, KV
+head), padded to one warpgroup's 64 wgmma rows (padding rows have position -1 and see nothing),
+and the slot blocks of its split: the C slots form ``ceil(C / block)`` blocks, the last one
+starting at ``C - block`` so that every TMA window lies inside the cache (its slots before the
+block's nominal start are masked, so none counts twice), and split s takes blocks
+``[s * n, (s + 1) * n)`` (n = ceil(blocks / splits); the last splits may get none: their
+state stays neutral). One compute warpgroup runs the online softmax over its blocks with wgmma
+(``q @ k.T`` from shared memory; ``probs @ v`` with the probabilities from registers and v's
+tile read transposed); a second warpgroup streams K, V and the positions through a ring of
+``num_stages`` slots (``flash_hopper.produce``). Each split writes its partial output and
+lse in float32; the splits combine in float32 outside the kernel, as the devices do across
+the mesh (``generate.attention.combine``).
+
+A decode step is bound by reading the cache; the 64-row wgmma wastes compute (G * T of 64
+rows are real) that the memory traffic hides: 64 rows x 2 flops per cache element against
+2 bytes read is 64 flops per byte, below the H100's ~295 (989 TFLOP/s over 3.35 TB/s).
+
+16-bit caches only (wgmma), head dims 64 and 128, at most 64 query rows per KV head, at least
+one block of slots, slot counts a multiple of 8 (TMA strides are multiples of 16 bytes):
+``unsupported_reason`` says which is not met. Runs in GPU interpret mode on a CPU
+(``interpret=True``; what that mode executes: ``hopper_interpret``).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ulysses_jax.kernels import flash_hopper
+from ulysses_jax.kernels.flash_kernels import LOG2E, dot
+
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16)
+ROWS = flash_hopper.WGMMA_ROWS  # query rows of a CTA: G * T of them are real
+MIN_BLOCK = 64  # v's tile [D, block] is swizzled in tiles of 64 16-bit elements along the slots
+H100_SMS = 132  # default splits fill this many CTAs
+
+
+def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
+  """Why the kernel cannot take queries ``[b, Hkv, G, T, D]`` over a cache ``k [b, Hkv, C,
+  D]`` of ``dtype``; None if it can."""
+  *_, g, t, d = q_shape
+  c = cache_shape[2]
+  if jnp.dtype(dtype) not in [jnp.dtype(x) for x in DTYPES]:
+    return f"the cache's dtype is {jnp.dtype(dtype).name}; the kernel takes bfloat16 or float16"
+  if d not in HEAD_DIMS:
+    return f"head dim {d}; the kernel takes {HEAD_DIMS}"
+  if g * t > ROWS:
+    return f"{g} query heads per KV head x {t} tokens = {g * t} rows; the kernel takes <= {ROWS}"
+  if c < MIN_BLOCK or c % 8:
+    return f"{c} cache slots per device; the kernel takes a multiple of 8, at least {MIN_BLOCK}"
+  return None
+
+
+def default_block(c: int, d: int) -> int:
+  """Slots per block: 128 (64 when the cache holds fewer), in multiples of ``MIN_BLOCK``."""
+  del d  # both head dims fit two stages of 128-slot K and V tiles in shared memory
+  return min(128, c // MIN_BLOCK * MIN_BLOCK)
+
+
+def default_splits(b: int, kv_heads: int, num_blocks: int) -> int:
+  """Splits per (batch, KV head) that fill an H100's SMs with one CTA each."""
+  return max(1, min(num_blocks, -(-H100_SMS // (b * kv_heads))))
+
+
+def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
+                     window: int | None, layer: int | None = None,
+                     num_splits: int | None = None, block: int | None = None,
+                     num_stages: int = 2, interpret: bool = False):
+  """One device's partial attention ``(o, lse)`` (module docstring). ``layer``: k and v are
+  stacks of layers ``[L, b, Hkv, C, D]`` and ``[L, b, Hkv, D, C]`` and the kernel reads layer
+  ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
+  first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
+  (batch, KV head) (default: ``default_splits``); ``block``: slots per pipeline step, a multiple
+  of 64 at most C (default: ``default_block``)."""
+  b, kv_heads, g, t, d = q_bKGTD.shape
+  if layer is not None:
+    if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v_bKDC.shape[0]:
+      raise ValueError(f"decode kernel: layer {layer} of stacks of {k_bKCD.shape[0]} (k) and "
+                       f"{v_bKDC.shape[0]} (v) layers.")
+  k_shape, v_shape = (x.shape[0 if layer is None else 1:] for x in (k_bKCD, v_bKDC))
+  c = k_shape[2]
+  reason = unsupported_reason(q_bKGTD.shape, k_shape, k_bKCD.dtype)
+  if reason is not None:
+    raise ValueError(f"decode kernel: {reason}; use decode_backend='xla'.")
+  if not q_bKGTD.dtype == k_bKCD.dtype == v_bKDC.dtype:
+    raise ValueError(f"decode kernel: q, k and v must share a dtype, got {q_bKGTD.dtype}, "
+                     f"{k_bKCD.dtype}, {v_bKDC.dtype}.")
+  if k_shape != (b, kv_heads, c, d) or v_shape != (b, kv_heads, d, c):
+    raise ValueError(f"decode kernel: a layer's k must be [b, Hkv, C, D] = {(b, kv_heads, c, d)}"
+                     f" and v [b, Hkv, D, C]; got {k_shape} and {v_shape}.")
+  block = block or default_block(c, d)
+  if block % MIN_BLOCK or not MIN_BLOCK <= block <= c:
+    raise ValueError(f"decode kernel: block {block} must be a multiple of {MIN_BLOCK} in "
+                     f"[{MIN_BLOCK}, {c}] (the cache's slots).")
+  num_blocks = -(-c // block)
+  num_splits = num_splits or default_splits(b, kv_heads, num_blocks)
+
+  # Rows g * T + t, padded to ROWS; a padding row's position -1 sees nothing.
+  q_bKRD = jnp.pad(q_bKGTD.reshape(b, kv_heads, g * t, d),
+                   ((0, 0), (0, 0), (0, ROWS - g * t), (0, 0)))
+  q_pos_bR = jnp.pad(jnp.tile(q_pos_bT.astype(jnp.int32), (1, g)), ((0, 0), (0, ROWS - g * t)),
+                     constant_values=-1)
+  kernel = functools.partial(_kernel, scale=scale, window=window, block=block,
+                             blocks_per_split=-(-num_blocks // num_splits),
+                             num_blocks=num_blocks, num_stages=num_stages, interpret=interpret,
+                             layer=() if layer is None else (layer,))
+  o_split, lse_split = plgpu.kernel(
+      kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS, d), jnp.float32),
+                        jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS), jnp.float32)),
+      grid=(num_splits, b, kv_heads), grid_names=("split", "batch", "kv_head"),
+      num_threads=2, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=flash_hopper.interpret_params() if interpret else None,
+  )(q_bKRD, k_bKCD, v_bKDC, q_pos_bR, k_pos_bC.astype(jnp.int32))
+  o, lse = combine_splits(o_split, lse_split)
+  return (o[:, :, :g * t].reshape(b, kv_heads, g, t, d),
+          lse[:, :, :g * t].reshape(b, kv_heads, g, t))
+
+
+def combine_splits(o_bKSRD, lse_bKSR):
+  """The splits' partials (axis 2) combined in float32: ``(o [b, Hkv, R, D], lse [b, Hkv,
+  R])``, (0, -inf) where no split saw a slot."""
+  top = lse_bKSR.max(axis=2, keepdims=True)
+  weight = jnp.where(jnp.isfinite(lse_bKSR),
+                     jnp.exp(lse_bKSR - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+  total = weight.sum(axis=2)
+  seen = total > 0
+  o = (weight[..., None] * o_bKSRD).sum(axis=2) / jnp.where(seen, total, 1.0)[..., None]
+  lse = jnp.where(seen, top[:, :, 0] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+  return o, lse
+
+
+def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale, window, block,
+            blocks_per_split, num_blocks, num_stages, interpret, layer):
+  d, dtype = q_ref.shape[-1], q_ref.dtype
+  buffers = dict(
+      q=flash_hopper.smem_tile((1, ROWS, d), dtype),
+      q_pos=flash_hopper.smem_tile((1, ROWS), jnp.int32),
+      own_ready=plgpu.Barrier(num_barriers=2), o=flash_hopper.smem_tile((ROWS, d), jnp.float32),
+      lse=flash_hopper.smem_tile((ROWS,), jnp.float32),
+      **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype), v=((d, block), dtype),
+                                                   k_pos=((block,), jnp.int32)),
+                                  ("k", "v"), consumers=1))
+
+  def body(smem):
+    split, batch, head = (lax.axis_index(name) for name in ("split", "batch", "kv_head"))
+    first = split * blocks_per_split
+    end = jnp.minimum(first + blocks_per_split, num_blocks)
+    num_steps = jnp.maximum(end - first, 0)
+    start_of = lambda j: jnp.minimum(j * block, k_pos_ref.shape[1] - block)
+
+    def groups_of_step(t):
+      slots = pl.ds(start_of(first + t), block)
+      return [("k", dict(k=k_ref.at[(*layer, batch, head, slots)])),
+              ("v", dict(v=v_ref.at[(*layer, batch, head, slice(None), slots)],
+                         k_pos=k_pos_ref.at[batch, slots]))]
+
+    def compute():
+      plgpu.set_max_registers(232, action="increase")
+      own = flash_hopper.load_own(smem, 0, dict(q=q_ref.at[batch, head],
+                                                q_pos=q_pos_ref.at[batch]))
+      tile = flash_hopper.TileLayout((ROWS, block), interpret=interpret)
+      q_pos = tile.rows_of(own["q_pos"])
+      qk_scale = scale * LOG2E
+
+      def visit(step, carry):
+        acc, row_max, denom = carry
+        j = first + step
+        slot = lax.rem(step, num_stages)
+        scores = flash_hopper.a_times_bt(own["q"], flash_hopper.wait_ready(smem, "k", slot),
+                                         interpret=interpret) * qk_scale
+        flash_hopper.release(smem, "k", slot,
+                             fence=flash_hopper.stand_in_reads(interpret, "a_times_bt"))
+        k_pos = tile.cols_of(flash_hopper.wait_ready(smem, "k_pos", slot))
+        distance = q_pos - k_pos
+        # Slots before the block's nominal start belong to the block before (the last block
+        # starts early to stay inside the cache).
+        fresh = start_of(j) + tile.iota(1) >= j * block
+        mask = (k_pos >= 0) & (distance >= 0) & fresh
+        if window is not None:
+          mask = mask & (distance < window)
+        scores = jnp.where(mask, scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(axis=1))
+        ref_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # a row that saw nothing yet
+        correction = jnp.exp2(row_max - ref_max)
+        probs = jnp.exp2(scores - tile.per_row(ref_max))
+        denom = denom * correction + probs.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+        acc = _plus_a_times_bt(acc, probs.astype(dtype), flash_hopper.wait_ready(smem, "v", slot),
+                               interpret=interpret)
+        # The positions were read through the generic proxy: always fenced.
+        flash_hopper.release(smem, "v", slot, fence=True)
+        return acc, new_max, denom
+
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      init = (tile.zeros((ROWS, d)),
+              tile.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+              tile.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
+      acc, row_max, denom = lax.fori_loop(0, num_steps, visit, init)
+      empty = denom == 0.0
+      denom = jnp.where(empty, 1.0, denom)
+      lse = jnp.where(empty, -jnp.inf, row_max / LOG2E + jnp.log(denom))
+      flash_hopper.store_own([
+          (acc / lax.broadcast_in_dim(denom, acc.shape, [0]), smem["o"],
+           o_ref.at[batch, head, split]),
+          (lse, smem["lse"], lse_ref.at[batch, head, split])])
+
+    pl.when(lax.axis_index("wg") == 0)(compute)
+    pl.when(lax.axis_index("wg") == 1)(functools.partial(
+        flash_hopper.produce, smem, num_stages, num_steps, groups_of_step))
+
+  flash_hopper.with_shared_memory(buffers, body)
+
+
+def _plus_a_times_bt(acc, a, b_smem, *, interpret):
+  """``acc + a @ b.T``: wgmma reads ``a`` ``[m, k]`` from registers and ``b`` ``[n, k]`` from
+  shared memory, transposed; in interpret mode a plain dot (``flash_hopper``: no JAX version's
+  interpreter runs a register-A wgmma)."""
+  if flash_hopper.stand_in("plus_a_times_b", interpret):
+    return acc + dot(a, b_smem[...], 1, 1)
+
+  def accumulate(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem.transpose((1, 0)))
+  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+

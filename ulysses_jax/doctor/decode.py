@@ -9,12 +9,10 @@ bandwidth each reached reading k and v: the measurement that the compiled compar
 ``auto``'s choice (``benchmarks/decode_compiled.py``) predicts.
 """
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 
+from ulysses_jax.benchmarking import time_fn
 from ulysses_jax.doctor.kernels import TOLERANCE, relative_error
 from ulysses_jax.generate.attention import partial_attention
 from ulysses_jax.kernels import decode_hopper
@@ -33,17 +31,6 @@ def _inputs(device, slots):
   k_pos = jnp.where(k_pos % 10 == 9, -1, k_pos)  # empty slots
   q_pos = jnp.array([[slots]], jnp.int32)
   return jax.device_put((q, k, v, q_pos, k_pos), device)
-
-
-def _median_ms(fn, args, warmup, iters):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
 
 
 def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
@@ -69,8 +56,8 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
       f"relative error {errors['kernel']:.2e} > {TOLERANCE} (XLA's: {errors['xla']:.2e})")
   if row["passed"]:
     cache_gb = 2 * slots * HEAD_DIM * 2 / 1e9  # k and v, bfloat16
-    row["kernel_ms"] = _median_ms(kernel, args, warmup, iters)
-    row["xla_ms"] = _median_ms(xla, args, warmup, iters)
+    row["kernel_ms"] = 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters)["median_s"]
+    row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
   return row

@@ -95,15 +95,16 @@ def _check(case, dtype, tol, **kernel_options):
 
 # (b, Hkv, G, T, C, D, window), dtype, kernel options. GPU interpret mode takes seconds per CTA
 # on a CPU, so the grids are small and the cases slow (about 5 to 15 s each on jax 0.10).
-# "gqa-empty-split": C = 200 slots are four 64-slot blocks (the last starts at 136) in three
-# splits of two blocks, the third empty; batch row 1 sees nothing. "mha-window-f16": G = 1,
-# float16, a window, the default block (128: two blocks, the second from slot 72) and splits
-# (one CTA per SM: here one per block). "d128-two-tokens": a chunk of two new tokens, D = 128,
-# three blocks through the two-slot ring in one split.
+# "gqa-empty-split": C = 256 slots are four 64-slot blocks in three splits of two blocks, the
+# third empty; batch row 1 sees nothing. "mha-window-f16": G = 1, float16, a window, the default
+# block (128: two blocks, the second from slot 64, its first 64 slots masked as the first
+# block's) and splits (one CTA per SM: here one per block). "d128-two-tokens": a chunk of two
+# new tokens, D = 128, three blocks through the two-slot ring in one split. (Slot counts are
+# multiples of 64, as the kernel takes: ``unsupported_reason``.)
 CASES = {
-    "gqa-empty-split": ((2, 1, 4, 1, 200, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
-    "mha-window-f16": ((1, 1, 1, 1, 200, 128, 90), jnp.float16, {}),
-    "d128-two-tokens": ((1, 2, 2, 2, 136, 128, 50), jnp.bfloat16, dict(num_splits=1, block=64)),
+    "gqa-empty-split": ((2, 1, 4, 1, 256, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
+    "mha-window-f16": ((1, 1, 1, 1, 192, 128, 90), jnp.float16, {}),
+    "d128-two-tokens": ((1, 2, 2, 2, 192, 128, 50), jnp.bfloat16, dict(num_splits=1, block=64)),
 }
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # 16-bit probabilities; float32 sums and combine
 
@@ -119,8 +120,8 @@ def test_decode_kernel_refuses_what_it_cannot_take():
   q, k, v, q_pos, k_pos = _inputs(0, 1, 1, 1, 1, 128, 64, jnp.float32)
   with pytest.raises(ValueError, match="float32; the kernel takes bfloat16 or float16.*'xla'"):
     decode_hopper.decode_attention(q, k, v, q_pos, k_pos, scale=1.0, window=None)
-  assert "at least 64" in decode_hopper.unsupported_reason((1, 1, 1, 1, 64), (1, 1, 40, 64),
-                                                           jnp.bfloat16)
+  assert "multiple of 64" in decode_hopper.unsupported_reason((1, 1, 1, 1, 64), (1, 1, 40, 64),
+                                                              jnp.bfloat16)
   assert "96 rows" in decode_hopper.unsupported_reason((1, 1, 48, 2, 64), (1, 1, 128, 64),
                                                        jnp.bfloat16)
   with pytest.raises(ValueError, match="block 96 must be a multiple of 64"):
@@ -146,11 +147,15 @@ def test_decode_kernel_has_no_races():
 @pytest.mark.parametrize("d,window", [(64, None), (128, 1000)])
 def test_decode_kernel_lowers_for_hopper(d, window):
   """The hardware path (wgmma with a register A and a transposed B, register layouts) through
-  Mosaic GPU's lowering, which rejects layouts it cannot realise."""
+  Mosaic GPU's lowering, which rejects layouts it cannot realise. 4,160 slots: a count
+  ``unsupported_reason`` accepts that is not a multiple of the 128-slot block (it rejects 4,104:
+  the lowering does too, as it did 1,048,608 slots, a 4M-token cache on 32 GPUs)."""
+  slots = 4160
+  assert decode_hopper.unsupported_reason((1, 2, 4, 1, d), (1, 2, slots, d), jnp.bfloat16) is None
   q = jax.ShapeDtypeStruct((1, 2, 4, 1, d), jnp.bfloat16)
-  k = jax.ShapeDtypeStruct((1, 2, 4096, d), jnp.bfloat16)
-  v = jax.ShapeDtypeStruct((1, 2, d, 4096), jnp.bfloat16)
-  positions = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+  k = jax.ShapeDtypeStruct((1, 2, slots, d), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((1, 2, d, slots), jnp.bfloat16)
+  positions = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, slots), jnp.int32)
   with lowering_target(90):
     lowered = jax.jit(lambda *x: decode_hopper.decode_attention(
         *x, scale=0.1, window=window)).trace(q, k, v, *positions).lower(
@@ -166,17 +171,17 @@ def test_decode_backend_choice():
   h100 = target.Target("gpu", "NVIDIA H100 80GB HBM3", 9.0)
   a100 = target.Target("gpu", "NVIDIA A100-SXM4-80GB", 8.0)
   cpu = target.Target("cpu", "cpu")
-  q, k = (1, 1, 4, 1, 128), (1, 1, 131088, 128)  # Llama-3.1-8B on 8 H100s at 1M tokens
+  q, k = (1, 1, 4, 1, 128), (1, 1, 1048704, 128)  # Llama-3.1-8B on 8 H100s at 1M tokens
   chosen = lambda backend, on, dtype=jnp.bfloat16, k=k: gen_attention._decode_kernel_chosen(
       backend, on, q, k, dtype)
   assert chosen("auto", h100) and chosen("mosaic", h100) and chosen("mosaic", cpu)
   assert not (chosen("auto", cpu) or chosen("auto", a100) or chosen("xla", h100))
-  assert not chosen("auto", h100, jnp.float32) and not chosen("auto", h100, k=(1, 1, 1001, 128))
+  assert not chosen("auto", h100, jnp.float32) and not chosen("auto", h100, k=(1, 1, 1000, 128))
   with pytest.raises(ValueError, match="needs a Hopper GPU .*A100.*use 'xla' or 'auto'"):
     chosen("mosaic", a100)
-  with pytest.raises(ValueError, match="1001 cache slots per device; the kernel takes a "
-                                       "multiple of 8"):
-    chosen("mosaic", h100, k=(1, 1, 1001, 128))
+  with pytest.raises(ValueError, match="1000 cache slots per device; the kernel takes a "
+                                       "multiple of 64"):
+    chosen("mosaic", h100, k=(1, 1, 1000, 128))
   with pytest.raises(ValueError, match=r"decode_backend must be one of \('auto', 'xla', "
                                        r"'mosaic'\), got 'triton'"):
     chosen("triton", h100)

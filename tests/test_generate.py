@@ -194,7 +194,8 @@ def test_cache_memory_formula_and_the_decode_step_donates_the_cache(references):
                           dtype=config.dtype, layer_windows=config.layer_windows())
   assert (layout.slot_shards, layout.head_shards) == (4, 1)  # 2 KV heads: slots over seq
   # 2 · L · ⌈Hkv/U⌉ · D · bytes · ⌈C/R'⌉ · ⌈B/data⌉
-  formula = 2 * 2 * 2 * 16 * 4 * (8192 + 32) // 4 * 1  # 15 new slots, 8 per device at least
+  # 14 new slots fed back, rounded up to 64 per device (the decode kernel's block of slots)
+  formula = 2 * 2 * 2 * 16 * 4 * (8192 + 4 * 64) // 4 * 1
   assert layout.bytes_per_device() == formula
   cache = gen.cache.empty_cache(layout)
   assert sum(x.addressable_shards[0].data.nbytes for x in cache.k + cache.v) == formula
@@ -207,15 +208,16 @@ def test_cache_memory_formula_and_the_decode_step_donates_the_cache(references):
 
 
 def test_a_windowed_layer_keeps_a_rolling_buffer_of_its_window():
-  """Window 3 over 8 slot shards: 8 slots (64 for the full layer: 8 per device), in the formula
-  too; an empty cache's positions are all empty."""
+  """Window 3 over 8 slot shards: 8 slots (24 for the full layer: fewer than a decode kernel
+  block per device, so not rounded to one), in the formula too; an empty cache's positions are
+  all empty."""
   layout = gen.plan_cache(make_mesh(1, 8), batch=1, prompt_len=16, max_new_tokens=4,
                           kv_heads=2, head_dim=8, dtype="float32", layer_windows=(None, 3))
   cache = gen.cache.empty_cache(layout)
-  assert [x.shape for x in cache.k] == [(1, 1, 2, 64, 8), (1, 1, 2, 8, 8)]  # [L, B, K, C, D]
-  assert layout.bytes_per_device() == 2 * 2 * 8 * 4 * (64 + 8) // 8
+  assert [x.shape for x in cache.k] == [(1, 1, 2, 16 + 8, 8), (1, 1, 2, 8, 8)]  # [L, B, K, C, D]
+  assert layout.bytes_per_device() == 2 * 2 * 8 * 4 * (24 + 8) // 8
   assert all(np.all(np.asarray(p) == EMPTY) for p in cache.positions)
-  assert [p.shape for p in cache.positions] == [(1, 64), (1, 8)]
+  assert [p.shape for p in cache.positions] == [(1, 24), (1, 8)]
 
 
 def test_sampling_keeps_what_transformers_warpers_keep():

@@ -55,6 +55,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax.attention.ulysses import seq_to_heads
+from ulysses_jax.kernels import decode_hopper
 from ulysses_jax.mesh import DATA, RING, SEQ, sequence_axes
 
 EMPTY = -1  # the position of an empty slot
@@ -196,10 +197,12 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
       kv_heads=kv_heads, head_dim=head_dim, dtype=str(jnp.dtype(dtype)),
       layer_windows=tuple(layer_windows), slot_axes=tuple(slot_axes),
       heads_axis=SEQ if heads_split else None)
-  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one; more
-  # (at most 7 per device) so that each device holds a multiple of 8 slots, as the decode
-  # kernel's TMA copies need (16-byte strides: ``kernels.decode_hopper``).
-  capacity = _round_up(layout.prompt_len + max(max_new_tokens - 1, 1), 8 * layout.slot_shards)
+  # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one. A
+  # device holding at least one of the decode kernel's blocks of slots gets a multiple of them
+  # (at most 63 slots more), the tile its TMA copies of v need (``kernels.decode_hopper``).
+  capacity = _round_up(layout.prompt_len + max(max_new_tokens - 1, 1), layout.slot_shards)
+  if capacity // layout.slot_shards >= decode_hopper.MIN_BLOCK:
+    capacity = _round_up(capacity, decode_hopper.MIN_BLOCK * layout.slot_shards)
   return dataclasses.replace(layout, gen_slots=capacity - layout.prompt_len)
 
 

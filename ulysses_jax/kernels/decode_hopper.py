@@ -27,7 +27,8 @@ rows are real) that the memory traffic hides: 64 rows x 2 flops per cache elemen
 2 bytes read is 64 flops per byte, below the H100's ~295 (989 TFLOP/s over 3.35 TB/s).
 
 16-bit caches only (wgmma), head dims 64 and 128, at most 64 query rows per KV head, at least
-one block of slots, slot counts a multiple of 8 (TMA strides are multiples of 16 bytes):
+one block of slots, slot counts a multiple of ``MIN_BLOCK`` (64: v's TMA tile along the slots;
+Mosaic GPU's lowering rejects other counts):
 ``unsupported_reason`` says which is not met. Runs in GPU interpret mode on a CPU
 (``interpret=True``; what that mode executes: ``hopper_interpret``).
 """
@@ -61,8 +62,8 @@ def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
     return f"head dim {d}; the kernel takes {HEAD_DIMS}"
   if g * t > ROWS:
     return f"{g} query heads per KV head x {t} tokens = {g * t} rows; the kernel takes <= {ROWS}"
-  if c < MIN_BLOCK or c % 8:
-    return f"{c} cache slots per device; the kernel takes a multiple of 8, at least {MIN_BLOCK}"
+  if c < MIN_BLOCK or c % MIN_BLOCK:
+    return f"{c} cache slots per device; the kernel takes a multiple of {MIN_BLOCK}"
   return None
 
 

@@ -27,6 +27,10 @@ and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
       rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
       the grouped matmul computes every slot), and the blocks sent and received.
 
+``plan.model``, ``plan.comm`` and ``plan.step`` model the placement in use (``in_use``:
+``Model.expert_placement``, or with "auto" the one ``placement`` picks) with the terms below
+(``held_bytes``, ``placed_working_bytes``, ``block_values``, ``flops_factor``).
+
 ``placement`` picks the expert placement where D divides X and it both moves fewer values
 and holds less memory, else gathering (its all-gathers can be prefetched behind compute; the
 dispatch's all-to-alls wait for the router), and states both. With the used rows only, (a)

@@ -116,7 +116,7 @@ def test_ulysses_plan_recommends_the_placement_it_chooses(capsys):
   # Set by the user, the placement is modelled whatever the recommendation.
   plan_cli.run([*args, "--seq_len=4096", "--expert_placement=fsdp"])
   out = capsys.readouterr().out
-  assert "expert_placement=" not in out
+  assert "--gin_param='LlamaConfig.expert_placement=\"fsdp\"'" in out
   assert "model expert_placement = 'fsdp' (--expert_placement)" in out
   row = plan_cli.run([*args[:3], "--seq_len=2097152", "--expert_placement=expert"])
   assert row["step"]["experts"]["placement"] == "expert" and row["step"]["experts"][

@@ -46,7 +46,7 @@ from ulysses_jax import cli
 from ulysses_jax.cli import model_spec, plan_generate, plan_text
 from ulysses_jax.gpus import GB as _GB, GPUS
 from ulysses_jax.models.llama import PRESETS
-from ulysses_jax.plan import report, search
+from ulysses_jax.plan import moe, report, search
 from ulysses_jax.plan.hardware import Hardware
 from ulysses_jax.plan.model import DTYPE_BYTES as _DTYPE_BYTES, Model
 from ulysses_jax.run_config import RunConfig
@@ -110,6 +110,9 @@ def parser() -> cli.Parser:
   add("--offload", choices=sorted(search.OFFLOADS), help="state on the host: none, the "
       "optimizer's, or it and the layer parameters (default: searched)")
   add("--mesh", type=_mesh, help="DATAxSEQxRING (default: searched)")
+  add("--expert_placement", choices=("auto", *moe.PLACEMENTS), default="auto",
+      help="with experts: the LlamaConfig.expert_placement to model, or auto: the one "
+      "plan.moe recommends for each layout (its values moved and memory)")
   add("--top", type=int, default=12, help="rows to print")
   gen = p.add_argument_group("generation (--generate: ulysses_jax.plan.generate)")
   gen.add_argument("--generate", action="store_true", help="plan generation, not training")
@@ -239,7 +242,8 @@ def run(argv: list[str] | None = None) -> dict:
   args = _parse(argv)
   if args.generate:
     return plan_generate.run(args, _gpu(args))
-  model = Model.from_config(args.model_config)
+  model = dataclasses.replace(Model.from_config(args.model_config),
+                              expert_placement=args.expert_placement)
   hardware = _hardware(args)
   knobs = _knobs(args, model)
   sizes = dict(batch=args.batch, dtype=args.dtype, accum_steps=args.accum_steps, knobs=knobs)
@@ -266,7 +270,10 @@ def run(argv: list[str] | None = None) -> dict:
   answer["rows"] = [report.describe(r, hardware, tokens) for r in rows]
   _write_json(args, answer)
   if "experts" in rows[0]["step"]:
-    print(f"experts: {rows[0]['step']['experts']['why']}")
+    experts = rows[0]["step"]["experts"]
+    source = "recommended" if args.expert_placement == "auto" else "--expert_placement"
+    print(f"experts: {experts['why']}\nthe step and memory above model expert_placement = "
+          f"{experts['placement']!r} ({source})")
   if args.verify:
     _verify(rows[0], args)
   return rows[0]

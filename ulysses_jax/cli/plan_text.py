@@ -54,8 +54,10 @@ def settings(row: dict, args) -> dict:
       "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
   if args.init_from:
     settings["TrainConfig.init_from"] = args.init_from
-  if row["step"].get("experts", {}).get("placement") == "expert":  # plan.moe.placement
-    settings["LlamaConfig.expert_placement"] = "expert"
+  placement = row["step"].get("experts", {}).get("placement")  # plan.moe.in_use
+  if placement == "expert" or (placement and getattr(args, "expert_placement", "auto")
+                               != "auto"):  # what the step models, where not the default
+    settings["LlamaConfig.expert_placement"] = placement
   return settings
 
 

@@ -19,9 +19,16 @@ heads replicated where ``seq`` exceeds them), s the ring's steps from other devi
                            context-parallel baseline, ``attention.baselines``): K and V of the
                            whole sequence gathered over seq, 2·S·(Hkv/n)·D·c per forward pass;
                            the backward reduce-scatters dK/dV, 2·(S/seq)·(Hkv/n)·D·c
-  FSDP (per step)          one all-gather of the weights per forward pass and its recompute,
-                           2·c·params, and a reduce-scatter of the gradients, p·params/N
-                           (moved: (N - 1)/N of the whole), once per micro-batch
+  FSDP (per step)          one all-gather of the layers' weights per forward pass and its
+                           recompute, and of the other weights (embedding, head) once,
+                           c·(2·L·layer_params + other), and a reduce-scatter of the
+                           gradients, p·params/N (moved: (N - 1)/N of the whole), once per
+                           micro-batch
+  experts (``plan.moe``)   with the expert placement (``Model.expert_placement``) the experts
+                           leave FSDP over every device: X/seq of them per device, FSDP over
+                           data and ring (gathered and reduce-scattered there as above), and
+                           each MoE layer's dispatch blocks go over seq by all-to-all, there and
+                           back, 2·seq·T·min(k, X/seq)·E·c per pass (``moe.block_values``)
 
 Groups: ``seq`` is the innermost mesh axis (consecutive devices), ``ring`` the next (devices
 ``seq`` apart), FSDP spans every device. Timing (``hardware.GroupLinks``): an all-to-all sends
@@ -32,6 +39,7 @@ reduce-scatter moves at the network's rate when one of its hops crosses a domain
 import collections
 import dataclasses
 
+from ulysses_jax.plan import moe
 from ulysses_jax.plan.hardware import GroupLinks, Hardware, group_links
 from ulysses_jax.plan.model import (DTYPE_BYTES, Layout, Model, attention_per_token,
                                     chunk_heads, ring_keeps_natural_layout, ring_steps, tokens)
@@ -86,7 +94,9 @@ def layer_traffic(model: Model, layout: Layout, window: int | None, *, seq_len: 
 
 _KIND = {"all_to_all": "all-to-all", "ring": "collective-permute",
          "allgather_kv": "all-gather", "allgather_kv_grad": "reduce-scatter",
-         "fsdp_all_gather": "all-gather", "fsdp_reduce_scatter": "reduce-scatter"}
+         "fsdp_all_gather": "all-gather", "fsdp_reduce_scatter": "reduce-scatter",
+         "expert_all_to_all": "all-to-all", "expert_all_gather": "all-gather",
+         "expert_reduce_scatter": "reduce-scatter"}
 
 
 def step_collectives(model: Model, layout: Layout, hardware: Hardware, *, seq_len: int,
@@ -102,11 +112,24 @@ def step_collectives(model: Model, layout: Layout, hardware: Hardware, *, seq_le
                                       batch=batch // accum_steps, dtype=dtype,
                                       forward_passes=forward_passes).items():
       result[name] = result.get(name, 0.0) + layers * accum_steps * nbytes
-  result["fsdp_all_gather"] = accum_steps * 2 * c * model.params
-  result["fsdp_reduce_scatter"] = accum_steps * p * model.params / n
+  layers = model.num_layers * model.layer_params
+  split = 0  # layer parameters split over seq (the experts, with the expert placement)
+  _, _, t = tokens(layout, batch // accum_steps, seq_len)
+  if model.moe_layers and moe.in_use(model, t, layout.seq, c) == "expert":
+    split = model.num_layers * moe.split_params(model)
+    result["expert_all_to_all"] = (accum_steps * model.moe_layers * (forward_passes + 1)
+                                   * moe.block_values(model, t, layout.seq) * c)
+    others = layout.data * layout.ring
+    result["expert_all_gather"] = accum_steps * 2 * c * split / layout.seq
+    result["expert_reduce_scatter"] = accum_steps * p * split / layout.seq / others
+  result["fsdp_all_gather"] = accum_steps * c * (2 * (layers - split) + model.params - layers)
+  result["fsdp_reduce_scatter"] = accum_steps * p * (model.params - split) / n
   seq_group = group_links(hardware, layout.seq, 1, n)
+  others_group = group_links(hardware, layout.data * layout.ring, layout.seq, n)
   groups = {"all_to_all": ("seq", seq_group), "allgather_kv": ("seq", seq_group),
-            "allgather_kv_grad": ("seq", seq_group),
+            "allgather_kv_grad": ("seq", seq_group), "expert_all_to_all": ("seq", seq_group),
+            "expert_all_gather": ("data,ring", others_group),
+            "expert_reduce_scatter": ("data,ring", others_group),
             "ring": ("ring", group_links(hardware, layout.ring, layout.seq, n)),
             "fsdp_all_gather": ("data,ring,seq", group_links(hardware, n, 1, n)),
             "fsdp_reduce_scatter": ("data,ring,seq", group_links(hardware, n, 1, n))}
@@ -118,7 +141,7 @@ def step_collectives(model: Model, layout: Layout, hardware: Hardware, *, seq_le
     w = links.width
     moved = {"all-to-all": nbytes * (w - 1) / w, "collective-permute": nbytes,
              "all-gather": nbytes * (w - 1) / w, "reduce-scatter": nbytes * (w - 1)}[_KIND[name]]
-    seconds = (links.all_to_all_seconds(nbytes) if name == "all_to_all"
+    seconds = (links.all_to_all_seconds(nbytes) if _KIND[name] == "all-to-all"
                else links.ring_seconds(moved))
     found.append(Collective(name, _KIND[name], axes, nbytes, moved, links, seconds))
   return found

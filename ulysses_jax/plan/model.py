@@ -33,7 +33,10 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
   gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
                                          matrix (embedding or head) and its gradient
              + c·X·3·E·I                 with experts: their gradient, which the MoE tiles
-                                         accumulate whole (``plan.moe``)
+                                         accumulate whole; with the expert placement only
+                                         X/seq experts and their gradient (``plan.moe``,
+                                         ``Model.expert_placement``; so are the experts'
+                                         working set and dispatch blocks)
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
                                          backward: L' layer inputs, L' = L, or L/k + k with
                                          groups of k layers (``remat_group``; the k of the
@@ -151,12 +154,15 @@ class Model:
   experts_per_token: int = 0
   expert_mlp_dim: int = 0
   expert_bias: bool = False
+  # ``LlamaConfig.expert_placement`` the planner models, or "auto": the one ``plan.moe``
+  # recommends for each layout (``from_config`` leaves it to the planner).
+  expert_placement: str = "auto"
 
   @classmethod
   def from_config(cls, config):
     experts = ("num_experts", "experts_per_token", "expert_mlp_dim", "expert_bias")
     fields = {f.name for f in dataclasses.fields(cls)} - {"layer_windows", "moe_layers",
-                                                          *experts}
+                                                          "expert_placement", *experts}
     moe_fields = {} if config.moe is None else {
         name: getattr(config.moe, name) for name in experts}
     return cls(**{name: getattr(config, name) for name in fields},
@@ -308,14 +314,16 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   optimizer = o * model.params / n
   host_params = _host_param_count(model, layout)
   device_params = model.params - host_params + _device_layer_params(model, layout)
+  placement = moe.in_use(model, t, layout.seq, c) if model.moe_layers else "fsdp"
+  experts_held = (moe.held_bytes(model, placement, layout.seq, c)
+                  - c * moe.layer_params(model) if model.moe_layers else 0)
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
-      "gathered": (c * model.layer_params + 2 * c * model.vocab_size * e
-                   + c * moe.layer_params(model) * (model.moe_layers > 0)),
+      "gathered": c * model.layer_params + 2 * c * model.vocab_size * e + experts_held,
       "saved": saved,
-      "working": (t * c * _layer_per_token(model, heads)
-                  + _mlp_working(model, t, c, f_eff, mlp_tokens) + tiles + incoming),
+      "working": (t * c * _layer_per_token(model, heads) + tiles + incoming
+                  + _mlp_working(model, t, c, f_eff, mlp_tokens, placement, layout.seq)),
   }
   terms["total"] = sum(terms.values())
   if offload:  # the update streams one layer's state through, and the other parameters'
@@ -340,10 +348,11 @@ def _layer_per_token(model, heads):
   return max(fitted, counted)
 
 
-def _mlp_working(model, t, c, f_eff, mlp_tokens):
+def _mlp_working(model, t, c, f_eff, mlp_tokens, placement, expert_devices):
   """The larger of the dense MLP's and the experts' working set (layers of either kind)."""
   dense = t * c * _WORK_F * f_eff if model.moe_layers < model.num_layers else 0
-  experts = moe.working_bytes(model, mlp_tokens, c) if model.moe_layers else 0
+  experts = (moe.placed_working_bytes(model, placement, mlp_tokens, expert_devices, c)
+             if model.moe_layers else 0)
   return max(dense, experts)
 
 

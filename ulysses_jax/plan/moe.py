@@ -27,6 +27,10 @@ and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
       rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
       the grouped matmul computes every slot), and the blocks sent and received.
 
+``plan.model``, ``plan.comm`` and ``plan.step`` model the placement in use (``in_use``:
+``Model.expert_placement``, or with "auto" the one ``placement`` picks) with the terms below
+(``held_bytes``, ``placed_working_bytes``, ``block_values``, ``flops_factor``).
+
 ``placement`` picks the expert placement where D divides X and it both moves fewer values
 and holds less memory, else gathering (its all-gathers can be prefetched behind compute; the
 dispatch's all-to-alls wait for the router), and states both. With the used rows only, (a)
@@ -52,11 +56,89 @@ def inactive_params(model) -> int:
   return (x - k) * per_expert
 
 
+def run_params(model) -> int:
+  """Expert parameters one token runs in one MoE layer: its k experts' (the router aside)."""
+  e, i, k = model.hidden_dim, model.expert_mlp_dim, model.experts_per_token
+  return k * (3 * e * i + (2 * i + e if model.expert_bias else 0))
+
+
 def working_bytes(model, tile_tokens: int, c: int) -> float:
   """One MoE layer's working set for the backward of one tile of ``tile_tokens`` tokens."""
   k = model.experts_per_token
   return tile_tokens * (c * k * (_MOE_E * model.hidden_dim + _MOE_I * model.expert_mlp_dim)
                         + _MOE_X * model.num_experts)
+
+
+PLACEMENTS = ("fsdp", "expert")  # ``models.config.EXPERT_PLACEMENTS``; the planner adds "auto"
+
+
+def slots(model, expert_devices: int) -> int:
+  """Rows per token of a dispatch block: min(k, X/D)."""
+  return min(model.experts_per_token, model.num_experts // expert_devices)
+
+
+def splits(model, expert_devices: int) -> bool:
+  """Whether the expert placement can split the experts over ``expert_devices`` (seq)."""
+  return expert_devices > 1 and model.num_experts % expert_devices == 0
+
+
+def split_params(model) -> int:
+  """Parameters of one MoE layer that the expert placement splits over ``seq``: the experts
+  and their biases (the router, E·X, stays whole)."""
+  return layer_params(model) - model.hidden_dim * model.num_experts
+
+
+def block_values(model, tokens: int, expert_devices: int) -> int:
+  """Values in one MoE layer's dispatch blocks per pass with the expert placement, as the
+  all-to-alls return them: there and back, D blocks of T·min(k, X/D) rows of E each; (D-1)/D
+  of them leave the device."""
+  d = expert_devices
+  return 2 * d * tokens * slots(model, d) * model.hidden_dim
+
+
+def held_bytes(model, placement: str, expert_devices: int, c: int) -> float:
+  """One MoE layer's weights gathered for the layer and their gradient (the tiles accumulate
+  it whole): every expert gathered (fsdp); the router and the X/D experts of this device
+  (expert)."""
+  if placement == "fsdp":
+    return 2 * c * layer_params(model)
+  return 2 * c * (layer_params(model) - split_params(model) + split_params(model) / expert_devices)
+
+
+def placed_working_bytes(model, placement: str, tile_tokens: int, expert_devices: int,
+                         c: int) -> float:
+  """``working_bytes`` of one tile in the placement: with the expert placement D·t·min(k, X/D)
+  rows through the experts instead of t·k, plus the blocks sent and received (and their
+  gradients)."""
+  if placement == "fsdp":
+    return working_bytes(model, tile_tokens, c)
+  rows = expert_devices * tile_tokens * slots(model, expert_devices)
+  return (working_bytes(model, rows / model.experts_per_token, c)
+          + 4 * rows * model.hidden_dim * c)
+
+
+def flops_factor(model, placement: str, expert_devices: int) -> float:
+  """The expert matmuls' FLOPs over the gathered placement's: D·min(k, X/D)/k with the
+  expert placement (the grouped matmul computes every slot of the blocks), else 1."""
+  if placement == "fsdp":
+    return 1.0
+  return expert_devices * slots(model, expert_devices) / model.experts_per_token
+
+
+def in_use(model, tokens: int, expert_devices: int, c: int = 2) -> str:
+  """The placement the planner models: ``model.expert_placement``, or with ``"auto"`` the one
+  ``placement`` recommends. Raises where the expert placement cannot split the experts."""
+  chosen = model.expert_placement
+  if chosen == "auto":
+    return placement(model, tokens, expert_devices, c)["placement"]
+  if chosen not in PLACEMENTS:
+    raise ValueError(f"expert_placement must be 'auto' or one of {PLACEMENTS}, got "
+                     f"{chosen!r}.")
+  if chosen == "expert" and not splits(model, expert_devices):
+    raise ValueError(f"expert_placement='expert' splits the {model.num_experts} experts over "
+                     f"seq, which must be > 1 and divide them, got seq = {expert_devices}; "
+                     "give a mesh whose seq divides the experts, or expert_placement='fsdp'.")
+  return chosen
 
 
 def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
@@ -67,31 +149,26 @@ def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
   all-gathers can be prefetched behind compute, the dispatch's all-to-alls cannot)."""
   e, x, i, k = model.hidden_dim, model.num_experts, model.expert_mlp_dim, model.experts_per_token
   d = expert_devices
-  slots = min(k, x // d)
-  gathered, dispatched = 3 * x * e * i, 2 * (d - 1) * tokens * slots * e
+  gathered = 3 * x * e * i
+  dispatched = block_values(model, tokens, d) * (d - 1) // d
   tile = min(model.mlp_chunk, tokens) if model.mlp_chunk else tokens
-  # Rows through the experts per tile: t·k gathered; D·t·min(k, Xd) dispatched, plus the
-  # blocks sent and received (and their gradients).
-  rows = d * tile * slots
-  memory = {
-      "fsdp": 2 * gathered * c + working_bytes(model, tile, c),
-      "expert": (2 * gathered // d * c + working_bytes(model, rows / k, c)
-                 + 4 * rows * e * c)}
-  splits = d > 1 and x % d == 0
+  can_split = splits(model, d)
+  memory = {p: held_bytes(model, p, d, c) + placed_working_bytes(model, p, tile, d, c)
+            for p in PLACEMENTS}
   moves_less = dispatched < gathered
   fits_in_less = memory["expert"] <= memory["fsdp"]
-  chosen = "expert" if splits and moves_less and fits_in_less else "fsdp"
+  chosen = "expert" if can_split and moves_less and fits_in_less else "fsdp"
   crossover = 3 * x * i / (2 * k)
   gib = lambda n: f"{n / 2**30:.2f} GiB"
   why = (f"experts gathered per layer (fsdp): {gathered:,} values per MoE layer and pass, "
          f"{gib(memory['fsdp'])} per device for the layer; ")
-  if not splits:
+  if not can_split:
     why += (f"expert parallelism needs seq > 1 dividing the {x} experts (seq = {d}): "
             "gathering")
   else:
     why += (f"split over seq = {d} (expert): {dispatched:,} (2 (D-1) T min(k, X/D) E at "
             f"T = {tokens:,} tokens per device), {gib(memory['expert'])}, "
-            f"{d * slots / k:g}x the expert FLOPs (every slot computed): "
+            f"{flops_factor(model, 'expert', d):g}x the expert FLOPs (every slot computed): "
             + ("gathering moves less" if not moves_less else
                "expert parallelism moves less but needs more memory: gathering"
                if not fits_in_less else
@@ -99,4 +176,5 @@ def placement(model, tokens: int, expert_devices: int = 1, c: int = 2) -> dict:
                "LlamaConfig.expert_placement = 'expert'"))
   return {"placement": chosen, "gathered_values": gathered, "dispatched_values": dispatched,
           "ideal_dispatched_values": 2 * tokens * k * e, "crossover_tokens": crossover,
-          "memory_bytes": memory, "expert_flops_factor": d * slots / k, "why": why}
+          "memory_bytes": memory, "expert_flops_factor": flops_factor(model, "expert", d),
+          "why": why}

@@ -22,6 +22,7 @@ how far from fitting the question is.
 import dataclasses
 import itertools
 
+from ulysses_jax.plan import moe
 from ulysses_jax.plan.hardware import Hardware
 from ulysses_jax.plan.model import Layout, Model, predict_memory
 from ulysses_jax.plan.step import predict_step
@@ -120,13 +121,15 @@ def _candidates(model, devices, batch, seq_len, accum_steps, knobs):
   groups = tuple(k for k in knobs.remat_groups if model.num_layers % k == 0)
   chunks = tuple(k for k in knobs.head_chunks if model.num_kv_heads % k == 0)
   # Not seq beyond the query heads: the all-to-all would pad heads that compute nothing (and
-  # planning them grows fast with seq); a ring over the rest does the same work.
+  # planning them grows fast with seq); a ring over the rest does the same work. The expert
+  # placement, when set, needs a seq that divides the experts.
   return (layout for layout in layouts(devices, batch, seq_len=seq_len,
                                        accum_steps=accum_steps, remats=knobs.remats,
                                        offloads=knobs.offloads, remat_groups=groups,
                                        head_chunks=chunks, mesh=knobs.mesh,
                                        attention=knobs.attention)
-          if layout.seq <= model.num_heads or knobs.mesh is not None)
+          if (layout.seq <= model.num_heads or knobs.mesh is not None)
+          and (model.expert_placement != "expert" or moe.splits(model, layout.seq)))
 
 
 def _fits(memory, hardware):

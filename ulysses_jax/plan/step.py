@@ -3,11 +3,12 @@ of them, host transfers (``predict_step``).
 
 Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs, K the sum over layers of the keys a query sees on
 average (S/2 causal, about W with a sliding window W: ``reference.mean_visible_keys``; padded
-heads compute too), plus one forward when rematerialising, one more with remat groups, and
-the attention layer (projections and attention) once more with head chunks. Passes over
-attention: the forward, the backward, and one more forward for each of: rematerialising,
-remat groups, head chunks (each chunk recomputes its attention in the backward). Each ring
-step also rescales a float32 ``[T, Hq', D]`` accumulator in HBM.
+heads compute too; with the expert placement the expert matmuls ``plan.moe.flops_factor`` times
+over, every slot of the dispatch blocks), plus one forward when rematerialising, one more with
+remat groups, and the attention layer (projections and attention) once more with head chunks.
+Passes over attention: the forward, the backward, and one more forward for each of:
+rematerialising, remat groups, head chunks (each chunk recomputes its attention in the
+backward). Each ring step also rescales a float32 ``[T, Hq', D]`` accumulator in HBM.
 
 What overlaps (an assumption each; ``ASSUMPTIONS``): the all-to-alls and the all-gather-KV
 baseline's gathers sit between attention and the rest of the layer and are exposed whole. The
@@ -67,7 +68,12 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   windows = model.windows()
   layer_attn = [4 * mean_visible_keys(seq_len, w) * chunks * hq * d * t for w in windows]
   attn_flops = sum(layer_attn)
-  forward = 2 * model.compute_params * t + attn_flops
+  # The expert placement's grouped matmuls compute every slot of the dispatch blocks.
+  _, _, micro_t = tokens(layout, batch // accum_steps, seq_len)
+  experts = moe.placement(model, micro_t, layout.seq, c) if model.moe_layers else None
+  placement = moe.in_use(model, micro_t, layout.seq, c) if experts else "fsdp"
+  extra_experts = (moe.flops_factor(model, placement, layout.seq) - 1) * moe.run_params(model)
+  forward = 2 * (model.compute_params + model.moe_layers * extra_experts) * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
                "offload": forward - projections, "none": 0}[layout.remat]
@@ -88,7 +94,8 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   ring_cover = sum(a * s / (s + 1) for a, s in zip(layer_attn, steps)) * (
       (forward_passes + 2) / hardware.flops)
   ring_hidden = min(seconds("ring"), ring_cover)
-  fsdp = seconds("fsdp_all_gather") + seconds("fsdp_reduce_scatter")
+  gathers = ("fsdp_all_gather", "expert_all_gather")
+  fsdp = sum(seconds(x) for x in (*gathers, "fsdp_reduce_scatter", "expert_reduce_scatter"))
   shares_links = ("ring" in collectives and "fsdp_all_gather" in collectives
                   and collectives["ring"].links.domain
                   == collectives["fsdp_all_gather"].links.domain)
@@ -96,16 +103,18 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   host = _host_transfers(model, layout, t, c, p, o, n, hardware, compute)
   times = {
       "compute_s": compute + merge,
-      "all_to_all_s": seconds("all_to_all"),
+      "all_to_all_s": seconds("all_to_all") + seconds("expert_all_to_all"),
       "ring_exposed_s": seconds("ring") - ring_hidden,
       "allgather_kv_s": seconds("allgather_kv") + seconds("allgather_kv_grad"),
       "fsdp_exposed_s": fsdp - fsdp_hidden,
       **host,
   }
   moved = lambda *names: sum(collectives[x].moved_bytes for x in names if x in collectives)
-  hidden = {"ring": ring_hidden, "fsdp_all_gather": fsdp_hidden * seconds("fsdp_all_gather")
-            / fsdp if fsdp else 0.0}
-  hidden["fsdp_reduce_scatter"] = fsdp_hidden - hidden["fsdp_all_gather"]
+  hidden = {"ring": ring_hidden}
+  for name in ("fsdp_all_gather", "expert_all_gather", "fsdp_reduce_scatter",
+               "expert_reduce_scatter"):  # FSDP's hidden time, shared by their seconds
+    if name in collectives:
+      hidden[name] = fsdp_hidden * seconds(name) / fsdp if fsdp else 0.0
   breakdown = [_term("attention", attention + merge, hidden_by=None),
                _term("matmuls", compute - attention, hidden_by=None)]
   for x in collectives.values():
@@ -116,11 +125,14 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
                       if x.name in hidden else None})
   breakdown += [_term("host_offload", host["offload_exposed_s"], hidden_by="compute"),
                 _term("optimizer_transfer", host["optimizer_transfer_s"], hidden_by=None)]
-  return {"all_to_all_bytes": moved("all_to_all"), "ring_bytes": moved("ring"),
-          "fsdp_bytes": moved("fsdp_all_gather", "fsdp_reduce_scatter"),
+  return {"all_to_all_bytes": moved("all_to_all", "expert_all_to_all"),
+          "ring_bytes": moved("ring"),
+          "fsdp_bytes": moved("fsdp_all_gather", "fsdp_reduce_scatter", "expert_all_gather",
+                              "expert_reduce_scatter"),
           "allgather_kv_bytes": moved("allgather_kv", "allgather_kv_grad"), **times,
           "step_s": sum(times.values()), "breakdown": breakdown,
-          **({"experts": moe.placement(model, t, layout.seq, c)} if model.moe_layers else {})}
+          **({"experts": {**experts, "placement": placement,
+                          "recommended": experts["placement"]}} if experts else {})}
 
 
 def _term(name, seconds, hidden_by):

@@ -13,8 +13,8 @@ to ``[G, C, D]`` (one pass per query head of the group) reads it G times, from H
 layer's cache (256 MiB at 1M tokens) is far beyond the L2 cache (50 MiB) and the g axis is the
 outer one; the kernel's TMA copies read every block once. From those reads, the predicted time
 per token (a lower bound, as ``aot.generate``'s): the bytes read at the H100's HBM bandwidth.
-``--max_new_tokens 129`` gives 1,048,576 + 128 slots per device, a multiple of 8, as the
-kernel's TMA copies need (128 new tokens give 1,048,703, which the kernel cannot take).
+``--max_new_tokens 129`` gives 1,048,576 + 128 slots per device, a multiple of 64, as the
+kernel's v tiles need (``plan_cache`` rounds 128 new tokens to the same).
 """
 
 import argparse

@@ -21,7 +21,8 @@ def test_generation_decode_step_updates_the_donated_cache_in_place():
   assert memory.alias_size_in_bytes >= (layout.bytes_per_device()
                                         + layout.positions_bytes_per_device())
   one_layer_k = layout.bytes_per_device() // (2 * config.num_layers)
-  assert one_layer_k == 2 * ((1 << 20) + 128) // 8 * 16 * 2  # 2 KV heads, 1/8 of the slots
+  # 2 KV heads, 1/8 of the slots; 127 new ones, each device's slots a multiple of 64
+  assert one_layer_k == 2 * ((1 << 20) + 8 * 64) // 8 * 16 * 2
   assert memory.temp_size_in_bytes < one_layer_k, memory.temp_size_in_bytes
 
 

@@ -88,3 +88,30 @@ def test_moe_prediction_matches_the_compiled_programs(jax_version):
   assert abs((got["prefill_bytes_per_device"] - head) / compiled["prefill"]["device_bytes"]
              - 1) < 0.03
   assert got["decode_bytes_read"] < compiled["decode"]["bytes_read"] / 4
+
+
+@pytest.mark.parametrize("batch, experts_read", [(8, 4), (32, 16), (256, 32)])
+def test_aot_and_the_planner_count_the_same_unread_experts(batch, experts_read):
+  """A decode step on 1 x 8 routes ⌈B/8⌉ tokens per device to k = 4 of X = 32 experts: it
+  reads min(32, 4·⌈B/8⌉) experts per layer (one function, ``generate.experts``), and the
+  expert bytes aot leaves out of its arguments (from the sharded abstract weights) equal
+  those the planner leaves out of c·params. Nothing compiles."""
+  import jax
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.generate.experts import decode_experts_read
+  from ulysses_jax.mesh import make_mesh
+  from ulysses_jax.models.config import MoeConfig
+  config = preset("tiny", num_layers=2, dtype="bfloat16", param_dtype="bfloat16",
+                  moe=MoeConfig(num_experts=32, experts_per_token=4, expert_mlp_dim=48,
+                                expert_bias=True))
+  mesh = make_mesh(1, 8, devices=jax.devices()[:8])
+  generator, layout, _ = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=512, batch=batch, mesh_seq=8))
+  assert decode_experts_read(config, layout) == experts_read
+  aot_unread = aot_generate.unread_expert_bytes(config, layout, generator.params)
+  plan = predict_generation(config, GenerationQuestion(512, seq=8, batch=batch),
+                            GPUS["h100"].with_reserve(None))
+  plan_unread = (plan["weights_bytes_per_device"] + plan["cache_bytes_per_device"]
+                 + plan["cache_positions_bytes_per_device"] - plan["decode_bytes_read"])
+  per_expert = 2 * (3 * config.hidden_dim * 48 + 2 * 48 + config.hidden_dim)
+  assert aot_unread == plan_unread == 2 * (32 - experts_read) * per_expert

@@ -30,7 +30,8 @@ no overlap), and at the planner's achieved rates (``plan.hardware.ACHIEVED``):
              network when the ring spans nodes)
   decode     every byte a step reads once at HBM bandwidth: the weights it runs (a token
              runs k of each MoE layer's X experts: a device that routes t tokens reads at
-             most min(X, t·k) experts: the Mosaic grouped matmul on Hopper reads the
+             most min(X, t·k) experts, ``generate.experts.decode_experts_read``, the
+             formula ``aot.generate`` uses too: the Mosaic grouped matmul on Hopper reads the
              weights of the groups that have rows; XLA's ``ragged_dot`` rewrite would read all
              X, ``kernels.grouped_matmul``) and the whole cache. The combine's collectives
              (kilobytes) and kernel launches are not counted.

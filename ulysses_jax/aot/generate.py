@@ -7,9 +7,15 @@ does for a train step. Predictions, both lower bounds:
 
 * prefill: ``roofline.predict`` over the compiled program (FLOPs at the dense bf16 peak,
   bytes at HBM bandwidth, collectives at the link's bandwidth, no overlap);
-* decode, per token: every byte a decode step reads, the weights and the whole cache on the
-  device (its arguments), once at HBM bandwidth, plus its collectives at the link's bandwidth.
-  A decode step is bound by memory traffic; kernel launches and latencies are not counted.
+* decode, per token: every byte a decode step reads once at HBM bandwidth, plus its
+  collectives at the link's bandwidth: its arguments (the weights and the whole cache on the
+  device), less the experts no token chose. Where the step's grouped matmul is the Mosaic
+  kernel (``generate.experts.uses_stacked_experts``), it reads the weights of the experts
+  that have rows only: a device routing t tokens to k of X experts reads at most min(X, t·k)
+  experts per MoE layer (``generate.experts.decode_experts_read``, the planner's formula too)
+  and none of a dense layer's share of the stacked experts; with XLA's ``ragged_dot`` every
+  expert is counted. A decode step is bound by memory traffic; kernel launches and latencies
+  are not counted.
 """
 
 import dataclasses
@@ -27,7 +33,7 @@ from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.report import argument_bytes, budget_options
 from ulysses_jax.generate import cache as cache_lib
-from ulysses_jax.generate import steps
+from ulysses_jax.generate import experts, steps
 from ulysses_jax.mesh import DATA, make_mesh, sequence_axes
 from ulysses_jax.metrics import device_breakdown
 from ulysses_jax.models.config import LlamaConfig
@@ -90,7 +96,23 @@ def lower_steps(generator, layout, cache) -> dict:
                                             lengths)}
 
 
-def _program_report(name, lowered, io_bytes, gpu, nodes, model_flops, num_devices) -> dict:
+def unread_expert_bytes(config: LlamaConfig, layout, params) -> int:
+  """Bytes per device of the expert weights (gate, up, down and their biases: the arrays
+  stacked ``[L, X, ...]`` under ``layers.moe``, the router excluded) that a decode step of
+  ``layout`` does not read: of the L·X experts held, all but ``decode_experts_read`` of each
+  MoE layer's X (a dense layer's share of the stack is not read). ``params``: the model's
+  abstract weights with their shardings."""
+  if config.moe is None:
+    return 0
+  stack = params["layers"]["moe"]
+  held = argument_bytes([stack[name] for name in experts.EXPERT_WEIGHTS if name in stack])
+  layers, num_experts = config.num_layers, config.moe.num_experts
+  read_experts = sum(config.sparse_layers()) * experts.decode_experts_read(config, layout)
+  return held * (layers * num_experts - read_experts) // (layers * num_experts)
+
+
+def _program_report(name, lowered, io_bytes, gpu, nodes, model_flops, num_devices,
+                    unread_bytes=0) -> dict:
   start = time.perf_counter()
   compiled = lowered.compile(budget_options(gpu, io_bytes))
   m = compiled.memory_analysis()
@@ -113,8 +135,9 @@ def _program_report(name, lowered, io_bytes, gpu, nodes, model_flops, num_device
     report["predicted_compute_s"] = prediction.compute_s
     report["predicted_collective_s"] = prediction.collective_s
   else:
-    report["bytes_read"] = device["arguments"]
-    report["predicted_s"] = device["arguments"] / gpu.memory_bandwidth + link_s
+    report["unread_expert_bytes"] = unread_bytes
+    report["bytes_read"] = device["arguments"] - unread_bytes
+    report["predicted_s"] = report["bytes_read"] / gpu.memory_bandwidth + link_s
   return report
 
 
@@ -132,17 +155,34 @@ def compile_generation(config: LlamaConfig, setup: GenerationSetup, gpu: str = "
   lowered = lower_steps(generator, layout, cache)
   io_bytes = argument_bytes((generator.params, cache))  # the cache is donated, aliased
   forward_flops = _forward_flops(config, layout)
+  stacked = experts.uses_stacked_experts(config, mesh)
+  unread = unread_expert_bytes(config, layout, generator.params) if stacked else 0
   report = {"gpu": spec.name, "devices": mesh.size, "mesh": dict(mesh.shape),
             "jax": jax.__version__, "model": config.preset or "from a checkpoint",
             "setup": dataclasses.asdict(setup), "budget_bytes": spec.budget_bytes,
             "cache_bytes_per_device": layout.bytes_per_device(),
             "cache": gen.describe_memory(layout),
             "model_flops_prefill": forward_flops}
+  if config.moe is not None:
+    report["decode_experts_read"] = _experts_read_note(config, layout, stacked)
   for name, program in lowered.items():
     report[name] = _program_report(name, program, io_bytes, spec, slices * hosts,
-                                   forward_flops if name == "prefill" else 0.0, mesh.size)
+                                   forward_flops if name == "prefill" else 0.0, mesh.size,
+                                   unread if name == "decode" else 0)
   report["prefill"]["predicted_total_s"] = report["prefill"]["predicted_s"] * layout.chunks
   return report
+
+
+def _experts_read_note(config: LlamaConfig, layout, stacked: bool) -> str:
+  """The decode prediction's assumption about the experts, as the JSON states it."""
+  moe = config.moe
+  if not stacked:
+    return (f"all {moe.num_experts} experts of every layer (the grouped matmul is not the "
+            f"Mosaic kernel: XLA's ragged_dot reads every expert)")
+  return (f"at most {experts.decode_experts_read(config, layout)} of {moe.num_experts} experts "
+          f"per MoE layer: min(X, t*k) for t = {experts.decode_tokens_per_device(layout)} "
+          f"tokens per device and k = {moe.experts_per_token} (the Mosaic grouped matmul reads "
+          f"only the experts that have rows; distinct choices assumed, an upper bound)")
 
 
 def _forward_flops(config: LlamaConfig, layout) -> float:
@@ -171,4 +211,6 @@ def format_generation_report(r: dict) -> str:
             f"PREDICTED decode: {dec['predicted_s'] * 1e3:.2f} ms per token ("
             f"{dec['bytes_read'] / GIB:.2f} GiB of weights and cache read at HBM bandwidth, "
             f"plus collectives)"]
+  if "decode_experts_read" in r:
+    lines.append(f"  experts read: {r['decode_experts_read']}")
   return "\n".join(lines)

@@ -22,10 +22,11 @@ from jax.sharding import PartitionSpec as P
 
 from ulysses_jax.kernels import grouped_matmul as grouped_matmul_lib
 from ulysses_jax.kernels import target as target_lib
-from ulysses_jax.mesh import DATA, sequence_axes
+from ulysses_jax.mesh import DATA, sequence_axes, sequence_shards
 from ulysses_jax.models import moe as moe_lib
 
-_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
+# The stacked expert arrays of ``models.moe.MoE`` (the router and its bias excluded).
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias")
 
 
 def uses_stacked_experts(config, mesh) -> bool:
@@ -42,6 +43,26 @@ def uses_stacked_experts(config, mesh) -> bool:
              for k, n in ((e, i), (i, e)))
 
 
+def decode_tokens_per_device(layout) -> int:
+  """Tokens each device routes in a decode step of ``layout`` (a ``CacheLayout``; its mesh may
+  be abstract): the B/data rows of a data shard spread over its seq x ring devices, padded to
+  a multiple of them (``steps._decode_block``), ⌈B/(data·seq·ring)⌉; padding rows are routed
+  too."""
+  rows = layout.batch // layout.mesh.shape[DATA]
+  return -(-rows // sequence_shards(layout.mesh))
+
+
+def decode_experts_read(config, layout) -> int:
+  """Experts per MoE layer whose weights a decode step of ``layout`` reads on one device, at
+  most: min(X, t·k) for t = ``decode_tokens_per_device`` tokens going to k of the X experts
+  each. Assumes the grouped matmul reads only the groups that have rows (the Mosaic kernel on
+  Hopper does; XLA's ``ragged_dot`` reads all X) and that no two of the t·k choices share an
+  expert (an upper bound). The one formula ``plan.generate`` and ``aot.generate`` predict a
+  decode step's weight reads with."""
+  moe = config.moe
+  return min(moe.num_experts, decode_tokens_per_device(layout) * moe.experts_per_token)
+
+
 def stacked_experts(model, layer: int, x_dRE, norm):
   """Layer ``layer``'s experts on ``norm(x)``: x ``[data, R, E]`` sharded (data, seq x ring),
   R a multiple of the sequence shards; returns ``[data, R, E]`` in the compute dtype, sharded
@@ -53,7 +74,7 @@ def stacked_experts(model, layer: int, x_dRE, norm):
   layers, experts = config.num_layers, moe.num_experts
   weights = {name: getattr(stack, name)[...].astype(dtype).reshape(
       layers * experts, *getattr(stack, name).shape[2:])
-             for name in _EXPERT_WEIGHTS if getattr(stack, name) is not None}
+             for name in EXPERT_WEIGHTS if getattr(stack, name) is not None}
   router = stack.router[layer].astype(jnp.float32)
   router_bias = (jnp.zeros((experts,), jnp.float32) if stack.router_bias is None
                  else stack.router_bias[layer].astype(jnp.float32))

@@ -30,7 +30,8 @@ no overlap), and at the planner's achieved rates (``plan.hardware.ACHIEVED``):
              network when the ring spans nodes)
   decode     every byte a step reads once at HBM bandwidth: the weights it runs (a token
              runs k of each MoE layer's X experts: a device that routes t tokens reads at
-             most min(X, t·k) experts: the Mosaic grouped matmul on Hopper reads the
+             most min(X, t·k) experts, ``generate.experts.decode_experts_read``, the
+             formula ``aot.generate`` uses too: the Mosaic grouped matmul on Hopper reads the
              weights of the groups that have rows; XLA's ``ragged_dot`` rewrite would read all
              X, ``kernels.grouped_matmul``) and the whole cache. The combine's collectives
              (kilobytes) and kernel launches are not counted.
@@ -41,6 +42,7 @@ import dataclasses
 from jax.sharding import AbstractMesh
 
 from ulysses_jax.generate.cache import plan_cache
+from ulysses_jax.generate.experts import decode_experts_read
 from ulysses_jax.gpus import Gpu
 from ulysses_jax.mesh import AXES, RING_AXES
 from ulysses_jax.metrics import flops_per_token
@@ -101,7 +103,7 @@ def predict_generation(config: LlamaConfig, question: GenerationQuestion, gpu: G
                                                       chunk_tokens)
   hardware = Hardware.of(gpu)
   prefill = _prefill_seconds(config, model, q, layout, gpu, hardware)
-  decode_read = _decode_weight_bytes(model, c, layout.batch, q) + cache
+  decode_read = _decode_weight_bytes(config, model, c, layout) + cache
   return {
       "question": dataclasses.asdict(q), "devices": n, "gpu": gpu.name,
       "budget_bytes": gpu.budget_bytes,
@@ -156,13 +158,12 @@ def _prefill_seconds(config, model, q, layout, gpu, hardware) -> dict:
                                 + ring / across_achieved}
 
 
-def _decode_weight_bytes(model: Model, c: int, batch: int, q: GenerationQuestion) -> float:
+def _decode_weight_bytes(config: LlamaConfig, model: Model, c: int, layout) -> float:
   """Weight bytes a decode step reads per device: all, less the experts no token of the
-  device routes to (each device routes ⌈B/(data·seq·ring)⌉ tokens, ``generate.steps``)."""
+  device routes to (``generate.experts.decode_experts_read``)."""
   if not model.moe_layers:
     return c * model.params
-  tokens = -(-(batch // q.data) // (q.seq * q.ring))
-  unread = max(model.num_experts - tokens * model.experts_per_token, 0)
+  unread = model.num_experts - decode_experts_read(config, layout)
   per_expert = moe.inactive_params(model) / (model.num_experts - model.experts_per_token)
   return c * (model.params - model.moe_layers * unread * per_expert)
 

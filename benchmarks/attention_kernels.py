@@ -29,7 +29,7 @@ from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
                                         measure, reference_on_rows, sampled_rows, throughput)
 from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
-from ulysses_jax.benchmarking import time_fn
+from ulysses_jax.doctor.timing import time_fn
 
 SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
 

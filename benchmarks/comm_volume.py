@@ -5,7 +5,7 @@ count P grow together, while the all-gather (context-parallel) baseline grows wi
 where do ring attention and the Ulysses x ring hybrid sit?
 
 For each scheme and (S, P) the forward pass is compiled (no arrays are allocated) and the
-bytes of every collective in the per-device program are summed (``ulysses_jax.hlo``).
+bytes of every collective in the per-device program are summed (``ulysses_jax.aot.hlo``).
 Expected values (DESIGN.md), with G = Hq / Hkv and b bytes per element:
 
   ulysses     all-to-all          (2 + 2/G) * B*S*Hq*D*b / P     (4 * B*S*Hq*D*b / P for MHA)
@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import check_plotting, print_table, save_figure, write_json
-from ulysses_jax import hlo, make_mesh, ulysses_attention
+from ulysses_jax import make_mesh, ulysses_attention
+from ulysses_jax.aot import hlo
 from ulysses_jax.attention.baselines import allgather_kv_attention, ring_attention
 from ulysses_jax.attention.ulysses import plan_heads
 

@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: environment header, table and JSON output (timing and
-tables: ``ulysses_jax.benchmarking``)."""
+tables: ``ulysses_jax.doctor.timing``)."""
 
 import argparse
 import importlib.util
@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from ulysses_jax.benchmarking import format_table
+from ulysses_jax.doctor.timing import format_table
 
 
 def environment() -> dict:
@@ -79,3 +79,27 @@ def save_figure(figure, title: str, path: str) -> None:
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   figure.savefig(path, dpi=120)
   print(f"wrote {path}")
+
+
+def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, int]:
+  """Largest multiple S of ``granularity`` (<= ``max_len``) with ``fits(S)``, assuming fits
+  is monotone; and the smallest multiple tried that did not fit (0 if none failed).
+
+  Doubles from ``start`` (rounded down to a multiple, at least ``granularity``), then
+  bisects; returns ``(0, granularity)`` when even the smallest length fails.
+  """
+  low, high = 0, 0
+  top = max_len // granularity * granularity
+  length = min(max(granularity, start // granularity * granularity), top)
+  while length:  # doubling, the last try at top
+    if not fits(length):
+      high = length
+      break
+    low, length = length, min(2 * length, top) if length < top else 0
+  while high and high - low > granularity:
+    middle = (low + high) // 2 // granularity * granularity
+    if fits(middle):
+      low = middle
+    else:
+      high = middle
+  return low, high

@@ -35,7 +35,8 @@ import time
 import numpy as np
 
 from benchmarks.common import print_table, write_json
-from ulysses_jax import data, preprocess
+from ulysses_jax.data import preprocess
+from ulysses_jax.data import pipeline as data
 
 COLUMNS = ["case", "tokens", "load_s", "pack_s", "load_tok_s", "pack_tok_s", "total_tok_s",
            "need_tok_s", "ratio"]

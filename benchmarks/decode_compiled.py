@@ -24,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from ulysses_jax import hlo
+from ulysses_jax.aot import hlo
 from ulysses_jax.aot import generate as aot_generate
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec
 from ulysses_jax.aot.report import argument_bytes, budget_options

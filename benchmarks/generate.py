@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax.generate import cache as cache_lib  # noqa: E402
-from ulysses_jax.hf import load_llama, save_llama  # noqa: E402
+from ulysses_jax.hf.weights import load_llama, save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models.config import LlamaConfig  # noqa: E402
 from ulysses_jax.models.llama import init_llama  # noqa: E402

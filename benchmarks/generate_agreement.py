@@ -34,7 +34,7 @@ import transformers  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
-from ulysses_jax.hf import load_llama  # noqa: E402
+from ulysses_jax.hf.weights import load_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 SHAPES = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

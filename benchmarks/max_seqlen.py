@@ -59,8 +59,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.train_step import FORMULA, synthetic_batch  # noqa: E402
 from ulysses_jax import evaluate, make_mesh, metrics, sharding, step_builder  # noqa: E402
-from ulysses_jax.benchmarking import time_fn  # noqa: E402
-from ulysses_jax.data import DataConfig  # noqa: E402
+from ulysses_jax.doctor.timing import time_fn  # noqa: E402
+from ulysses_jax.data.pipeline import DataConfig  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402
 
@@ -150,30 +150,6 @@ class Setup:
                           offload_params=memory.offload_params,
                           master_weights=memory.master_weights),
         model=self.model_config(memory), data=DataConfig(seq_len=seq_len, batch_size=self.batch))
-
-
-def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, int]:
-  """Largest multiple S of ``granularity`` (<= ``max_len``) with ``fits(S)``, assuming fits
-  is monotone; and the smallest multiple tried that did not fit (0 if none failed).
-
-  Doubles from ``start`` (rounded down to a multiple, at least ``granularity``), then
-  bisects; returns ``(0, granularity)`` when even the smallest length fails.
-  """
-  low, high = 0, 0
-  top = max_len // granularity * granularity
-  length = min(max(granularity, start // granularity * granularity), top)
-  while length:  # doubling, the last try at top
-    if not fits(length):
-      high = length
-      break
-    low, length = length, min(2 * length, top) if length < top else 0
-  while high and high - low > granularity:
-    middle = (low + high) // 2 // granularity * granularity
-    if fits(middle):
-      low = middle
-    else:
-      high = middle
-  return low, high
 
 
 def device_bytes(compiled, host_state=()) -> int:
@@ -285,7 +261,7 @@ def measure(setup: Setup, memory: MemoryConfig, *, granularity: int, max_len: in
     fits = lambda s: run_in_child(setup, memory, s, 1)["fits"]  # noqa: E731
   else:
     fits = lambda s: compiled_bytes(setup, memory, s) <= budget_gib * GIB  # noqa: E731
-  best, first_fail = search(fits, step, max_len, start_len)
+  best, first_fail = common.search(fits, step, max_len, start_len)
   row = {"config": memory.name, "max_tokens": best, "first_fail": first_fail,
          "est_GiB": float("nan"), "step_s": float("nan"), "tokens_per_s": float("nan"),
          "MFU": float("nan"), "peak_GiB": float("nan")}

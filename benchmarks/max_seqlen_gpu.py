@@ -14,7 +14,7 @@ compiles for it (``ulysses_jax.step_builder.build_train_step``, the trainer's ow
 GPU's budget, its memory less the runtime reserve left to the CUDA context, the libraries and
 NCCL (``ulysses_jax.gpus``; ``--reserve-gib`` to change it), and needs at most ``--host-gb``
 of host memory per GPU (a DGX H100 has 2 TB for 8 GPUs). The search
-(``benchmarks.max_seqlen.search``) doubles from the config's length and bisects to
+(``benchmarks.common.search``) doubles from the config's length and bisects to
 ``--granularity`` tokens per GPU. Compiled, not run: no autotuning; the step time is the
 roofline prediction of ``ulysses_jax.aot.roofline``. Arctic Long Sequence Training's
 published Llama-3.1-8B lengths and iteration times on H100s (arXiv 2506.13996) stand beside
@@ -42,7 +42,6 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin cannot start without a GPU
 
 from benchmarks import common  # noqa: E402
-from benchmarks.max_seqlen import search  # noqa: E402
 from ulysses_jax.aot import gpu_spec, parse_topology  # noqa: E402
 from ulysses_jax.aot.report import compile_config  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
@@ -68,7 +67,7 @@ def parse_case(spec: str) -> tuple[str, str, list[str]]:
 def preset_checkpoint(name: str, directory: str) -> str:
   """Writes preset ``name``'s Hugging Face ``config.json`` into ``directory`` (a checkpoint with
   no weights: enough for a fine-tuning config's ``init_from`` when compiling); returns it."""
-  from ulysses_jax import hf
+  from ulysses_jax.hf import weights as hf
   with open(os.path.join(directory, "config.json"), "w") as f:
     json.dump(hf.config_to_hf(preset(name)), f)
   return directory
@@ -100,7 +99,7 @@ def longest(gpu: str, topology: str, gin_file: str, gin_params: list[str], *,
           flush=True)
     return ok
 
-  best, first_failure = search(fits, granularity * num_gpus, max_len, config.data.seq_len)
+  best, first_failure = common.search(fits, granularity * num_gpus, max_len, config.data.seq_len)
   r = reports.get(best)
   alst = ALST_H100.get(num_gpus) if gpu == "h100" else None
   row = {

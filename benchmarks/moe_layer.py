@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import print_table, write_json
 from ulysses_jax import make_mesh, sharding
-from ulysses_jax.benchmarking import time_fn
+from ulysses_jax.doctor.timing import time_fn
 from ulysses_jax.models.config import MoeConfig, preset
 from ulysses_jax.models.llama import MLP
 from ulysses_jax.models.moe import MoE
@@ -120,7 +120,7 @@ def h100x8_rows(tokens: int) -> list[dict]:
   """One Qwen3-30B-A3B MoE layer on 8 H100s (Ulysses, seq = 8), ``tokens`` per GPU in tiles
   of 2,048, with each expert placement: the collectives' bytes per GPU as they run (loops
   weighted by their trip counts), FLOPs and temporaries."""
-  from ulysses_jax import hlo
+  from ulysses_jax.aot import hlo
   from ulysses_jax.aot import cost, gpu_devices
   mesh = make_mesh(1, 8, devices=gpu_devices("h100", "1x1x8"))
   rows = []

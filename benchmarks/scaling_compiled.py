@@ -33,7 +33,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from ulysses_jax import hlo, make_mesh, plan, ulysses_attention  # noqa: E402
+from ulysses_jax import make_mesh, plan, ulysses_attention  # noqa: E402
+from ulysses_jax.aot import hlo
 from ulysses_jax.aot import gpu_devices  # noqa: E402
 from ulysses_jax.attention.baselines import allgather_kv_attention  # noqa: E402
 from ulysses_jax.mesh import sequence_axes  # noqa: E402

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from benchmarks.common import print_table, write_json
 from ulysses_jax.attention import backends
 from ulysses_jax.attention.reference import mean_visible_keys
-from ulysses_jax.benchmarking import time_fn
+from ulysses_jax.doctor.timing import time_fn
 
 COLUMNS = ["window", "forward_s", "fwd_bwd_s", "forward_ratio", "fwd_bwd_ratio", "flop_ratio"]
 GPU_COLUMNS = ["window", "backend", "kernels", "forward_gflop", "fwd_bwd_gflop",

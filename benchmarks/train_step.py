@@ -21,8 +21,8 @@ import numpy as np
 
 from benchmarks import common
 from ulysses_jax import make_mesh, metrics, step_builder
-from ulysses_jax.benchmarking import time_fn
-from ulysses_jax.data import DataConfig
+from ulysses_jax.doctor.timing import time_fn
+from ulysses_jax.data.pipeline import DataConfig
 from ulysses_jax.models import llama
 from ulysses_jax.run_config import RunConfig, TrainConfig
 

@@ -6,7 +6,7 @@
     python -m benchmarks.vs_transformers --preset llama3.2-1b --seq-lens 4096,8192,16384 \\
         --find-max --plot /tmp/vs_transformers.png
 
-A model preset is initialised once (on the CPU), written with ``ulysses_jax.hf.save_llama``
+A model preset is initialised once (on the CPU), written with ``ulysses_jax.hf.weights.save_llama``
 and read back by both sides: ``load_llama`` for ulysses_jax (sequence-sharded over all
 devices, chunked loss) and ``transformers.AutoModelForCausalLM.from_pretrained`` for PyTorch
 (SDPA attention; on GPU float32 weights under bfloat16 autocast, like our float32 parameters
@@ -45,7 +45,7 @@ import numpy as np
 from benchmarks import common, max_seqlen
 from benchmarks.train_step import synthetic_batch
 from ulysses_jax import make_mesh, metrics, train_step
-from ulysses_jax.hf import load_llama, save_llama
+from ulysses_jax.hf.weights import load_llama, save_llama
 from ulysses_jax.models import llama
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer
 
@@ -235,11 +235,11 @@ def main(argv=None) -> list[dict]:
     max_tokens = {}
     if args.find_max and on_gpu:  # before either side holds GPU memory in this process
       for policy in policies:
-        max_tokens["torch", policy] = max_seqlen.search(
+        max_tokens["torch", policy] = common.search(
             lambda s, policy=policy: torch_fits(path, args.batch, s, config.vocab_size, policy),
             args.granularity, args.max_len)[0]
         setup = max_seqlen.Setup(args.preset, args.dtype, 1, jax.device_count(), args.batch)
-        max_tokens["ours", policy] = max_seqlen.search(
+        max_tokens["ours", policy] = common.search(
             lambda s, setup=setup, policy=policy: max_seqlen.run_in_child(
                 setup, max_seqlen.MemoryConfig(policy), s, 1)["fits"],
             max(args.granularity, jax.device_count()), args.max_len)[0]

@@ -5,7 +5,7 @@ import numpy as np
 from flax import nnx
 
 from ulysses_jax import make_mesh, sharding
-from ulysses_jax.packing import IGNORE_LABEL
+from ulysses_jax.data.packing import IGNORE_LABEL
 from ulysses_jax.models.llama import Llama
 
 F32_RTOL = 1e-5  # relative L2 error per array, float32
@@ -18,7 +18,7 @@ def mesh_of(data, seq, ring=1):
 
 
 def packed_batch(seed, batch, seq_len, vocab, *, max_docs=3, ignore_fraction=0.1):
-  """A batch in the ``ulysses_jax.data`` format: packed documents of random lengths.
+  """A batch in the ``ulysses_jax.data.pipeline`` format: packed documents of random lengths.
 
   Positions restart at every document, labels are the next token of the same document
   (``IGNORE_LABEL`` at document ends), and a random ``ignore_fraction`` of labels is

@@ -282,7 +282,7 @@ def test_cli_bad_input_exits_2(flag, message, capsys):
 
 
 def test_async_collectives_count_their_results_only():
-  from ulysses_jax import hlo
+  from ulysses_jax.aot import hlo
   text = "\n".join([
       "  %a = ((bf16[1,64,8,128]{3,1,0,2}), bf16[1,64,8,128]{3,1,0,2}) all-to-all-start(%x), "
       "replica_groups=[1,8]<=[8]",

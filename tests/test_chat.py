@@ -1,4 +1,4 @@
-"""Conversations in the model's chat template (``ulysses_jax.chat``), token for token against
+"""Conversations in the model's chat template (``ulysses_jax.data.chat``), token for token against
 transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)`` on a BPE
 tokenizer trained here; Parquet, Arrow and JSONL chat data packed into rows."""
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from tests import chat_cases
-from ulysses_jax import chat, data
-from ulysses_jax.corpus import HFTokenizer
+from ulysses_jax.data import chat
+from ulysses_jax.data import pipeline as data
+from ulysses_jax.data.corpus import HFTokenizer
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,5 @@
-"""Tests for ulysses_jax.data: packing, determinism, sharded batches, bad inputs, retrieval."""
+"""Tests for ulysses_jax.data.pipeline: packing, determinism, sharded batches, bad inputs,
+retrieval."""
 
 import json
 import string
@@ -10,7 +11,11 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax import batches, corpus, data, evaluate, packing, ulysses_attention
+from ulysses_jax import evaluate, ulysses_attention
+from ulysses_jax.data import batches
+from ulysses_jax.data import corpus
+from ulysses_jax.data import pipeline as data
+from ulysses_jax.data import packing
 from ulysses_jax.mesh import make_mesh
 
 IGNORE = packing.IGNORE_LABEL

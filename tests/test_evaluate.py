@@ -15,12 +15,14 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model  # noqa: E402
 
-from ulysses_jax import data, evaluate, finetune  # noqa: E402
+from ulysses_jax import evaluate  # noqa: E402
+from ulysses_jax.data import pipeline as data  # noqa: E402
+from ulysses_jax.hf import init_from as finetune  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
 from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
 from ulysses_jax.cli import train as train_cli  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
-from ulysses_jax.corpus import make_tokenizer  # noqa: E402
+from ulysses_jax.data.corpus import make_tokenizer  # noqa: E402
 from ulysses_jax.evaluate import passkey  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 

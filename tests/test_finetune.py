@@ -19,16 +19,18 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import export, finetune, step_builder  # noqa: E402
+from ulysses_jax import step_builder  # noqa: E402
+from ulysses_jax.hf import export  # noqa: E402
+from ulysses_jax.hf import init_from as finetune  # noqa: E402
 from ulysses_jax.checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
 from ulysses_jax.cli import export as export_cli  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
-from ulysses_jax.batches import make_global_batch  # noqa: E402
-from ulysses_jax.data import DataConfig  # noqa: E402
-from ulysses_jax.packing import IGNORE_LABEL  # noqa: E402
-from ulysses_jax.hf import save_llama  # noqa: E402
+from ulysses_jax.data.batches import make_global_batch  # noqa: E402
+from ulysses_jax.data.pipeline import DataConfig  # noqa: E402
+from ulysses_jax.data.packing import IGNORE_LABEL  # noqa: E402
+from ulysses_jax.hf.weights import save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models.config import LlamaConfig  # noqa: E402
 from ulysses_jax.optimizer import OptimizerConfig, make_optimizer  # noqa: E402

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from ulysses_jax import data, packing
+from ulysses_jax.data import pipeline as data
+from ulysses_jax.data import packing
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
 

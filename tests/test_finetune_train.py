@@ -15,12 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 from test_hf import GEMMA3, random_hf_model, torch_logits  # noqa: E402
 
-from ulysses_jax import cli, finetune, train  # noqa: E402
+from ulysses_jax import cli, train  # noqa: E402
+from ulysses_jax.hf import init_from as finetune  # noqa: E402
 from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
 from ulysses_jax.cli import gin_config  # noqa: E402
 from ulysses_jax.cli import train as train_cli  # noqa: E402
 from ulysses_jax.checkpoint import CheckpointConfig  # noqa: E402
-from ulysses_jax.data import DataConfig  # noqa: E402
+from ulysses_jax.data.pipeline import DataConfig  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models.config import LlamaConfig  # noqa: E402
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: E402

@@ -15,14 +15,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from test_hf import GEMMA3, random_hf_model  # noqa: E402
-from ulysses_jax import finetune  # noqa: E402
+from ulysses_jax.hf import init_from as finetune  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax.attention.reference import dense_attention  # noqa: E402
 from ulysses_jax.cli import generate as generate_cli  # noqa: E402
 from ulysses_jax.generate import attention as gen_attention  # noqa: E402
 from ulysses_jax.generate.cache import EMPTY  # noqa: E402
 from ulysses_jax.generate.sampling import Sampling, filter_logits, sample  # noqa: E402
-from ulysses_jax.hf import load_llama  # noqa: E402
+from ulysses_jax.hf.weights import load_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 # Random models (test_hf's TINY: vocabulary 128, 2 layers of 4 query heads of 16), windows of
@@ -283,7 +283,7 @@ def test_workdir_generates_from_its_checkpoint(references, tmp_path):
   from 0, so the weights are the reference's) generates transformers' tokens."""
   from ulysses_jax import train
   from ulysses_jax.checkpoint import CheckpointConfig
-  from ulysses_jax.data import DataConfig
+  from ulysses_jax.data.pipeline import DataConfig
   from ulysses_jax.run_config import RunConfig, TrainConfig
   ref = references("llama_gqa")
   np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 128, 512))

@@ -22,7 +22,7 @@ from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax.attention.reference import dense_attention  # noqa: E402
 from ulysses_jax.cli import generate as generate_cli  # noqa: E402
 from ulysses_jax.generate import attention as gen_attention  # noqa: E402
-from ulysses_jax.hf import load_llama  # noqa: E402
+from ulysses_jax.hf.weights import load_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 
 MODELS = {"qwen3_moe": lambda: random_hf_model(FAMILIES["qwen3_moe"][0],

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ulysses_jax import aot, hlo, make_mesh, sharding, ulysses_attention
+from ulysses_jax import aot, make_mesh, sharding, ulysses_attention
+from ulysses_jax.aot import hlo
 from ulysses_jax.kernels.flash_attention import flash_attention
 from ulysses_jax.mesh import sequence_axes
 
@@ -166,7 +167,8 @@ def test_cli_llama1b_128k_on_one_node(tmp_path):
 def test_cli_finetune_config_reads_the_model_from_the_checkpoints_config_json(tmp_path):
   """configs/finetune_llama8b_128k.gin takes its model from ``init_from``: a directory with
   only Llama-3.1-8B's config.json is enough to compile it (no weights are read)."""
-  from ulysses_jax import hf, plan
+  from ulysses_jax import plan
+  from ulysses_jax.hf import weights as hf
   from ulysses_jax.models.config import preset
   checkpoint = tmp_path / "llama8b"
   checkpoint.mkdir()
@@ -343,7 +345,8 @@ def test_sliding_window_finetune_config_fits_and_runs_windowed_mosaic_kernels(tm
   config.json (a 4,096-token window on every layer): it fits the budget, every attention call
   is a windowed Mosaic kernel ("auto" on Hopper), and the step's compiled FLOPs are a fraction
   of what full causal attention over 8M tokens would take."""
-  from ulysses_jax import hf, metrics
+  from ulysses_jax import metrics
+  from ulysses_jax.hf import weights as hf
   from ulysses_jax.models.config import preset
   checkpoint = tmp_path / "mistral7b"
   checkpoint.mkdir()

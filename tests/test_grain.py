@@ -1,4 +1,4 @@
-"""A Grain dataset of documents feeds the trainer (``ulysses_jax.grain_data``): rows as
+"""A Grain dataset of documents feeds the trainer (``ulysses_jax.data.grain_dataset``): rows as
 ``packing.PackedRows`` packs the same documents, and an exact resume from the saved state."""
 
 import json
@@ -7,10 +7,10 @@ import shutil
 import numpy as np
 import pytest
 
-from ulysses_jax.corpus import Corpus
-from ulysses_jax.grain_data import GrainDataset
+from ulysses_jax.data.corpus import Corpus
+from ulysses_jax.data.grain_dataset import GrainDataset
 from ulysses_jax.mesh import make_mesh
-from ulysses_jax.packing import PackedRows
+from ulysses_jax.data.packing import PackedRows
 
 grain = pytest.importorskip("grain")
 

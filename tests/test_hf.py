@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 from ulysses_jax import make_mesh  # noqa: E402
-from ulysses_jax.hf import config_from_hf, config_to_hf, load_llama, save_llama  # noqa: E402
+from ulysses_jax.hf.weights import config_from_hf, config_to_hf, load_llama, save_llama  # noqa: E402
 
 TOL = 1e-4  # max abs logit difference, float32
 SEQ_LEN = 32
@@ -258,7 +258,7 @@ def test_reads_both_rope_config_styles():
 
 
 def test_imports_without_torch_and_transformers():
-  code = ("import sys; import ulysses_jax.hf; "
+  code = ("import sys; import ulysses_jax.hf.weights; "
           "bad = {'torch', 'transformers', 'safetensors'} & set(sys.modules); assert not bad, bad")
   subprocess.run([sys.executable, "-c", code], check=True,
                  env={**os.environ, "JAX_PLATFORMS": "cpu"})

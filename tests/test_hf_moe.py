@@ -15,11 +15,12 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from model_cases import relative_error  # noqa: E402
 from test_hf import TINY, check_load_and_round_trip, jax_logits, random_hf_model  # noqa: E402
-from ulysses_jax import hf, make_mesh  # noqa: E402
+from ulysses_jax import make_mesh  # noqa: E402
+from ulysses_jax.hf import weights as hf  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.loss import IGNORE_LABEL  # noqa: E402
-from ulysses_jax.hf import config_from_hf, config_to_hf, load_llama  # noqa: E402
-from ulysses_jax.hf_moe import dequantize_mxfp4, moe_from_hf, read_expert_param  # noqa: E402
+from ulysses_jax.hf.weights import config_from_hf, config_to_hf, load_llama  # noqa: E402
+from ulysses_jax.hf.moe import dequantize_mxfp4, moe_from_hf, read_expert_param  # noqa: E402
 from ulysses_jax.models import moe as moe_lib  # noqa: E402
 from ulysses_jax.models.config import preset  # noqa: E402
 

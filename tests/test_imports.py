@@ -1,10 +1,11 @@
 """The package's imports go one way: no module imports itself back, directly or through others.
 
-Every module under ``ulysses_jax/`` is parsed with ``ast``; each ``import`` anywhere in it (at
-the top or inside a function) is an edge to the module it names. ``from a import x`` points
-at ``a.x`` when that is a module, at ``a`` otherwise. The parent packages that Python runs
-first (``ulysses_jax/__init__.py`` for every submodule) are not edges: a package's
-``__init__`` always finishes importing before its submodules do.
+Every module under ``ulysses_jax/`` (and, for cycles, ``benchmarks/``) is parsed with
+``ast``; each ``import`` anywhere in it (at the top or inside a function) is an edge to the
+module it names. ``from a import x`` points at ``a.x`` when that is a module, at ``a``
+otherwise, and also at the module ``a``'s ``__init__`` took ``x`` from when it re-exports it.
+The parent packages that Python runs first (``ulysses_jax/__init__.py`` for every submodule)
+are not edges: a package's ``__init__`` always finishes importing before its submodules do.
 
 The edges stay where they are: gin is imported only under ``ulysses_jax.cli`` (the command
 lines), and ``gpus.GPUS`` is the one table of GPUs.
@@ -20,17 +21,27 @@ PACKAGE = "ulysses_jax"
 ATTENTION = f"{PACKAGE}.attention"
 
 
-def module_files(root=ROOT):
-  """Module name -> path of every ``.py`` file in the package."""
+def module_files(root=ROOT, package=PACKAGE):
+  """Module name -> path of every ``.py`` file in ``package``."""
   files = {}
-  for path in sorted((root / PACKAGE).rglob("*.py")):
+  for path in sorted((root / package).rglob("*.py")):
     parts = path.relative_to(root).with_suffix("").parts
     files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
   return files
 
 
+def reexports(path, modules):
+  """Name -> module it comes from, for each ``from m import name`` at the top of ``path``."""
+  found = {}
+  for node in ast.parse(path.read_text(), str(path)).body:
+    if isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+      found.update({alias.asname or alias.name: node.module for alias in node.names})
+  return found
+
+
 def imports(name, path, modules):
-  """``(imported module, imported names)`` for every import of a package module in ``path``."""
+  """``(imported module, imported names)`` for every import of a package module in ``path``;
+  a name a package's ``__init__`` re-exports also counts as an import of its own module."""
   is_package = path.name == "__init__.py"
   found = []
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -44,11 +55,16 @@ def imports(name, path, modules):
       for alias in node.names:
         sub = f"{base}.{alias.name}"
         found.append((sub, ()) if sub in modules else (base, (alias.name,)))
+        if sub not in modules and base in modules and modules[base].name == "__init__.py":
+          origin = reexports(modules[base], modules).get(alias.name)
+          found += [(origin, ())] if origin else []
   return [(module, names) for module, names in found if module in modules]
 
 
-def import_graph(root=ROOT):
-  modules = module_files(root)
+def import_graph(root=ROOT, packages=(PACKAGE,)):
+  modules = {}
+  for package in packages:
+    modules.update(module_files(root, package))
   return {name: sorted({m for m, _ in imports(name, path, modules)})
           for name, path in modules.items()}
 
@@ -107,9 +123,34 @@ def test_checks_find_a_function_level_cycle_and_a_private_import(tmp_path):
       f"{PACKAGE}.leaf imports _g from {ATTENTION}.b"]
 
 
-def test_package_import_graph_has_no_cycle():
-  found = cycles(import_graph())
+def test_a_reexported_name_is_an_edge_to_its_module(tmp_path):
+  package = tmp_path / PACKAGE
+  (package / "sub").mkdir(parents=True)
+  (package / "__init__.py").write_text("")
+  (package / "sub" / "__init__.py").write_text("from ulysses_jax.sub.impl import f\n")
+  (package / "sub" / "impl.py").write_text("def f():\n  pass\n")
+  (package / "user.py").write_text("from ulysses_jax.sub import f, g\n")
+  assert import_graph(tmp_path)[f"{PACKAGE}.user"] == [f"{PACKAGE}.sub", f"{PACKAGE}.sub.impl"]
+
+
+def test_package_and_benchmarks_import_graph_has_no_cycle():
+  found = cycles(import_graph(packages=(PACKAGE, "benchmarks")))
   assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_kernels_import_nothing_above_them():
+  """The kernels are the lowest layer: the checks they need live beside them
+  (``kernels.variants``), not in ``attention``."""
+  graph = import_graph()
+  upward = {name: [m for m in edges if m.startswith(f"{ATTENTION}") or m == PACKAGE]
+            for name, edges in graph.items() if name.startswith(f"{PACKAGE}.kernels")}
+  assert not any(upward.values()), {k: v for k, v in upward.items() if v}
+
+
+def test_the_top_level_holds_the_shared_layers_only():
+  """Subsystems live in subpackages (data/, hf/, attention/, ...); at most 18 loose modules."""
+  loose = sorted(p.stem for p in (ROOT / PACKAGE).glob("*.py") if p.stem != "__init__")
+  assert len(loose) <= 18, f"{len(loose)} top-level modules: {loose}"
 
 
 def test_common_is_the_leaf_of_attention():

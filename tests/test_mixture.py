@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ulysses_jax import data
+from ulysses_jax.data import pipeline as data
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
 

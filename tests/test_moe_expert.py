@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ulysses_jax import aot, make_mesh, plan
-from ulysses_jax.hf_config import config_to_hf
+from ulysses_jax.hf.config import config_to_hf
 from ulysses_jax.models.config import preset
 from ulysses_jax.plan import moe as plan_moe
 from ulysses_jax.plan.model import Model
@@ -28,7 +28,7 @@ def test_qwen3_moe_with_expert_placement_has_transformers_logits_and_exports(tmp
   transformers = pytest.importorskip("transformers")
   from test_hf import TINY, jax_logits, random_hf_model, torch_logits
   from test_hf_moe import FAMILIES, TOL
-  from ulysses_jax.hf import load_llama, save_llama
+  from ulysses_jax.hf.weights import load_llama, save_llama
 
   cls_name, overrides = FAMILIES["qwen3_moe"]
   reference = random_hf_model(cls_name, **overrides)
@@ -85,7 +85,7 @@ def test_expert_placement_compiles_for_8_h100s_to_its_all_to_alls():
   the tokens there and back and their gradients, 4 · D·C·E values (C = 256 · min(4, 16/8)),
   and the experts' indices."""
   from benchmarks.moe_layer import compile_moe_layer
-  from ulysses_jax import hlo
+  from ulysses_jax.aot import hlo
   from ulysses_jax.models.config import MoeConfig
   x, k, e, i, tile, tokens, d = 16, 4, 256, 128, 256, 512, 8
   config = preset("tiny", hidden_dim=e, dtype="bfloat16", param_dtype="bfloat16",

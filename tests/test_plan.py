@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import hf_config, make_mesh, plan
+from ulysses_jax import make_mesh, plan
+from ulysses_jax.hf import config as hf_config
 from ulysses_jax.cli import gin_config
 from ulysses_jax.gpus import GPUS
 from ulysses_jax import train_step as train_step_lib

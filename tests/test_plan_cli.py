@@ -7,7 +7,8 @@ import re
 import gin
 import pytest
 
-from ulysses_jax import hf, plan
+from ulysses_jax import plan
+from ulysses_jax.hf import weights as hf
 from ulysses_jax.aot.devices import cuda_plugin_installed
 from ulysses_jax.cli import gin_config
 from ulysses_jax.cli import plan as plan_cli

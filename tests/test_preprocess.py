@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from tests import chat_cases
-from ulysses_jax import data, preprocess
+from ulysses_jax.data import preprocess
+from ulysses_jax.data import pipeline as data
 from ulysses_jax.cli import preprocess as preprocess_cli
 
 pytest.importorskip("transformers")

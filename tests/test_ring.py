@@ -9,7 +9,8 @@ import pytest
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, large_sinks,
                              random_inputs)
-from ulysses_jax import hlo, make_mesh, ulysses_attention
+from ulysses_jax import make_mesh, ulysses_attention
+from ulysses_jax.aot import hlo
 from ulysses_jax.attention import ulysses, zigzag
 from ulysses_jax.attention.baselines import ring_attention
 from ulysses_jax.mesh import DATA, RING, SEQ, ring_size, sequence_axes

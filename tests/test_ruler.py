@@ -13,7 +13,7 @@ from ulysses_jax import ruler, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.cli import ruler as ruler_cli
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.corpus import make_tokenizer
+from ulysses_jax.data.corpus import make_tokenizer
 from ulysses_jax.ruler import haystacks, prompts, scoring, tasks, words
 
 ESSAY = " ".join([

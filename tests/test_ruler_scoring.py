@@ -162,7 +162,7 @@ def test_ruler_scoring_through_the_pipeline_right_answers_100_wrong_0(greedy, mo
   (50, string_match_all's share), in upper case and order reversed (case and order free)."""
   from ulysses_jax import generate as generate_lib
   from ulysses_jax import ruler
-  from ulysses_jax.corpus import ByteTokenizer
+  from ulysses_jax.data.corpus import ByteTokenizer
   root, _ = greedy
   length, samples = 2048, 3
   outputs = {tuple(int(t) for t in ex.prompt_ids): ex.outputs for ex in ruler.generate(
@@ -208,7 +208,7 @@ def test_the_checkpoints_chat_template_makes_transformers_prompt(tmp_path, monke
   True)`` followed by RULER's answer prefix; --no_chat_template turns it off."""
   import chat_cases
   from ulysses_jax import generate as generate_lib
-  from ulysses_jax.corpus import HFTokenizer
+  from ulysses_jax.data.corpus import HFTokenizer
   directory = tmp_path / "hf"
   tokenizer_json = chat_cases.save_tokenizer(directory, chat_cases.CHATML_GENERATION)
   random_hf_model("LlamaForCausalLM", num_key_value_heads=2, vocab_size=400).save_pretrained(

@@ -19,7 +19,7 @@ from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.attention.module import UlyssesAttention
 from ulysses_jax.attention.reference import attention_mask, dense_attention
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.hf_config import model_type_of
+from ulysses_jax.hf.config import model_type_of
 from ulysses_jax.kernels.flash_attention import flash_attention
 from ulysses_jax.mesh import DATA, SEQ
 from ulysses_jax.models.llama import Llama, LlamaConfig

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from ulysses_jax import cli, token_files, train
+from ulysses_jax import cli, train
+from ulysses_jax.data import token_files
 from ulysses_jax.cli import evaluate as evaluate_cli
 from ulysses_jax.cli import gin_config
 from ulysses_jax.cli import train as train_cli
-from ulysses_jax.token_files import TOKEN_DTYPES
+from ulysses_jax.data.token_files import TOKEN_DTYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--gin_file=configs/tiny_cpu.gin", "--gin_param=LlamaConfig.preset='tiny'",

@@ -10,7 +10,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding, PartitionS
 
 from attention_cases import (BF16_TOL, F32_TOL, assert_matches_reference, large_sinks, mesh_of,
                              random_inputs, relative_error)
-from ulysses_jax import hlo, ulysses_attention
+from ulysses_jax import ulysses_attention
+from ulysses_jax.aot import hlo
 from ulysses_jax.attention import backends, ulysses
 from ulysses_jax.attention.baselines import allgather_kv_attention
 from ulysses_jax.attention.reference import dense_attention

@@ -3,7 +3,7 @@
 import pytest
 
 from model_cases import relative_error
-from ulysses_jax.hf import config_from_hf, config_to_hf, rope_scaling_from_hf
+from ulysses_jax.hf.weights import config_from_hf, config_to_hf, rope_scaling_from_hf
 from ulysses_jax.rope import RopeScaling, attention_factor, inverse_frequencies
 
 transformers = pytest.importorskip("transformers")

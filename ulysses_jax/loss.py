@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from ulysses_jax import sharding
-from ulysses_jax.packing import IGNORE_LABEL
+from ulysses_jax.data.packing import IGNORE_LABEL
 
 __all__ = ["IGNORE_LABEL", "CrossEntropySums", "TokenLosses", "chunked_cross_entropy",
            "cross_entropy_sums", "token_losses"]

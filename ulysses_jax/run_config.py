@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ulysses_jax.checkpoint import CheckpointConfig
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.data import DataConfig
+from ulysses_jax.data.pipeline import DataConfig
 from ulysses_jax.distributed import PLATFORMS
 from ulysses_jax.metrics import WANDB_HINT
 from ulysses_jax.models.config import LlamaConfig
@@ -45,7 +45,7 @@ class TrainConfig:
   compilation_cache: directory of JAX's persistent compilation cache ("" = off): a
     restarted or repeated run loads its compiled programs instead of compiling again.
   init_from: start from trained weights ("" = random init): a Hugging Face checkpoint
-    directory or a workdir / checkpoint of ours (``ulysses_jax.finetune``; weights only, a
+    directory or a workdir / checkpoint of ours (``ulysses_jax.hf.init_from``; weights only, a
     fresh optimizer). The model's shapes come from it; a resumed run restores its own
     checkpoints instead and never reads it (``step_builder.resolve(config, workdir)``).
   export_at_end: a directory to write the final weights to as a Hugging Face checkpoint

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from ulysses_jax import finetune
+from ulysses_jax.hf import init_from as finetune
 from ulysses_jax import sharding as sharding_lib
 from ulysses_jax.checkpoint import read_run_config
 from ulysses_jax.config_checks import ConfigError

@@ -162,7 +162,7 @@ def make_train_step(graphdef: nnx.GraphDef, state: TrainState, optimizer: Optimi
       the shardings of the state argument and result (master weights or not).
     optimizer: from ``make_optimizer`` (the one ``init_train_state`` was given).
     mesh, seq_len: the batch is a dict of int32 ``[B, seq_len]`` arrays (``tokens``,
-      ``labels`` and optionally ``positions``, ``segment_ids``; see ``ulysses_jax.data``),
+      ``labels`` and optionally ``positions``, ``segment_ids``; see ``ulysses_jax.data.pipeline``),
       sharded ``sharding.batch_spec(mesh, seq_len)``.
     accum_steps: gradient accumulation: the B rows are split into ``accum_steps``
       micro-batches run one after another; the update uses the token-weighted mean over all

@@ -27,7 +27,7 @@ import re
 from typing import NamedTuple
 
 from ulysses_jax.attention.reference import mean_visible_keys
-from ulysses_jax.hlo import array_bytes
+from ulysses_jax.aot.hlo import array_bytes
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.+?) "
                           r"(?P<op>[a-z][a-z0-9\-]*)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")

@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ulysses_jax import generate as gen
-from ulysses_jax import hlo, sharding
+from ulysses_jax import sharding
+from ulysses_jax.aot import hlo
 from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.aot.report import argument_bytes, budget_options

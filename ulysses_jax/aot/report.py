@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from ulysses_jax import hlo
+from ulysses_jax.aot import hlo
 from ulysses_jax.aot import cost, roofline
 from ulysses_jax.aot.devices import gpu_devices, gpu_spec, parse_topology
 from ulysses_jax.gpus import Gpu

@@ -32,7 +32,7 @@ import jax
 from jax.sharding import Mesh
 
 from ulysses_jax.attention.chunked import chunked_attention
-from ulysses_jax.attention.reference import check_sliding_window
+from ulysses_jax.kernels.variants import check_sliding_window
 from ulysses_jax.kernels import target as target_lib
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn", "pallas_mosaic")
@@ -77,10 +77,11 @@ def choose_backend(*, dtype, head_dim: int, num_q_heads: int, num_kv_heads: int,
   ``ring_attention``: whether the local attention runs inside ring attention (which takes only
   ``"pallas"`` and ``"xla"``); default: whether ``mesh`` has a ``ring`` axis longer than 1.
   Every backend covers GQA/MQA and both masks; head counts and ``causal`` are checked and
-  named in the reason. ``sliding_window`` (None or W, see ``reference.check_sliding_window``):
-  every backend applies it, but inside ring attention the kernels run it only when
-  ``ring_window_in_two_steps`` (``ring.window_in_two_steps``: W within a ring device's tokens,
-  natural layout, which the caller knows from the sequence length); else only ``"xla"`` does.
+  named in the reason. ``sliding_window`` (None or W, see
+  ``kernels.variants.check_sliding_window``): every backend applies it, but inside ring
+  attention the kernels run it only when ``ring_window_in_two_steps``
+  (``ring.window_in_two_steps``: W within a ring device's tokens, natural layout, which the
+  caller knows from the sequence length); else only ``"xla"`` does.
   ``sinks_given``: the attention has sinks, which every backend but ``"cudnn"`` takes.
   """
   check_sliding_window(sliding_window, causal)

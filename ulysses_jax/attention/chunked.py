@@ -25,9 +25,9 @@ import numpy as np
 from jax import lax
 
 from ulysses_jax.attention.common import fori_loop
-from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.attention.common import check_sinks
-from ulysses_jax.attention.sinks import apply_sinks
+from ulysses_jax.kernels.variants import check_sliding_window
+from ulysses_jax.kernels.variants import check_sinks
+from ulysses_jax.kernels.variants import apply_sinks
 
 # Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
 # so that padded queries and padded keys never match.

@@ -15,6 +15,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from ulysses_jax.config_checks import ConfigError
+from ulysses_jax.kernels.variants import check_sinks
 from ulysses_jax.mesh import DATA, SEQ
 
 # Segment ids are any int32 values above ``MIN_SEGMENT_ID`` (negative ones included): the
@@ -39,18 +40,6 @@ def check_head_chunks(head_chunks: int, num_kv_heads: int, name: str = "head_chu
     raise ConfigError(f"{name} ({head_chunks}) must divide num_kv_heads ({num_kv_heads}) so "
                       f"that each chunk holds whole query groups; use one of {divisors} (1: "
                       "the unchunked layer).")
-
-
-def check_sinks(sinks_H, num_q_heads: int, where: str) -> None:
-  """Raises ValueError unless ``sinks_H`` is None or a floating ``[num_q_heads]`` array; the
-  message names ``where`` (the function called) and the fix."""
-  if sinks_H is None:
-    return
-  shape, dtype = tuple(jnp.shape(sinks_H)), jnp.result_type(sinks_H)
-  if shape != (num_q_heads,) or not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{where}: sinks must be a float32 array of shape [query heads] = "
-                     f"({num_q_heads},), one logit per query head, got {dtype}{list(shape)}; "
-                     "pass the model's per-head sink logits, or None for no sinks.")
 
 
 def validate_inputs(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,

@@ -50,7 +50,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
       before it), within its segment.
     sinks: None, or float ``[Hq]``: one learnable logit per query head in every row's softmax,
-      with no value (gpt-oss; ``ulysses_jax.attention.sinks``); differentiable. Every backend
+      with no value (gpt-oss; ``ulysses_jax.kernels.variants``); differentiable. Every backend
       but ``"cudnn"`` takes them.
 
   Returns:

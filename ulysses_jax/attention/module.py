@@ -32,7 +32,7 @@ from ulysses_jax import rope, sharding
 from ulysses_jax.attention import backends
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
-from ulysses_jax.attention.reference import check_sliding_window
+from ulysses_jax.kernels.variants import check_sliding_window
 from ulysses_jax.layers import Dense, RMSNorm, param
 
 # Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).
@@ -71,7 +71,7 @@ class UlyssesAttention(nnx.Module):
     qkv_bias: biases on the q/k/v projections (Qwen2).
     out_bias: a bias on the output projection (gpt-oss).
     attention_sinks: a learnable sink logit per query head, one more column of every row's
-      softmax with no value (gpt-oss; ``ulysses_jax.attention.sinks``); initialised normal(0,
+      softmax with no value (gpt-oss; ``ulysses_jax.kernels.variants``); initialised normal(0,
       ``init_std``) as transformers' ``GptOssPreTrainedModel`` does. Every backend but
       ``"cudnn"`` takes them.
     norm_eps: epsilon of the qk-norm.

@@ -16,17 +16,7 @@ short sequences. Masking rules shared by every backend:
 
 import jax.numpy as jnp
 
-
-def check_sliding_window(sliding_window, causal) -> None:
-  """Raises ValueError unless ``sliding_window`` is None or a positive int with ``causal``."""
-  if sliding_window is None:
-    return
-  if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-    raise ValueError(f"sliding_window must be a positive int (keys a query sees, itself "
-                     f"included) or None, got {sliding_window!r}.")
-  if not causal:
-    raise ValueError(f"sliding_window ({sliding_window}) needs causal=True: the window is "
-                     "transformers' causal one; pass causal=True or sliding_window=None.")
+from ulysses_jax.kernels.variants import check_sliding_window
 
 
 def attention_mask(q_len, kv_len, *, causal, q_segment_ids=None, kv_segment_ids=None,

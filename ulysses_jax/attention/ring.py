@@ -71,8 +71,8 @@ from ulysses_jax.attention import backends, chunked, zigzag
 from ulysses_jax.attention.ring_steps import (flash_step, flash_step_grads, flash_window_step,
                                               flash_window_step_grads, merge)
 from ulysses_jax.attention.common import Layout, fori_loop, pad_sequence, validate_inputs
-from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.attention.sinks import apply_sinks, sinks_grad
+from ulysses_jax.kernels.variants import check_sliding_window
+from ulysses_jax.kernels.variants import apply_sinks, sinks_grad
 from ulysses_jax.mesh import DATA, sequence_axes
 
 # --- The backend ------------------------------------------------------------------------

@@ -193,7 +193,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, mesh: Mesh,
       global position p sees the keys at p' with ``0 <= p - p' < W`` (itself and the W - 1
       before it), within its segment. Blocks outside the window are not computed.
     sinks: None, or float ``[Hq]``: one learnable logit per query head in every row's softmax,
-      with no value (gpt-oss; ``ulysses_jax.attention.sinks``); differentiable.
+      with no value (gpt-oss; ``ulysses_jax.kernels.variants``); differentiable.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype, sharded ``(data, seq)`` when P divides S.

@@ -96,7 +96,7 @@ def _inputs(args):
 
 def _generate(args) -> int:
   from ulysses_jax.aot import generate  # pylint: disable=import-outside-toplevel
-  from ulysses_jax import finetune  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.hf import init_from as finetune
   from ulysses_jax.mesh import make_mesh  # pylint: disable=import-outside-toplevel
   from ulysses_jax.models.config import preset  # pylint: disable=import-outside-toplevel
   try:  # every input checked before the compile

@@ -13,7 +13,7 @@ passed, 1 a check failed, 2 bad arguments.
 import argparse
 
 from ulysses_jax import cli
-from ulysses_jax.benchmarking import format_table
+from ulysses_jax.doctor.timing import format_table
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
 

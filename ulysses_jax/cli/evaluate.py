@@ -61,11 +61,13 @@ from flax import nnx
 
 from tqdm import tqdm
 
-from ulysses_jax import chat, cli, finetune, kernel_check, ruler, step_builder
+from ulysses_jax import cli, kernel_check, ruler, step_builder
+from ulysses_jax.data import chat
+from ulysses_jax.hf import init_from as finetune
 from ulysses_jax.cli import generate as cli_generate
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import DataConfig, document_windows
+from ulysses_jax.data.corpus import make_tokenizer
+from ulysses_jax.data.pipeline import DataConfig, document_windows
 from ulysses_jax.evaluate import PositionEval, format_result, passkey, plot
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.ruler import generation as ruler_generation

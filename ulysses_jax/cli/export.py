@@ -8,8 +8,9 @@ checkpoint; nothing written).
 
 import jax
 
-from ulysses_jax import cli, hf
-from ulysses_jax.export import export_checkpoint
+from ulysses_jax import cli
+from ulysses_jax.hf import weights as hf
+from ulysses_jax.hf.export import export_checkpoint
 
 
 def parser() -> cli.Parser:

@@ -38,13 +38,14 @@ import time
 import jax
 from tqdm import tqdm
 
-from ulysses_jax import cli, finetune, kernel_check, sharding, step_builder
+from ulysses_jax import cli, kernel_check, sharding, step_builder
+from ulysses_jax.hf import init_from as finetune
 from ulysses_jax import generate as generate_lib
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.corpus import make_tokenizer
+from ulysses_jax.data.corpus import make_tokenizer
 from ulysses_jax.generate import Sampling
 from ulysses_jax.models.config import LlamaConfig
-from ulysses_jax.records import jsonl_lines
+from ulysses_jax.data.records import jsonl_lines
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
 

@@ -25,7 +25,7 @@ import gin
 from ulysses_jax import step_builder
 from ulysses_jax.checkpoint import CheckpointConfig
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.data import DataConfig, RetrievalTask
+from ulysses_jax.data.pipeline import DataConfig, RetrievalTask
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.optimizer import OptimizerConfig
 from ulysses_jax.rope import RopeScaling

@@ -27,7 +27,7 @@ def load(spec: str, init_from: str | None = None) -> tuple[RunConfig, dict]:
   if spec in PRESETS:
     return RunConfig(model=PRESETS[spec]), {}
   if path.is_dir():
-    from ulysses_jax import finetune  # pylint: disable=import-outside-toplevel
+    from ulysses_jax.hf import init_from as finetune
     return (RunConfig(train=TrainConfig(init_from=str(path)),
                       model=finetune.model_config(str(path))), {"init_from": str(path)})
   if path.suffix == ".gin" and path.is_file():
@@ -39,7 +39,7 @@ def load(spec: str, init_from: str | None = None) -> tuple[RunConfig, dict]:
 
 
 def _from_hf(path: pathlib.Path) -> LlamaConfig:
-  from ulysses_jax import hf
+  from ulysses_jax.hf import weights as hf
   try:
     return hf.config_from_hf(json.loads(path.read_text()))
   except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

@@ -16,11 +16,12 @@ input (the config or the data; the error names the file and row).
 
 import sys
 
-from ulysses_jax import cli, preprocess
+from ulysses_jax import cli
+from ulysses_jax.data import preprocess
 from ulysses_jax.cli import gin_config
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import DataConfig
+from ulysses_jax.data.corpus import make_tokenizer
+from ulysses_jax.data.pipeline import DataConfig
 
 GREEN = ("\033[32m", "\033[0m")
 

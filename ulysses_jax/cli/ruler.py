@@ -17,7 +17,7 @@ import json
 import sys
 
 from ulysses_jax import cli, ruler
-from ulysses_jax.corpus import make_tokenizer
+from ulysses_jax.data.corpus import make_tokenizer
 
 
 def parser() -> cli.Parser:

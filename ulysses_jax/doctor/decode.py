@@ -12,7 +12,7 @@ bandwidth each reached reading k and v: the measurement that the compiled compar
 import jax
 import jax.numpy as jnp
 
-from ulysses_jax.benchmarking import time_fn
+from ulysses_jax.doctor.timing import time_fn
 from ulysses_jax.doctor.kernels import TOLERANCE, relative_error
 from ulysses_jax.generate.attention import partial_attention
 from ulysses_jax.kernels import decode_hopper

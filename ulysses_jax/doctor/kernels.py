@@ -13,7 +13,7 @@ import numpy as np
 
 from ulysses_jax.attention import backends
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.benchmarking import time_fn
+from ulysses_jax.doctor.timing import time_fn
 
 FLOPS_FORMULA = ("FLOPs: forward 4*B*S^2*H*D, backward 2.5x forward (forward+backward 3.5x), "
                  "halved for causal; TFLOP/s = FLOPs / median wall time; bwd = (fwd+bwd) - fwd.")

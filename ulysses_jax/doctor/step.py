@@ -19,7 +19,7 @@ from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import sharding as sharding_lib
 from ulysses_jax import step_builder
 from ulysses_jax.aot import report as report_lib
-from ulysses_jax.data import DataConfig
+from ulysses_jax.data.pipeline import DataConfig
 from ulysses_jax.gpus import GPUS
 from ulysses_jax.models.config import preset
 from ulysses_jax.run_config import RunConfig, TrainConfig

@@ -4,7 +4,7 @@
 import jax
 from flax import nnx
 
-from ulysses_jax.packing import IGNORE_LABEL
+from ulysses_jax.data.packing import IGNORE_LABEL
 
 
 def retrieval_accuracy(logits_or_predictions: jax.Array, labels: jax.Array) -> jax.Array:

@@ -14,8 +14,8 @@ import numpy as np
 
 from ulysses_jax import ruler
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.batches import Dataset
-from ulysses_jax.packing import pack_row
+from ulysses_jax.data.batches import Dataset
+from ulysses_jax.data.packing import pack_row
 
 DIGITS = 5
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "

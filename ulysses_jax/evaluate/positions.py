@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ulysses_jax.batches import Dataset
-from ulysses_jax.packing import IGNORE_LABEL
+from ulysses_jax.data.batches import Dataset
+from ulysses_jax.data.packing import IGNORE_LABEL
 from ulysses_jax.loss import token_losses
 
 

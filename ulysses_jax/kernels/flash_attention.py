@@ -23,7 +23,7 @@ Masking is that of ``ulysses_jax.attention.reference.dense_attention``: causal m
 sees key j iff i >= j; with segment ids a query sees only keys with its id; a query that sees
 no key returns 0 and lse -inf, never NaN. Any sequence length works: inputs are padded to a
 multiple of the block size and padded keys are masked. Attention sinks (one logit per query
-head, ``ulysses_jax.attention.sinks``) are applied to the kernels' output and lse, outside
+head, ``ulysses_jax.kernels.variants``) are applied to the kernels' output and lse, outside
 them: the kernels already return the lse and take its cotangent, so every kernel (Triton and
 Mosaic, forward and backward) serves models with sinks unchanged.
 """
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
-from ulysses_jax.attention.reference import check_sliding_window
-from ulysses_jax.attention.common import check_sinks
-from ulysses_jax.attention.sinks import apply_sinks
+from ulysses_jax.kernels.variants import check_sliding_window
+from ulysses_jax.kernels.variants import check_sinks
+from ulysses_jax.kernels.variants import apply_sinks
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
 
@@ -111,7 +111,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
       window; ``reference.dense_attention``); every kernel (Triton and Mosaic, forward and
       backward) skips the blocks it hides.
     sinks: None, or ``[Hq]`` float logits, one more softmax column per query head with no value
-      (gpt-oss; ``ulysses_jax.attention.sinks``), applied through the lse.
+      (gpt-oss; ``ulysses_jax.kernels.variants``), applied through the lse.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32 (the

@@ -15,10 +15,10 @@ import json
 
 import numpy as np
 
-from ulysses_jax.batches import Dataset
-from ulysses_jax.corpus import resolve_paths
-from ulysses_jax.packing import pack_row
-from ulysses_jax.records import jsonl_lines
+from ulysses_jax.data.batches import Dataset
+from ulysses_jax.data.corpus import resolve_paths
+from ulysses_jax.data.packing import pack_row
+from ulysses_jax.data.records import jsonl_lines
 from ulysses_jax.ruler import prompts, qa
 from ulysses_jax.ruler import tasks as tasks_lib
 from ulysses_jax.ruler.scoring import THRESHOLD, summarize

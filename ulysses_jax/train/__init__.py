@@ -41,14 +41,15 @@ from typing import NamedTuple
 import jax
 from tqdm import tqdm
 
-from ulysses_jax import distributed, evaluate, export, kernel_check, ruler, step_builder
+from ulysses_jax import distributed, evaluate, kernel_check, ruler, step_builder
+from ulysses_jax.hf import export
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
 from ulysses_jax import xla_log
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
-from ulysses_jax.corpus import make_tokenizer
-from ulysses_jax.data import make_datasets
+from ulysses_jax.data.corpus import make_tokenizer
+from ulysses_jax.data.pipeline import make_datasets
 from ulysses_jax.models.llama import count_params
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: F401  (public here too)
 

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.packing import IGNORE_LABEL
+from ulysses_jax.data.packing import IGNORE_LABEL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,13 +5,13 @@ Model types: ``llama``; ``mistral`` (a sliding window on every layer); ``ministr
 with sliding windows per layer; ``gemma3_text`` (GeGLU, ``(1 + w)`` RMSNorms before and after
 attention and MLP, q/k norms, embeddings scaled by sqrt(E), ``query_pre_attn_scalar``,
 local and global layers with their own RoPE); the mixtures of experts ``qwen3_moe``,
-``mixtral`` and ``gpt_oss`` (``ulysses_jax.hf_moe``). The tensors are ``ulysses_jax.hf``'s.
+``mixtral`` and ``gpt_oss`` (``ulysses_jax.hf.moe``). The tensors are ``ulysses_jax.hf.weights``'s.
 """
 
 import json
 import pathlib
 
-from ulysses_jax import hf_moe
+from ulysses_jax.hf import moe as hf_moe
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.config import LlamaConfig
 from ulysses_jax.rope import RopeScaling

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ulysses_jax import records
+from ulysses_jax.data import records
 
 SPLIT_SEED = 20250101  # fixes the train/eval split independently of the training seed
 TOKEN_DIR_INDEX = "ulysses_tokens.json"  # marks a directory of tokens ulysses_jax.preprocess wrote

@@ -1,4 +1,7 @@
-"""Attention sinks (gpt-oss): one learnable logit per query head in every query row's softmax.
+"""The attention variants every backend honours, checked and applied below the kernels:
+sliding windows (``check_sliding_window``) and attention sinks.
+
+Attention sinks (gpt-oss): one learnable logit per query head in every query row's softmax.
 
 A sink is an extra "key" of score ``s_h`` (not scaled: transformers' ``GptOssAttention`` appends
 the raw ``sinks`` parameter to the scaled scores) and value zero. It takes probability mass but
@@ -14,12 +17,38 @@ so the sink is applied outside the kernels (``apply_sinks``) and autodiff carrie
 into them; ring attention, which merges partial results by their lse, applies it once after the
 merge and, holding the final output and lse, gets ``d(sinks)`` from ``sinks_grad``.
 
-This module is a leaf: it imports nothing from the package (``common.check_sinks`` checks the
-argument).
+This module is a leaf: it imports nothing from the package, so the kernels and the attention
+layers above them both use it.
 """
 
 import jax
 import jax.numpy as jnp
+
+
+def check_sliding_window(sliding_window, causal) -> None:
+  """Raises ValueError unless ``sliding_window`` is None or a positive int with ``causal``."""
+  if sliding_window is None:
+    return
+  if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+    raise ValueError(f"sliding_window must be a positive int (keys a query sees, itself "
+                     f"included) or None, got {sliding_window!r}.")
+  if not causal:
+    raise ValueError(f"sliding_window ({sliding_window}) needs causal=True: the window is "
+                     "transformers' causal one; pass causal=True or sliding_window=None.")
+
+
+
+def check_sinks(sinks_H, num_q_heads: int, where: str) -> None:
+  """Raises ValueError unless ``sinks_H`` is None or a floating ``[num_q_heads]`` array; the
+  message names ``where`` (the function called) and the fix."""
+  if sinks_H is None:
+    return
+  shape, dtype = tuple(jnp.shape(sinks_H)), jnp.result_type(sinks_H)
+  if shape != (num_q_heads,) or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{where}: sinks must be a float32 array of shape [query heads] = "
+                     f"({num_q_heads},), one logit per query head, got {dtype}{list(shape)}; "
+                     "pass the model's per-head sink logits, or None for no sinks.")
+
 
 
 def _rows(x_BHS):

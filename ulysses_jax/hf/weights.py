@@ -2,7 +2,7 @@
 
 Reads Hugging Face checkpoint directories (``config.json`` plus ``model.safetensors``, or
 shards listed in ``model.safetensors.index.json``) of the model types ``llama``, ``mistral``,
-``ministral``, ``qwen2``, ``qwen3`` and ``gemma3_text`` (``ulysses_jax.hf_config`` translates
+``ministral``, ``qwen2``, ``qwen3`` and ``gemma3_text`` (``ulysses_jax.hf.config`` translates
 their configs), and writes directories that ``transformers`` loads. Needs the optional extra
 ``hf`` (``pip install 'ulysses_jax[hf]'``) for ``safetensors``; torch is never imported.
 
@@ -47,8 +47,9 @@ from flax import nnx, traverse_util
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from ulysses_jax import hf_moe, sharding
-from ulysses_jax.hf_config import (  # noqa: F401  (public here too)
+from ulysses_jax import sharding
+from ulysses_jax.hf import moe as hf_moe
+from ulysses_jax.hf.config import (  # noqa: F401  (public here too)
     ARCHITECTURES, config_from_hf, config_to_hf, model_type_of, read_config,
     rope_scaling_from_hf)
 from ulysses_jax.mesh import make_mesh
@@ -67,7 +68,8 @@ def _safetensors():
   try:
     import safetensors.numpy
   except ImportError as e:
-    raise ImportError("ulysses_jax.hf needs safetensors: pip install 'ulysses_jax[hf]'.") from e
+    raise ImportError("ulysses_jax.hf.weights needs safetensors: pip install "
+                      "'ulysses_jax[hf]'.") from e
   return safetensors
 
 

@@ -32,7 +32,8 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import Mesh
 
-from ulysses_jax import hf, sharding
+from ulysses_jax import sharding
+from ulysses_jax.hf import weights as hf
 from ulysses_jax.checkpoint import read_run_config, saved_arrays
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.models.llama import PRESETS, Llama, LlamaConfig

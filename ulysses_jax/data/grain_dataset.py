@@ -9,7 +9,8 @@ Each element of ``documents`` is a document: a 1-D array (or list) of token ids,
 prompt or a user turn). Documents are packed in the dataset's own order (shuffle, filter and
 mix them in Grain) as ``packing.PackedRows`` packs a corpus: their concatenation cut into rows
 of ``seq_len`` tokens, each with the next token for its last label, a document crossing a row
-boundary continuing in the next row as a new segment; the batch layout is ``ulysses_jax.data``'s.
+boundary continuing in the next row as a new segment; the batch layout is
+``ulysses_jax.data.pipeline``'s.
 
 The position (``get_state``, saved in every checkpoint) is Grain's iterator state before the
 document the next row starts in, and how many of its tokens earlier rows used: a resumed run
@@ -23,8 +24,8 @@ from collections import deque
 import jax
 import numpy as np
 
-from ulysses_jax.batches import check_divisible, make_global_batch
-from ulysses_jax.packing import pack_row
+from ulysses_jax.data.batches import check_divisible, make_global_batch
+from ulysses_jax.data.packing import pack_row
 
 
 def _document(element) -> tuple[np.ndarray, np.ndarray | None]:

@@ -1,6 +1,6 @@
 """Training data: ``DataConfig`` (what to read, how to cut it), and the datasets it makes.
 
-A batch (``ulysses_jax.batches``) is a dict of int32 arrays ``[B, S]`` (B global rows, S =
+A batch (``ulysses_jax.data.batches``) is a dict of int32 arrays ``[B, S]`` (B global rows, S =
 ``seq_len``), sharded ``P("data", "seq")``:
 
 * ``tokens``: input ids.
@@ -13,11 +13,11 @@ A batch (``ulysses_jax.batches``) is a dict of int32 arrays ``[B, S]`` (B global
 * ``positions``: restart at 0 at the start of every piece (and of the padding).
 
 Text rows are windows of S tokens (plus one for the last label) over the concatenation of
-documents (``ulysses_jax.packing``); a document crossing a row boundary continues in the next
+documents (``ulysses_jax.data.packing``); a document crossing a row boundary continues in the next
 window as a new piece. Training order is a seeded shuffle of documents, then of windows, per
 epoch; a mixture (``DataConfig.sources``) draws each row from one source by weight. Either
 way a row is a pure function of its global index, so an iterator's whole position is one
-integer. Which tokens are targets comes from the records (``ulysses_jax.documents``).
+integer. Which tokens are targets comes from the records (``ulysses_jax.data.documents``).
 
 ``document_windows`` gives evaluation rows instead: each document alone, cut into
 consecutive windows of S tokens (see ``ulysses_jax.evaluate``).
@@ -31,16 +31,16 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 
-from ulysses_jax import chat
-from ulysses_jax.batches import Dataset, check_divisible
+from ulysses_jax.data import chat
+from ulysses_jax.data.batches import Dataset, check_divisible
 from ulysses_jax.config_checks import ConfigError, at_least, check_fields
-from ulysses_jax.corpus import (Corpus, make_tokenizer, merge, resolve_paths,
+from ulysses_jax.data.corpus import (Corpus, make_tokenizer, merge, resolve_paths,
                                 split_corpus, stdlib_files)
-from ulysses_jax.documents import text_corpus
+from ulysses_jax.data.documents import text_corpus
 from ulysses_jax.mesh import make_mesh
-from ulysses_jax.packing import DocumentWindows, MixedRows, PackedRows
-from ulysses_jax.retrieval import RetrievalRows, RetrievalTask
-from ulysses_jax.token_files import TOKEN_DTYPES, token_corpus, token_dir_corpus
+from ulysses_jax.data.packing import DocumentWindows, MixedRows, PackedRows
+from ulysses_jax.data.retrieval import RetrievalRows, RetrievalTask
+from ulysses_jax.data.token_files import TOKEN_DTYPES, token_corpus, token_dir_corpus
 
 SOURCES = ("stdlib", "files", "retrieval")
 LONG_DOCUMENTS = ("split", "truncate")
@@ -53,7 +53,7 @@ class DataConfig:
   source: "stdlib" (the Python standard library's ``*.py`` files: real text present on
     every machine), "files" (``paths``: plain text files, one document each; ``.jsonl``,
     ``.parquet`` and ``.arrow`` files, Parquet directories and ``save_to_disk`` directories,
-    one document per record (``ulysses_jax.documents``: text, prompt/completion with the loss
+    one document per record (``ulysses_jax.data.documents``: text, prompt/completion with the loss
     on the completion, chat ``messages`` or ShareGPT ``conversations`` with the loss on the
     trained turns, pre-tokenized ``input_ids``); pre-tokenized ``.bin``/``.npy`` token files
     and directories that ``ulysses_jax.preprocess --out`` wrote), or "retrieval"
@@ -65,7 +65,7 @@ class DataConfig:
     source holds out its own ``eval_fraction``.
   tokenizer: "byte" or the path of a Hugging Face ``tokenizer.json`` (for a fine-tune, the
     checkpoint's own); its vocabulary must fit the model's ``vocab_size``. Conversations use
-    the chat template saved beside it (``ulysses_jax.chat``).
+    the chat template saved beside it (``ulysses_jax.data.chat``).
   chat_template: a ``.jinja`` file to use instead of the tokenizer's own template.
   roles_to_train: the roles of conversation turns that carry the loss (comma-separated).
   text_field: the record field holding a text record's text.

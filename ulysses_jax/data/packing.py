@@ -3,8 +3,8 @@ evaluation windows, and weighted mixtures of packed rows.
 
 A row is a dict of int32 arrays ``[S]``: ``tokens``, ``labels`` (the next token of the same
 document where that token is a target, else ``IGNORE_LABEL``), ``segment_ids`` and
-``positions`` (see ``ulysses_jax.data``). Every row is a pure function of its index (and the
-seed), so an iterator's whole position is one integer.
+``positions`` (see ``ulysses_jax.data.pipeline``). Every row is a pure function of its index
+(and the seed), so an iterator's whole position is one integer.
 """
 
 import functools
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ulysses_jax.corpus import Corpus
+from ulysses_jax.data.corpus import Corpus
 
 IGNORE_LABEL = -1
 

@@ -2,10 +2,10 @@
 targets (may be labels), collected into a ``corpus.Corpus`` in file order.
 
 A plain text file is one document. A record (a JSONL line, a Parquet or Arrow row; read by
-``ulysses_jax.records``) is, by the fields it has:
+``ulysses_jax.data.records``) is, by the fields it has:
 
 * ``messages`` (role/content turns) or ShareGPT ``conversations`` (from/value): rendered in the
-  model's chat template, the trained turns targets (``ulysses_jax.chat``);
+  model's chat template, the trained turns targets (``ulysses_jax.data.chat``);
 * ``prompt`` and ``completion`` (strings): tokenized apart and joined, the completion targets;
 * ``input_ids`` (a list of integer ids): pre-tokenized, all targets;
 * otherwise its ``text_field`` (a string): all targets.
@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from ulysses_jax import chat, records
-from ulysses_jax.corpus import Corpus
+from ulysses_jax.data import chat
+from ulysses_jax.data import records
+from ulysses_jax.data.corpus import Corpus
 
 _RECORD_FILES = (".jsonl", *records.TABLE_SUFFIXES)
 

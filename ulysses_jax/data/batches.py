@@ -1,8 +1,8 @@
 """Batches as global arrays: this process's rows of a batch, stacked and placed on the mesh.
 
 A batch is a dict of int32 arrays ``[B, S]`` (B global rows, S = ``seq_len``), sharded
-``P("data", "seq")`` (``sharding.batch_spec``); the row layout is ``ulysses_jax.data``'s. Each
-process builds only the rows that its devices hold.
+``P("data", "seq")`` (``sharding.batch_spec``); the row layout is
+``ulysses_jax.data.pipeline``'s. Each process builds only the rows that its devices hold.
 """
 
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from ulysses_jax.mesh import DATA, sequence_axes, sequence_shards
-from ulysses_jax.packing import pack_row
+from ulysses_jax.data.packing import pack_row
 from ulysses_jax.sharding import batch_spec
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ulysses_jax.corpus import TOKEN_DIR_INDEX, Corpus, concat
+from ulysses_jax.data.corpus import TOKEN_DIR_INDEX, Corpus, concat
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
 SCAN_CHUNK = 1 << 24

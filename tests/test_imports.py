@@ -12,7 +12,10 @@ lines), and ``gpus.GPUS`` is the one table of GPUs.
 """
 
 import ast
+import importlib
 import pathlib
+import sys
+import warnings
 
 import pytest
 
@@ -213,3 +216,25 @@ def test_one_gpu_table():
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         tables += [name for t in targets if isinstance(t, ast.Name) and t.id == "GPUS"]
   assert tables == [f"{PACKAGE}.gpus"], tables
+
+
+def test_moved_modules_keep_their_old_names_for_one_release():
+  """``ulysses_jax.data``, ``ulysses_jax.hf`` and ``ulysses_jax.grain_data`` were modules before
+  0.2: their names still resolve, with a DeprecationWarning naming the new home."""
+  from ulysses_jax import data, hf  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.data import pipeline  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.hf import weights  # pylint: disable=import-outside-toplevel
+  with pytest.warns(DeprecationWarning, match=r"ulysses_jax\.data\.pipeline\.DataConfig"):
+    assert data.DataConfig is pipeline.DataConfig
+  with pytest.warns(DeprecationWarning, match=r"ulysses_jax\.hf\.weights\.load_llama"):
+    assert hf.load_llama is weights.load_llama
+  with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+    _ = data.no_such_name
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the new submodules import without a warning
+    from ulysses_jax.data import corpus  # noqa: F401  pylint: disable=import-outside-toplevel
+  sys.modules.pop(f"{PACKAGE}.grain_data", None)
+  with pytest.warns(DeprecationWarning, match=r"ulysses_jax\.data\.grain_dataset"):
+    old = importlib.import_module(f"{PACKAGE}.grain_data")
+  assert old.GrainDataset is importlib.import_module(f"{PACKAGE}.data.grain_dataset").GrainDataset
+

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile \
-	newest-jax-venv test-newest-jax doctor ci-times
+	newest-jax-venv test-newest-jax doctor ci-times docs docs-serve
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -106,5 +106,26 @@ doctor: $(STAMP)
 bench-comm: $(STAMP)
 	$(PY) -m benchmarks.comm_volume --json benchmarks/results/comm_volume.json
 
+# The docs site (mkdocs.yml; docs/) in its own environment: the docs extra alone, neither JAX nor
+# the package (mkdocstrings reads the source). --strict: any warning fails the build.
+DOCS_VENV := .venv-docs
+DOCS_PY := $(DOCS_VENV)/bin/python
+DOCS_STAMP := $(DOCS_VENV)/.installed
+export NO_MKDOCS_2_WARNING := 1
+
+$(DOCS_STAMP): pyproject.toml
+	test -x $(DOCS_PY) || $(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install -q --upgrade pip
+	$(DOCS_PY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' \
+	  > $(DOCS_VENV)/requirements.txt
+	$(DOCS_PY) -m pip install -q -r $(DOCS_VENV)/requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/mkdocs build --strict
+
+docs-serve: $(DOCS_STAMP)
+	$(DOCS_VENV)/bin/mkdocs serve
+
 clean:
-	rm -rf $(VENV) $(GPU_VENV) $(NEWEST_VENV) runs .cache
+	rm -rf $(VENV) $(GPU_VENV) $(NEWEST_VENV) $(DOCS_VENV) site runs .cache

@@ -99,7 +99,7 @@ test-newest-jax: $(NEWEST_STAMP)
 	  --junitxml=runs/ci/newest_jax_gpu_compile_slow.xml
 
 # The first command on a GPU machine: kernels against the reference, their speed, one step
-# against aot's prediction (README, "Your first run on GPUs"). On a CPU it checks what it can.
+# against aot's prediction (docs/get-started/first-gpu-run.md). On a CPU it checks what it can.
 doctor: $(STAMP)
 	$(PY) -m ulysses_jax.doctor --json runs/doctor.json
 

@@ -1,4 +1,4 @@
-"""The environment of a Python process a test starts (a command line, a README snippet)."""
+"""The environment of a Python process a test starts (a command line, a docs snippet)."""
 
 import os
 
@@ -16,6 +16,6 @@ def child_env(**overrides: str) -> dict:
 
 
 def user_env(devices: int = 8) -> dict:
-  """A bare user's shell running a README snippet on ``devices`` virtual CPU devices."""
+  """A bare user's shell running a docs snippet on ``devices`` virtual CPU devices."""
   return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {CPU_COMPILE_FLAGS}",
           "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}

@@ -87,21 +87,6 @@ def test_the_workdir_tells_the_truth(tmp_path):
   assert read_run_config(workdir / "checkpoints")[1]["optimizer"]["total_steps"] == 8
 
 
-@pytest.mark.slow
-def test_readme_trains_from_python_without_gin_at_the_call(tmp_path):
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    readme = f.read()
-  start = readme.index("from ulysses_jax import distributed, train")
-  code = readme[start:readme.index("```", start)]
-  out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(),
-                       capture_output=True,
-                       text=True, timeout=600)
-  assert out.returncode == 0, out.stderr
-  step, loss = eval(out.stdout.strip().splitlines()[-1])  # (40, loss): print(summary[...])
-  assert step == 40 and loss < 4.5, out.stdout  # from ln(256) = 5.5
-  assert read_run_config(tmp_path / "runs" / "from_python" / "checkpoints")[0] == 40
-
-
 def test_a_run_with_other_experts_is_not_resumed_from_the_checkpoints(monkeypatch):
   """The experts (``LlamaConfig.moe``) shape the train state: a new start with other ones is
   told what differs before any restore."""

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import importlib.util
 import io
+import json
 import math
 import os
 import pathlib
@@ -17,6 +18,7 @@ import re
 import shlex
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -104,8 +106,11 @@ def _moe(out, _):
 
 def _tiny_hf(_, cwd):
   assert (cwd / "runs" / "tiny_hf" / "config.json").exists()
-  records = (cwd / "runs" / "ft_data.jsonl").read_text().splitlines()
-  assert len(records) > 5 and '"completion"' in records[0]
+  records = [json.loads(line) for line in (cwd / "runs" / "ft_data.jsonl").open()]
+  stdlib_json = pathlib.Path(sysconfig.get_paths()["stdlib"], "json")  # the child's: our python
+  assert sorted(r["prompt"] for r in records) == sorted(
+      f"# {p.name}\n" for p in stdlib_json.glob("*.py"))
+  assert all(r["completion"] for r in records)
 
 
 def _chat_data(_, cwd):
@@ -141,7 +146,7 @@ EXAMPLES = {  # name: (check, the packages it needs, marks)
     "flax-model": (_flax_model, (), ()),
     "llama-step": (_llama_step, (), ()),
     "moe": (_moe, (), (SLOW,)),
-    "tiny-hf": (_tiny_hf, ("transformers",), (SLOW,)),
+    "tiny-hf": (_tiny_hf, ("transformers",), ()),
     "chat-data": (_chat_data, ("jinja2",), ()),
     "train-from-python": (_train_from_python, (), (SLOW,)),
     "generate-vs-transformers": (_generate, ("transformers",), (SLOW,)),

@@ -203,7 +203,8 @@ def test_python_blocks_pass_ruff(tmp_path):
 
 def commands(code: str) -> list[tuple[str, list[str]]]:
   """``(console script, args)`` of each ``ulysses-*`` / ``python -m ulysses_jax.*`` command
-  of a shell block (in a console block, the lines after ``$ `` and their continuations).
+  of a shell block (in a console block, the lines after ``$ `` and their continuations), and
+  of the trainer under ``scripts/launch_local.sh N`` and ``sbatch scripts/launch_slurm.sh``.
   ``[--flag=...]`` (optional in a synopsis) reads as ``--flag=...``; ``...`` is left out."""
   console = code.lstrip().startswith("$ ")
   found, line = [], ""
@@ -221,7 +222,11 @@ def commands(code: str) -> list[tuple[str, list[str]]]:
       words.pop(0)
     if not words:
       continue
+    if words[0] == "sbatch":  # sbatch [its options] SCRIPT [the script's arguments]
+      words = words[next(i for i, w in enumerate(words) if i and not w.startswith("-")):]
     program, args = os.path.basename(words[0]), words[1:]
+    if program in ("launch_local.sh", "launch_slurm.sh"):  # the trainer's flags, after N locally
+      program, args = "ulysses-train", args[program == "launch_local.sh":]
     if re.fullmatch(r"python[\d.]*", program) and args[:1] == ["-m"] and len(args) > 1 \
         and args[1].startswith("ulysses_jax."):
       program, args = "ulysses-" + args[1].removeprefix("ulysses_jax."), args[2:]

@@ -317,3 +317,28 @@ def test_a_mixture_of_experts_counts_what_it_holds_and_what_a_token_runs():
   dense = dataclasses.replace(tiled, moe_layers=0)
   assert work - plan.predict_memory(dense, layout, **sizes)["working"] == pytest.approx(
       plan.moe.working_bytes(tiled, 2048, 2) - 2 * 7.5 * 6144 * 2048)  # c·7.5·F·tile
+
+
+def test_the_planner_keeps_attention_residuals_where_they_fit_and_else_recomputes_them():
+  """Llama-3.1-8B, remat "full" on one pinned mesh: where attention's kept output and lse fit,
+  the plan keeps them (a faster step: one attention forward fewer); with a budget between the
+  two footprints it falls back to recomputing them, and the recommendation says so."""
+  from types import SimpleNamespace
+  from ulysses_jax.cli import plan_text
+  model = plan.Model.from_config(llama.preset("llama3.1-8b", mlp_chunk=2048))
+  sizes = dict(batch=1, seq_len=2**19)
+  layout = plan.Layout(1, 8, 1, remat="full")
+  kept, recomputed = (plan.predict_memory(model, dataclasses.replace(layout, keep_attention=k),
+                                          **sizes)["total"] for k in (True, False))
+  knobs = plan.Knobs(precisions=plan.precisions("float32", False), mlp_chunks=(2048,),
+                     remats=("full",), remat_groups=(1,), head_chunks=(1,), offloads=("none",),
+                     mesh=(1, 8, 1))
+  roomy = plan.Hardware.of("h100")
+  [row] = plan.plan(model, devices=8, hardware=roomy, knobs=knobs, **sizes)
+  assert row["layout"].keep_attention and kept < roomy.budget_bytes
+  tight = dataclasses.replace(roomy, budget_bytes=(kept + recomputed) / 2)
+  [row] = plan.plan(model, devices=8, hardware=tight, knobs=knobs, **sizes)
+  assert not row["layout"].keep_attention
+  args = SimpleNamespace(accum_steps=1, dtype="bfloat16", seq_len=2**19, batch=1, init_from="")
+  assert plan_text.settings(row, args)["LlamaConfig.remat_keep_attention"] is False
+  assert "recomputes attention's forward" in plan_text.recommendation(row, args)

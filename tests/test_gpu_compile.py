@@ -22,6 +22,7 @@ from ulysses_jax import aot, make_mesh, sharding, ulysses_attention
 from ulysses_jax.aot import hlo
 from ulysses_jax.kernels.flash_attention import flash_attention
 from ulysses_jax.mesh import sequence_axes
+from ulysses_jax.step_builder import build_train_step, run_mesh
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -122,6 +123,39 @@ def test_attention_sinks_compile_to_the_same_mosaic_kernels(ring):
   assert TRITON not in with_sinks and "__cudnn$" not in with_sinks
 
 
+def _forward_kernels(text):
+  """How many Mosaic attention forward kernels a compiled program launches per pass."""
+  return sum(MOSAIC in line and "flash_attention_forward" in line for line in text.splitlines())
+
+
+@pytest.mark.parametrize("ring,sinks,window", [
+    (1, True, 1000), pytest.param(2, False, None, marks=pytest.mark.slow)],
+    ids=["ulysses-sinks-window", "hybrid"])
+def test_rematerialised_attention_backward_runs_no_forward_kernel(ring, sinks, window):
+  """Under a rematerialising policy that keeps attention's residuals
+  (``remat_policy(keep_attention=True)``) the backward reruns none of the forward kernels, on
+  Ulysses (with sinks and a window) and on the hybrid's ring: half the forward kernels of
+  recomputing them, and still the backward's dq and dk/dv."""
+  from ulysses_jax.models.llama import remat_policy
+  mesh = make_mesh(seq=4, ring=ring, devices=aot.gpu_devices("h100", f"1x1x{4 * ring}"))
+  sharding = NamedSharding(mesh, P(None, sequence_axes(mesh), None, None))
+  q = jax.ShapeDtypeStruct((B, 4096 * ring, 8, 64), jnp.bfloat16, sharding=sharding)
+  sinks_arg = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+  def compiled(keep):
+    attend = jax.checkpoint(
+        lambda q, k, v, s: ulysses_attention(q, k, v, mesh=mesh, sliding_window=window,
+                                             sinks=s if sinks else None).astype(jnp.float32),
+        policy=remat_policy("full", keep_attention=keep))
+    grad = jax.grad(lambda *x: jnp.sum(attend(*x) ** 2), argnums=(0, 1, 2, 3))
+    return jax.jit(grad).lower(q, q, q, sinks_arg).compile().as_text()
+
+  kept, recomputed = compiled(True), compiled(False)
+  assert 0 < 2 * _forward_kernels(kept) == _forward_kernels(recomputed), (
+      _forward_kernels(kept), _forward_kernels(recomputed))
+  assert kept.count(MOSAIC) - _forward_kernels(kept) >= 2  # dq and dk/dv
+
+
 def test_ulysses_attention_compiles_for_b200():
   """sm_100a: XLA and our Triton kernels build for it (jax 0.10.2 and 0.12.0.1)."""
   mesh = make_mesh(seq=8, devices=aot.gpu_devices("b200", "1x1x8"))
@@ -161,6 +195,28 @@ def test_cli_llama1b_128k_on_one_node(tmp_path):
   assert r["collective_bytes"]["all-to-all"] == 16 * 3 * 4 * per_layer_pass
   assert r["flops"] > r["model_flops_per_device"]  # + rematerialisation, kernel recompute
   assert 0 < r["prediction"]["mfu"] < 1 and r["prediction"]["assumptions"]
+
+
+@pytest.mark.slow
+def test_llama1b_64k_on_one_gpu_runs_attention_forward_once_and_no_float32_gemm(tmp_path):
+  """Llama-3.2-1B, 65,536 tokens on one H100, remat "full": per layer one attention forward
+  and its two backward kernels (the backward keeps the forward's output and lse), no float32 x
+  float32 product (the chunked head's backward multiplies in bfloat16), and it fits."""
+  from ulysses_jax.aot import cost
+  from ulysses_jax.aot.report import device_breakdown
+  from ulysses_jax.cli.gin_config import read
+  config = read(["configs/llama1b_128k.gin"], [
+      "DataConfig.seq_len=65536", "DataConfig.batch_size=1", "TrainConfig.mesh_seq=1",
+      "TrainConfig.accum_steps=1"])
+  built = build_train_step(config, run_mesh(config.train, aot.gpu_devices("h100", "1x1x1")))
+  compiled = built.step.lower(built.state, built.batch).compile()
+  text = compiled.as_text()
+  assert text.count(MOSAIC) == 3 and _forward_kernels(text) == 1, text.count(MOSAIC)
+  f32_products = [p for p in cost.products(text)
+                  if all(o.startswith("f32[") for o in p.operands)]
+  assert not f32_products, f32_products
+  assert sum(device_breakdown(compiled.memory_analysis()).values()) < (
+      aot.gpu_spec("h100").budget_bytes)
 
 
 @pytest.mark.slow

@@ -114,3 +114,20 @@ def test_sums_add_and_bad_arguments_raise():
     chunked_cross_entropy(hidden, head, labels[:, :23], mesh=mesh_of(1, 1), chunk=4)
   with pytest.raises(ValueError, match=r"must be divisible by the sequence shards \(8\)"):
     chunked_cross_entropy(hidden[:, :23], head, labels[:, :23], mesh=mesh_of(1, 8), chunk=4)
+
+
+def test_bfloat16_head_multiplies_in_bfloat16_and_matches_float32_within_its_rounding():
+  """bfloat16 hidden states and head: the loss is that of their float32 copies' product (the
+  forward accumulates in float32), and the gradients, whose products take the logit cotangent
+  rounded to bfloat16, match within bfloat16 rounding (test_gpu_compile: no float32 x float32
+  product in the compiled step)."""
+  mesh = mesh_of(2, 4)
+  hidden, head, labels = _inputs(4)
+  hidden, head = hidden.astype(jnp.bfloat16), head.astype(jnp.bfloat16)
+  f = lambda h, w: chunked_cross_entropy(h, w, labels, mesh=mesh, chunk=2).mean()
+  loss, grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, head)
+  wide = (hidden.astype(jnp.float32), head.astype(jnp.float32))
+  want_loss, want_grads = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(*wide)
+  assert relative_error(loss, want_loss) < 1e-6
+  for got, want in zip(grads, want_grads):
+    assert got.dtype == jnp.bfloat16 and relative_error(got, want) < 1e-2

@@ -95,7 +95,8 @@ def _config_layout(gin_file, mesh_shape, params):
   layout = plan.Layout(*mesh_shape, remat=model.remat_policy,
                        offload_optimizer=run.offload_optimizer, remat_group=model.remat_group,
                        offload_params=run.offload_params,
-                       attn_head_chunks=model.attn_head_chunks)
+                       attn_head_chunks=model.attn_head_chunks,
+                       keep_attention=model.remat_keep_attention)
   sizes = dict(batch=data.batch_size // run.accum_steps, seq_len=data.seq_len,
                dtype=model.dtype, param_dtype=model.param_dtype,
                master_weights=run.master_weights)
@@ -231,7 +232,8 @@ def test_recommends_a_hybrid_for_llama8b_at_a_million_tokens_on_32_gpus():
 
 def test_memory_terms_scale_as_documented():
   model = plan.Model.from_config(llama.preset("llama3.1-8b"))
-  memory = lambda **kw: plan.predict_memory(model, plan.Layout(**kw), batch=1, seq_len=2**20)
+  memory = lambda **kw: plan.predict_memory(
+      model, plan.Layout(**{"keep_attention": False, **kw}), batch=1, seq_len=2**20)
   base = memory(data=1, seq=8, ring=4)
   # Per-device activations depend on seq*ring only; state shrinks with the device count.
   assert memory(data=1, seq=4, ring=8)["saved"] == base["saved"]
@@ -261,6 +263,12 @@ def test_memory_terms_scale_as_documented():
   full_offload = memory(data=1, seq=8, ring=4, remat="full_offload")
   assert full_offload["saved"] == 0
   assert full_offload["host"] == base["saved"] == 32 * 2**15 * 4096 * 2
+  # Keeping attention's output (bf16) and lse (float32) of every layer: L x T x Hq x (2D + 4),
+  # on the device, or on the host with the layer inputs under full_offload.
+  kept = 32 * 2**15 * 32 * (2 * 128 + 4)
+  assert memory(data=1, seq=8, ring=4, keep_attention=True)["saved"] == base["saved"] + kept
+  assert memory(data=1, seq=8, ring=4, remat="full_offload", keep_attention=True)["host"] == (
+      full_offload["host"] + kept)
   # Groups of 4 layers: 32/4 group inputs, and the 4 layer inputs of the group recomputed.
   grouped = memory(data=1, seq=8, ring=4, remat="full_offload", remat_group=4)
   assert grouped["host"] == full_offload["host"] * (8 + 4) / 32
@@ -309,3 +317,28 @@ def test_a_mixture_of_experts_counts_what_it_holds_and_what_a_token_runs():
   dense = dataclasses.replace(tiled, moe_layers=0)
   assert work - plan.predict_memory(dense, layout, **sizes)["working"] == pytest.approx(
       plan.moe.working_bytes(tiled, 2048, 2) - 2 * 7.5 * 6144 * 2048)  # c·7.5·F·tile
+
+
+def test_the_planner_keeps_attention_residuals_where_they_fit_and_else_recomputes_them():
+  """Llama-3.1-8B, remat "full" on one pinned mesh: where attention's kept output and lse fit,
+  the plan keeps them (a faster step: one attention forward fewer); with a budget between the
+  two footprints it falls back to recomputing them, and the recommendation says so."""
+  from types import SimpleNamespace
+  from ulysses_jax.cli import plan_text
+  model = plan.Model.from_config(llama.preset("llama3.1-8b", mlp_chunk=2048))
+  sizes = dict(batch=1, seq_len=2**19)
+  layout = plan.Layout(1, 8, 1, remat="full")
+  kept, recomputed = (plan.predict_memory(model, dataclasses.replace(layout, keep_attention=k),
+                                          **sizes)["total"] for k in (True, False))
+  knobs = plan.Knobs(precisions=plan.precisions("float32", False), mlp_chunks=(2048,),
+                     remats=("full",), remat_groups=(1,), head_chunks=(1,), offloads=("none",),
+                     mesh=(1, 8, 1))
+  roomy = plan.Hardware.of("h100")
+  [row] = plan.plan(model, devices=8, hardware=roomy, knobs=knobs, **sizes)
+  assert row["layout"].keep_attention and kept < roomy.budget_bytes
+  tight = dataclasses.replace(roomy, budget_bytes=(kept + recomputed) / 2)
+  [row] = plan.plan(model, devices=8, hardware=tight, knobs=knobs, **sizes)
+  assert not row["layout"].keep_attention
+  args = SimpleNamespace(accum_steps=1, dtype="bfloat16", seq_len=2**19, batch=1, init_from="")
+  assert plan_text.settings(row, args)["LlamaConfig.remat_keep_attention"] is False
+  assert "recomputes attention's forward" in plan_text.recommendation(row, args)

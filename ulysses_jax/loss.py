@@ -115,9 +115,7 @@ def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk:
 
   @jax.checkpoint
   def one_chunk(head_EV, hidden_BPcE, labels_BPc):
-    logits = jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV,
-                        preferred_element_type=jnp.float32)
-    return chunk_fn(logits, labels_BPc)
+    return chunk_fn(_logits(hidden_BPcE, head_EV), labels_BPc)
 
   def step(total, xs):
     sums, per_token = one_chunk(head_EV, *xs)
@@ -129,3 +127,28 @@ def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk:
   total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
   s = labels_BS.shape[1]
   return total, jax.tree.map(lambda x: sharding.from_local_chunks(x, s, mesh=mesh), per_token_N)
+
+
+@jax.custom_vjp
+def _logits(hidden_BPcE: jax.Array, head_EV: jax.Array) -> jax.Array:
+  """Float32 logits ``[B, P, c, V]`` of hidden states and the head, both in the compute dtype,
+  accumulated in float32. Its backward multiplies in the compute dtype too: the float32 logit
+  cotangent is rounded to it (a bfloat16 model's head then runs bfloat16 GEMMs with float32
+  accumulation, not float32 ones), and each gradient is accumulated in float32 and rounded
+  once to its input's dtype, as the plain product's would be."""
+  return jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV, preferred_element_type=jnp.float32)
+
+
+def _logits_forward(hidden_BPcE, head_EV):
+  return _logits(hidden_BPcE, head_EV), (hidden_BPcE, head_EV)
+
+
+def _logits_backward(residuals, d_logits_BPcV):
+  hidden_BPcE, head_EV = residuals
+  d_BPcV = d_logits_BPcV.astype(jnp.promote_types(hidden_BPcE.dtype, head_EV.dtype))
+  d_hidden = jnp.einsum("bpcv,ev->bpce", d_BPcV, head_EV, preferred_element_type=jnp.float32)
+  d_head = jnp.einsum("bpce,bpcv->ev", hidden_BPcE, d_BPcV, preferred_element_type=jnp.float32)
+  return d_hidden.astype(hidden_BPcE.dtype), d_head.astype(head_EV.dtype)
+
+
+_logits.defvjp(_logits_forward, _logits_backward)

@@ -74,6 +74,29 @@ def _parse(hlo_text: str) -> dict[str, list[dict]]:
   return computations
 
 
+class Product(NamedTuple):
+  """One matrix product of a program: a dot (fused or not) or a cuBLAS GEMM."""
+  name: str
+  shape: str                 # the result's shape, e.g. "f32[2048,128256]{1,0}"
+  operands: tuple[str, ...]  # the multiplied operands' shapes (a GEMM's first two)
+
+
+def products(hlo_text: str) -> list[Product]:
+  """Every dot and cuBLAS GEMM in the program's computations (fused ones included), e.g. to
+  check in which precision a product runs: a float32 x float32 product runs as TF32 or FP32
+  GEMMs on NVIDIA GPUs, a bfloat16 one on the bfloat16 tensor cores."""
+  found = []
+  for instructions in _parse(hlo_text).values():
+    shapes = {i["name"]: i["shape"] for i in instructions}
+    for i in instructions:
+      gemm = i["op"] == "custom-call" and ("__cublas$gemm" in i["attrs"]
+                                           or "__cublas$lt" in i["attrs"])
+      if i["op"] == "dot" or gemm:
+        operands = [o.strip().lstrip("%") for o in i["operands"].split(",")][:2]
+        found.append(Product(i["name"], i["shape"], tuple(shapes.get(o, "") for o in operands)))
+  return found
+
+
 def _dot_flops(instruction, shapes, contracting_attr="lhs_contracting_dims"):
   contracting = re.search(contracting_attr + r"=\{([0-9,]*)\}", instruction["attrs"])
   lhs = _dims(shapes.get(instruction["operands"].split(",")[0].strip().lstrip("%"), ""))

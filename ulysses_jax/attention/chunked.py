@@ -26,7 +26,7 @@ from jax import lax
 
 from ulysses_jax.attention.common import fori_loop
 from ulysses_jax.kernels.variants import check_sliding_window
-from ulysses_jax.kernels.variants import check_sinks
+from ulysses_jax.kernels.variants import check_sinks, name_kernel_residuals
 from ulysses_jax.kernels.variants import apply_sinks
 
 # Block padding: two ids below every id a caller may use (common.MIN_SEGMENT_ID), distinct
@@ -239,7 +239,7 @@ def _forward(config, q_BSHD, k_BSKD, v_BSKD, q_seg, kv_seg, q_pos, kv_pos):
 
 
 def _forward_rule(config, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
-  out, lse = _forward(config, q, k, v, q_seg, kv_seg, q_pos, kv_pos)
+  out, lse = name_kernel_residuals(*_forward(config, q, k, v, q_seg, kv_seg, q_pos, kv_pos))
   return (out, lse), (q, k, v, q_seg, kv_seg, q_pos, kv_pos, out, lse)
 
 

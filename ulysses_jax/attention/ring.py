@@ -72,7 +72,7 @@ from ulysses_jax.attention.ring_steps import (flash_step, flash_step_grads, flas
                                               flash_window_step_grads, merge)
 from ulysses_jax.attention.common import Layout, fori_loop, pad_sequence, validate_inputs
 from ulysses_jax.kernels.variants import check_sliding_window
-from ulysses_jax.kernels.variants import apply_sinks, sinks_grad
+from ulysses_jax.kernels.variants import apply_sinks, name_kernel_residuals, sinks_grad
 from ulysses_jax.mesh import DATA, sequence_axes
 
 # --- The backend ------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def _windowed_merged_steps(ring, q_BSHD, k_BSKD, v_BSKD, segment_ids):
 
 
 def _forward_rule(ring, q, k, v, segment_ids, sinks):
-  out, lse = _forward(ring, q, k, v, segment_ids, sinks)
+  out, lse = name_kernel_residuals(*_forward(ring, q, k, v, segment_ids, sinks))
   return out, (q, k, v, segment_ids, sinks, out, lse)
 
 

@@ -52,6 +52,8 @@ def settings(row: dict, args) -> dict:
       "LlamaConfig.mlp_chunk": row["mlp_chunk"],
       "LlamaConfig.dtype": args.dtype, "LlamaConfig.param_dtype": precision.param_dtype,
       "DataConfig.seq_len": args.seq_len, "DataConfig.batch_size": args.batch}
+  if best.remat != "none" and not best.keep_attention:
+    settings["LlamaConfig.remat_keep_attention"] = False
   if args.init_from:
     settings["TrainConfig.init_from"] = args.init_from
   placement = row["step"].get("experts", {}).get("placement")  # plan.moe.in_use
@@ -72,9 +74,13 @@ def recommendation(row: dict, args) -> str:
   best, precision = row["layout"], row["precision"]
   flags = " \\\n".join(f"  --gin_param='{p}'" for p in gin_params(settings(row, args)))
   start = f"init_from={args.init_from!r}, " if args.init_from else ""
-  return (f"({precision.trade_off})\nfor python -m ulysses_jax.train:\n{flags}\n"
+  recomputed = ("(attention's output and log-sum-exp do not fit beside the rest: the backward "
+                "recomputes attention's forward, remat_keep_attention=False)\n"
+                if best.remat != "none" and not best.keep_attention else "")
+  return (f"({precision.trade_off})\n{recomputed}for python -m ulysses_jax.train:\n{flags}\n"
           f"in Python: make_mesh(data={best.data}, seq={best.seq}, ring={best.ring}); "
           f"LlamaConfig(remat_policy={best.remat!r}, remat_group={best.remat_group}, "
+          f"remat_keep_attention={best.keep_attention}, "
           f"attn_head_chunks={best.attn_head_chunks}, mlp_chunk={row['mlp_chunk']}, "
           f"param_dtype={precision.param_dtype!r}); TrainConfig({start}"
           f"offload_optimizer={best.offload_optimizer}, offload_params={best.offload_params}, "

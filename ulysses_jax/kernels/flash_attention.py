@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
 from ulysses_jax.kernels.variants import check_sliding_window
-from ulysses_jax.kernels.variants import check_sinks
+from ulysses_jax.kernels.variants import check_sinks, name_kernel_residuals
 from ulysses_jax.kernels.variants import apply_sinks
 from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, KernelSpec, Tile
@@ -324,7 +324,7 @@ def _flash(plan, q, k, v, q_seg, kv_seg):
 
 
 def _flash_forward(plan, q, k, v, q_seg, kv_seg):
-  out, lse = _forward(plan, q, k, v, q_seg, kv_seg)
+  out, lse = name_kernel_residuals(*_forward(plan, q, k, v, q_seg, kv_seg))
   return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
 
 

@@ -1,5 +1,6 @@
 """The attention variants every backend honours, checked and applied below the kernels:
-sliding windows (``check_sliding_window``) and attention sinks.
+sliding windows (``check_sliding_window``) and attention sinks; and the names of the residuals
+every attention's backward reads (``name_kernel_residuals``).
 
 Attention sinks (gpt-oss): one learnable logit per query head in every query row's softmax.
 
@@ -23,6 +24,22 @@ layers above them both use it.
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# Names of the residuals an attention's backward needs besides its inputs: its output and
+# log-sum-exp as its custom_vjp's forward rule returns them (``name_kernel_residuals``). A remat
+# policy that saves them (``models.llama.remat_policy``) keeps the backward from running the
+# attention's forward again.
+KERNEL_OUT = "attn_kernel_out"
+KERNEL_LSE = "attn_kernel_lse"
+KERNEL_RESIDUALS = (KERNEL_OUT, KERNEL_LSE)
+
+
+def name_kernel_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(out, lse)`` tagged ``KERNEL_OUT`` and ``KERNEL_LSE`` for remat policies. Every
+  attention's custom_vjp forward rule returns the tagged pair as its output and keeps it as
+  its residuals, so that saving the names saves what the backward reads."""
+  return checkpoint_name(out, KERNEL_OUT), checkpoint_name(lse, KERNEL_LSE)
 
 
 def check_sliding_window(sliding_window, causal) -> None:

@@ -114,7 +114,11 @@ class LlamaConfig:
   ``remat_group`` (layers per rematerialised group: the backward keeps one residual-stream
   input per group, in host memory under ``full_offload``, and recomputes the group's forward
   to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
-  pass), ``mlp_chunk`` (tokens per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
+  pass), ``remat_keep_attention`` (every policy but ``"none"`` keeps each layer's attention
+  output and log-sum-exp for the backward, S·Hq·(D·c + 4) bytes per layer (c bytes of the
+  compute dtype) over the devices, on the host with the offloading policies, so the backward
+  never runs the attention's forward again; False recomputes them), ``mlp_chunk`` (tokens
+  per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
   per device per cross-entropy chunk), ``attn_head_chunks`` (attention runs over this many
   chunks of heads, each recomputed in the backward, so q, k, v and the attention output exist
   for 1/n of the heads at a time; it must divide ``num_kv_heads``; 1 = unchunked; see
@@ -171,6 +175,7 @@ class LlamaConfig:
   remat_policy: Literal[REMAT_POLICIES] = _field()
   remat_names: tuple[str, ...] = _field()
   remat_group: int = _field(1)
+  remat_keep_attention: bool = _field()
   mlp_chunk: int = _field(0)
   loss_chunk: int = _field(1)
   attn_head_chunks: int = _field(1)
@@ -317,9 +322,9 @@ _DEFAULTS = dict(
     head_dim=128, mlp_dim=14_336, rope_theta=500_000.0, rope_scaling=None, norm_eps=1e-5,
     tie_embeddings=False, qkv_bias=False, qk_norm=False, init_std=0.02, dtype="float32",
     param_dtype="float32", attention_backend="auto", remat_policy="full",
-    remat_names=(QKV, ATTN_OUT), remat_group=1, mlp_chunk=0, loss_chunk=1024,
-    attn_head_chunks=1, sliding_window=None, layer_types=(), sliding_rope_theta=None,
-    sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
+    remat_names=(QKV, ATTN_OUT), remat_group=1, remat_keep_attention=True, mlp_chunk=0,
+    loss_chunk=1024, attn_head_chunks=1, sliding_window=None, layer_types=(),
+    sliding_rope_theta=None, sliding_rope_scaling=None, attention_scale=None, mlp_activation="silu",
     norm_offset_one=False, post_norms=False, embed_scale=False, attn_out_bias=False, moe=None,
     router_aux_loss_coef=0.0, expert_backend="auto", expert_placement="fsdp",
     attention_sinks=False)

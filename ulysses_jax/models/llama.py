@@ -34,6 +34,7 @@ from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.common import PAD_SEGMENT
+from ulysses_jax.kernels.variants import KERNEL_RESIDUALS
 from ulysses_jax.layers import Dense, RMSNorm, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
@@ -47,7 +48,8 @@ LAYER_INPUT = "layer_input"  # the residual stream entering a layer: what "full"
 GROUP_INPUT = "group_input"  # the residual stream entering a group of remat_group layers
 
 
-def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
+def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT), *,
+                 keep_attention: bool = True):
   """The ``jax.checkpoint`` policy of a ``REMAT_POLICIES`` name (None for ``"none"``).
 
   ``save_names`` keeps the activations tagged ``names`` (``QKV``, ``ATTN_OUT``) on device;
@@ -56,34 +58,44 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT)):
   but moves each layer's input (``LAYER_INPUT``, ``[B, S/P, E]`` per device, the one thing
   ``full`` keeps per layer) to ``pinned_host``: no activation memory per layer on the device,
   L·B·S/P·E in the compute dtype on the host, one transfer each way per layer.
+
+  ``keep_attention`` (``LlamaConfig.remat_keep_attention``): every policy also keeps the
+  attention's output and log-sum-exp as its backward reads them (``KERNEL_RESIDUALS``:
+  ``[B, S, Hq/P, D]`` in the compute dtype and ``[B, Hq/P, S]`` float32 per device after the
+  all-to-all), so the backward runs only the attention's backward kernels, never its forward
+  again; the offloading policies move them to the host with what they offload.
   """
   policies = jax.checkpoint_policies
+  kept = list(KERNEL_RESIDUALS) if keep_attention else []
+  offloaded = lambda offload: policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=[*offload, *kept],
+      offload_src="device", offload_dst="pinned_host")
+  with_kept = lambda policy: (policies.save_from_both_policies(
+      policy, policies.save_only_these_names(*kept)) if kept else policy)
   table = {
       "none": None,
-      "full": policies.nothing_saveable,
-      "save_dots": policies.dots_saveable,
-      "save_dots_no_batch": policies.dots_with_no_batch_dims_saveable,
-      "save_names": policies.save_only_these_names(*names),
-      "offload": policies.save_and_offload_only_these_names(
-          names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
-          offload_src="device", offload_dst="pinned_host"),
-      "full_offload": policies.save_and_offload_only_these_names(
-          names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
-          offload_src="device", offload_dst="pinned_host"),
+      "full": with_kept(policies.nothing_saveable),
+      "save_dots": with_kept(policies.dots_saveable),
+      "save_dots_no_batch": with_kept(policies.dots_with_no_batch_dims_saveable),
+      "save_names": policies.save_only_these_names(*names, *kept),
+      "offload": offloaded(names),
+      "full_offload": offloaded([LAYER_INPUT]),
   }
   if name not in table:
     raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {name!r}.")
   return table[name]
 
 
-def _group_policy(layer_policy: str):
-  """What a group of layers keeps for the backward: its input only (recomputing the rest), in
-  host memory when the layers keep theirs there (``full_offload``)."""
+def _group_policy(layer_policy: str, keep_attention: bool):
+  """What a group of layers keeps for the backward: its input (recomputing the rest) and,
+  with ``keep_attention``, its layers' attention residuals (``remat_policy``), in host memory
+  when the layers keep theirs there (``full_offload``)."""
+  kept = list(KERNEL_RESIDUALS) if keep_attention else []
   if layer_policy == "full_offload":
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[GROUP_INPUT],
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[GROUP_INPUT, *kept],
         offload_src="device", offload_dst="pinned_host")
-  return jax.checkpoint_policies.nothing_saveable
+  return jax.checkpoint_policies.save_only_these_names(*kept)
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -284,7 +296,8 @@ class Llama(nnx.Module):
         sharding.tree_shardings(layer_states, self.mesh, self.rules))
     c = self.config
     remat = lambda f: f if c.remat_policy == "none" else jax.checkpoint(
-        f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names))
+        f, prevent_cse=False, policy=remat_policy(c.remat_policy, c.remat_names,
+                                                  keep_attention=c.remat_keep_attention))
     run = lambda x_BSE, layer: nnx.merge(graphdef, layer["state"])(
         x_BSE, positions_BS, segment_ids_BS, valid_BS, layer["sliding"], layer["sparse"])
     kinds = dict(state=layer_states,
@@ -308,7 +321,8 @@ class Llama(nnx.Module):
       group = dict(group, state=jax.device_put(group["state"], group_shardings))
       return jax.lax.scan(layer, checkpoint_name(x_BSE, GROUP_INPUT), group)
 
-    group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy))
+    group = jax.checkpoint(group, prevent_cse=False, policy=_group_policy(c.remat_policy,
+                                                                   c.remat_keep_attention))
     groups = jax.tree.map(lambda s: s.reshape(-1, c.remat_group, *s.shape[1:]), kinds)
     x_BSE, stats = jax.lax.scan(group, x_BSE, groups)
     stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)

@@ -38,10 +38,13 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          ``Model.expert_placement``; so are the experts'
                                          working set and dispatch blocks)
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
-                                         backward: L' layer inputs, L' = L, or L/k + k with
+             + L·T·Hq'·n·(D·c + 4)       backward: L' layer inputs, L' = L, or L/k + k with
                                          groups of k layers (``remat_group``; the k of the
                                          group being recomputed); ``offload`` keeps the named
-                                         ones on the host, ``full_offload`` the inputs
+                                         ones on the host, ``full_offload`` the inputs; and
+                                         attention's output and float32 lse per layer
+                                         (``keep_attention``; on the host with the offloading
+                                         policies)
   host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
              residuals; per device, against
              ``Hardware.host_bytes`` per device
@@ -214,6 +217,10 @@ class Layout:
   each recomputed in the backward. ``attention``: ``"ulysses"`` (the trainer's attention:
   all-to-all over ``seq``, a ring over ``ring``) or ``"allgather_kv"`` (the Llama 3 /
   Megatron baseline, modelled for comparison only: K and V gathered over ``seq``, no ring).
+  ``keep_attention`` (``LlamaConfig.remat_keep_attention``): with a rematerialising policy,
+  every layer keeps attention's output and log-sum-exp for the backward (on the host with the
+  offloading policies), so the backward does not run attention's forward again; False
+  recomputes them (the planner's fallback when keeping them does not fit).
   """
   data: int
   seq: int
@@ -224,6 +231,7 @@ class Layout:
   offload_params: bool = False
   attn_head_chunks: int = 1
   attention: str = "ulysses"
+  keep_attention: bool = True
 
   def __post_init__(self):
     _ = self.memory  # the trainer's rules, checked in one place (MemoryOptions)
@@ -235,6 +243,12 @@ class Layout:
     if self.attention == "allgather_kv" and self.ring > 1:
       raise ValueError(f"the all-gather-KV baseline gathers over seq and has no ring, got "
                        f"ring={self.ring}; put its devices on seq.")
+
+  @property
+  def keeps_attention(self) -> bool:
+    """Whether the layers keep attention's residuals: ``keep_attention`` under a
+    rematerialising policy (without remat everything is kept anyway)."""
+    return self.keep_attention and self.remat != "none"
 
   @property
   def mesh(self) -> tuple[int, int, int]:
@@ -300,7 +314,8 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
                                         + attention_per_token(heads, d))
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
-             + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names"))
+             + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names")
+             + kept_attention_bytes(model, layout, t, c) * (layout.remat not in _ON_HOST))
   attn_len = seq_len // layout.ring  # keys per step on each device
   block = min(_XLA_BLOCK, attn_len)
   gathered_kv = layout.attention == "allgather_kv"
@@ -401,10 +416,25 @@ def _named_per_token(model):
   return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
 
 
+def kept_attention_bytes(model, layout, t, c):
+  """Bytes per device of every layer's attention output (c bytes per element) and float32
+  log-sum-exp that a rematerialising policy keeps for the backward (``Layout.keep_attention``):
+  L·T·Hq'·n·(D·c + 4), T tokens per device, Hq'·n query heads as the all-to-all exchanges them
+  (every head chunk's)."""
+  if not layout.keeps_attention:
+    return 0
+  heads = chunk_heads(model, layout).exchanged_q_heads * layout.attn_head_chunks
+  return model.num_layers * t * heads * (model.head_dim * c + 4)
+
+
+_ON_HOST = ("offload", "full_offload")  # the policies that keep their residuals on the host
+
+
 def _host_activation_bytes(model, layout, t, c):
   """Bytes of activations the remat policy keeps on the host, per device."""
+  kept = kept_attention_bytes(model, layout, t, c) * (layout.remat in _ON_HOST)
   if layout.remat == "full_offload":
-    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim
+    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim + kept
   if layout.remat == "offload":
-    return model.num_layers * t * c * _named_per_token(model)
+    return model.num_layers * t * c * _named_per_token(model) + kept
   return 0

@@ -43,6 +43,7 @@ def describe(row: dict, hardware: Hardware, tokens_per_step: int) -> dict:
       "axes": {name: {"devices": g.width, "domain": g.domain,
                       "bandwidth_gb_s": g.bandwidth() / 1e9} for name, g in axes.items()},
       "knobs": {"remat": lay.remat, "remat_group": lay.remat_group,
+                "remat_keep_attention": lay.keep_attention,
                 "attn_head_chunks": lay.attn_head_chunks,
                 "offload_optimizer": lay.offload_optimizer,
                 "offload_params": lay.offload_params, "mlp_chunk": row["mlp_chunk"],

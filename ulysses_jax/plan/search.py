@@ -136,6 +136,18 @@ def _fits(memory, hardware):
   return memory["total"] <= hardware.budget_bytes and memory["host"] <= hardware.host_bytes
 
 
+def _fitting(model, layout, hardware, **sizes):
+  """``(layout, its memory)`` for ``layout`` keeping attention's residuals when that fits, else
+  for the same layout recomputing them (``Layout.keep_attention=False``) when that does;
+  None when neither fits."""
+  tries = [layout] + [dataclasses.replace(layout, keep_attention=False)] * layout.keeps_attention
+  for candidate in tries:
+    memory = predict_memory(model, candidate, **sizes)
+    if _fits(memory, hardware):
+      return candidate, memory
+  return None
+
+
 def _check(sizes, knobs):
   if min(sizes.values()) < 1:
     raise ValueError(f"seq_len, devices, batch and accum_steps must be >= 1, got {sizes}.")
@@ -156,10 +168,11 @@ def plan(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
                       master_weights=precision.master_weights)
       for tile in knobs.mlp_chunks:
         tiled = dataclasses.replace(model, mlp_chunk=tile)
-        memory = predict_memory(tiled, layout, **sizes, **numerics)
-        if _fits(memory, hardware):
-          step = predict_step(tiled, layout, hardware=hardware, **sizes, **numerics)
-          rows.append({"layout": layout, "precision": precision, "mlp_chunk": tile,
+        fitting = _fitting(tiled, layout, hardware, **sizes, **numerics)
+        if fitting:
+          chosen, memory = fitting
+          step = predict_step(tiled, chosen, hardware=hardware, **sizes, **numerics)
+          rows.append({"layout": chosen, "precision": precision, "mlp_chunk": tile,
                        "memory": memory, "step": step})
           break
   rows.sort(key=lambda r: (r["step"]["step_s"], r["memory"]["total"]))
@@ -181,8 +194,8 @@ def fits(model: Model, *, seq_len: int, devices: int, hardware: Hardware, batch:
   sizes = dict(batch=batch, seq_len=seq_len, dtype=dtype, accum_steps=accum_steps)
   smallest_tile = min(knobs.mlp_chunks, key=lambda k: k or float("inf"))
   tiled = dataclasses.replace(model, mlp_chunk=smallest_tile)
-  return any(_fits(predict_memory(tiled, layout, **sizes, param_dtype=p.param_dtype,
-                                  master_weights=p.master_weights), hardware)
+  return any(_fitting(tiled, layout, hardware, **sizes, param_dtype=p.param_dtype,
+                      master_weights=p.master_weights)
              for layout in _candidates(model, devices, batch, seq_len, accum_steps, knobs)
              for p in knobs.precisions)
 

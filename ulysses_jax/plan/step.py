@@ -5,10 +5,12 @@ Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs, K the sum over layers of the 
 average (S/2 causal, about W with a sliding window W: ``reference.mean_visible_keys``; padded
 heads compute too; with the expert placement the expert matmuls ``plan.moe.flops_factor`` times
 over, every slot of the dispatch blocks), plus one forward when rematerialising, one more with
-remat groups, and the attention layer (projections and attention) once more with head chunks.
-Passes over attention: the forward, the backward, and one more forward for each of:
-rematerialising, remat groups, head chunks (each chunk recomputes its attention in the
-backward). Each ring step also rescales a float32 ``[T, Hq', D]`` accumulator in HBM.
+remat groups (both without attention's when the layers keep its residuals,
+``Layout.keep_attention``), and the attention layer (projections and attention) once more with
+head chunks. Passes over attention: the forward, the backward, and one more forward for each
+of: rematerialising and remat groups (unless the layers keep attention's residuals), head
+chunks (each chunk recomputes its attention in the backward). Each ring step also rescales a
+float32 ``[T, Hq', D]`` accumulator in HBM.
 
 What overlaps (an assumption each; ``ASSUMPTIONS``): the all-to-alls and the all-gather-KV
 baseline's gathers sit between attention and the rest of the layer and are exposed whole. The
@@ -63,6 +65,8 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   chunks = layout.attn_head_chunks
   regroup, rechunk = layout.remat_group > 1, chunks > 1
   forward_passes = 1 + (layout.remat != "none") + regroup + rechunk
+  # Kept residuals spare attention's forward in the layer's and the group's recomputation.
+  attention_passes = forward_passes - layout.keeps_attention * (1 + regroup)
   # Causal: 4·h FLOPs per visible key (scores and values), a query seeing S/2 keys on average
   # (about W with a window), over the heads as exchanged (padding computes too).
   windows = model.windows()
@@ -79,12 +83,12 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
                "offload": forward - projections, "none": 0}[layout.remat]
   # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
   attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
-  compute = (3 * forward + recompute + forward * regroup
-             + attention_layer * rechunk) / hardware.flops
-  # Attention runs in every forward pass and twice over in the backward.
-  attention = (forward_passes + 2) * attn_flops / hardware.flops
+  compute = (3 * forward + recompute + forward * regroup + attention_layer * rechunk
+             - (forward_passes - attention_passes) * attn_flops) / hardware.flops
+  # Attention runs in every forward pass it is not kept from and twice over in the backward.
+  attention = (attention_passes + 2) * attn_flops / hardware.flops
   steps = [ring_steps(layout.ring, seq_len, w) for w in windows]
-  merge = (sum(s + 1 for s in steps) * chunks * (forward_passes + 1) * 12 * t * hq * d
+  merge = (sum(s + 1 for s in steps) * chunks * (attention_passes + 1) * 12 * t * hq * d
            / hardware.hbm_bw if layout.ring > 1 else 0)
   collectives = {x.name: x for x in comm.step_collectives(
       model, layout, hardware, seq_len=seq_len, batch=batch, dtype=dtype,
@@ -92,7 +96,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   seconds = lambda name: collectives[name].seconds if name in collectives else 0.0
   # The ring hides behind the attention of its layers, all but one step's worth each.
   ring_cover = sum(a * s / (s + 1) for a, s in zip(layer_attn, steps)) * (
-      (forward_passes + 2) / hardware.flops)
+      (attention_passes + 2) / hardware.flops)
   ring_hidden = min(seconds("ring"), ring_cover)
   gathers = ("fsdp_all_gather", "expert_all_gather")
   fsdp = sum(seconds(x) for x in (*gathers, "fsdp_reduce_scatter", "expert_reduce_scatter"))

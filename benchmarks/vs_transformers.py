@@ -185,18 +185,19 @@ def or_out_of_memory(run, *args, **kwargs) -> dict:
       raise
     message = str(error).splitlines()[0][:200]
   print(f"out of memory in {run.__name__}: {message}", flush=True)
-  _free_torch_memory()  # after the except block: the traceback held the step's tensors
+  free_torch_memory()  # after the except block: the traceback held the step's tensors
   return {"status": "OOM", "losses": [], "times": [], "peak_GiB": float("nan")}
 
 
 def is_out_of_memory(error: Exception) -> bool:
   """Whether ``error`` is PyTorch's or XLA's report of a device out of memory."""
-  names = {type(e).__name__ for e in type(error).__mro__}
+  names = {cls.__name__ for cls in type(error).__mro__}
   return "OutOfMemoryError" in names or (
       isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error))
 
 
-def _free_torch_memory() -> None:
+def free_torch_memory() -> None:
+  """Hands the memory PyTorch caches on the GPU back (nothing on a CPU)."""
   import torch
   if torch.cuda.is_available():
     torch.cuda.empty_cache()

@@ -17,6 +17,7 @@ prompt length P and batch B (random token ids, one length for all rows):
   "static"``, bf16 weights: ``hf_ttft_s`` = ``generate`` of one new token, ``hf_ms_per_token`` =
   (that of ``--new-tokens`` tokens - of one) / (``--new-tokens`` - 1), after an untimed
   short prompt. A side out of memory records ``OOM`` (``vs_transformers.or_out_of_memory``);
+  a case whose weights and cache alone exceed the GPU's memory is not tried ("does not fit");
 * floors: ``floor_ms_per_token`` = (the bytes a decode step must read: the weights that take
   part in matmuls + B * P * layers * 2 * kv heads * head dim in bf16) / the copy bandwidth
   timed on this GPU (``benchmarking.copy_bandwidth``, read + written); ``compute_floor_s`` =
@@ -93,6 +94,17 @@ def attention_rate(config, prompt: int, device) -> float:
       backend, q, k, v, causal=True, segment_ids=None, scale=config.head_dim ** -0.5))
   seconds = time_fn(forward, q, k, v, warmup=1, iters=3)["median_s"]
   return prefill_flops(config, 1, prompt)["attention"] / config.num_layers / seconds
+
+
+def does_not_fit(config, prompt: int, batch: int, device) -> dict | None:
+  """A row's status where the weights and the cache alone exceed ``device``'s memory (as
+  its allocator reports it; None where it reports none, or they fit): tried, it would only
+  run out of memory, late."""
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  needs = sum(decode_bytes(config, batch, prompt).values())
+  if limit is None or needs <= limit:
+    return None
+  return {"status": f"does not fit: weights + cache {needs / 1e9:.0f} GB > {limit / 1e9:.0f}"}
 
 
 def ours(model, tokens: np.ndarray, new_tokens: int) -> dict:
@@ -202,17 +214,21 @@ def main(argv=None) -> dict:
       rng = np.random.default_rng(0)
       prompts = {case: rng.integers(3, config.vocab_size, (case[1], case[0]), dtype=np.int32)
                  for case in cases}
-      hf = {}
+      too_big = {case: why for case in cases
+                 if (why := does_not_fit(config, *case, device)) is not None}
+      hf = dict(too_big)
       if not args.no_transformers:
         hf_model = load_transformers(path, "bfloat16")
-        hf = {case: vs_transformers.or_out_of_memory(theirs, hf_model, prompts[case],
-                                                     args.new_tokens) for case in cases}
+        hf.update({case: vs_transformers.or_out_of_memory(theirs, hf_model, prompts[case],
+                                                          args.new_tokens)
+                   for case in cases if case not in too_big})
         del hf_model
         vs_transformers.free_torch_memory()
+    rates = {prompt: attention_rate(config, prompt, device) for prompt, _ in cases}
     for prompt, batch in cases:
       row = {"model": name, "batch": batch, "prompt": prompt,
-             **vs_transformers.or_out_of_memory(ours, model, prompts[prompt, batch],
-                                                args.new_tokens)}
+             **(too_big.get((prompt, batch)) or vs_transformers.or_out_of_memory(
+                 ours, model, prompts[prompt, batch], args.new_tokens))}
       theirs_row = hf.get((prompt, batch), {"status": "not run"})
       row.update({k: v for k, v in theirs_row.items() if k.startswith("hf_")},
                  hf_status=theirs_row["status"])
@@ -221,7 +237,7 @@ def main(argv=None) -> dict:
       row.update(weights_GB=needs["weights"] / 1e9, kv_read_GB=needs["kv"] / 1e9,
                  floor_ms_per_token=1e3 * (needs["weights"] + needs["kv"]) / copy,
                  compute_floor_s=flops["matmul"] / matmul_rate
-                 + flops["attention"] / attention_rate(config, prompt, device),
+                 + flops["attention"] / rates[prompt],
                  prefill_TFLOP=(flops["matmul"] + flops["attention"]) / 1e12)
       if row["status"] == "ok":
         row["ms_vs_floor"] = row["ms_per_token"] / row["floor_ms_per_token"]

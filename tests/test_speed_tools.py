@@ -43,7 +43,10 @@ def test_run_settings_read_without_gin_equal_what_gin_binds():
   path = str(REPO / "configs" / "runs" / "gpu.gin")
   read = common.gin_bindings(path, "LlamaConfig")
   gin_config.parse([path], [])
-  assert read and read == gin_config.bound_fields(gin_config.LlamaConfig)
+  try:
+    assert read and read == gin_config.bound_fields(gin_config.LlamaConfig)
+  finally:
+    gin_config.gin.clear_config()
   assert set(read) <= set(train_step.RUN_SETTINGS)  # every binding has a flag to land on
 
 

@@ -20,7 +20,7 @@ prompt length P and batch B (random token ids, one length for all rows):
   a case whose weights and cache alone exceed the GPU's memory is not tried ("does not fit");
 * floors: ``floor_ms_per_token`` = (the bytes a decode step must read: the weights that take
   part in matmuls + B * P * layers * 2 * kv heads * head dim in bf16) / the copy bandwidth
-  timed on this GPU (``benchmarking.copy_bandwidth``, read + written); ``compute_floor_s`` =
+  timed on this GPU (``doctor.timing.copy_bandwidth``, read + written); ``compute_floor_s`` =
   the prefill's matmul FLOPs (2 * those weights * B * P) / the timed bf16 matmul rate
   (``metrics.measure_peak_flops``) + its attention FLOPs (2 * B * P^2 * heads * head dim per
   layer, causal) / the rate of the attention kernel ``"auto"`` picks, timed at P.
@@ -49,8 +49,8 @@ from benchmarks import common, generate_agreement, vs_transformers  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax import metrics  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
-from ulysses_jax.benchmarking import copy_bandwidth, time_fn  # noqa: E402
-from ulysses_jax.hf import load_llama, save_llama  # noqa: E402
+from ulysses_jax.doctor.timing import copy_bandwidth, time_fn  # noqa: E402
+from ulysses_jax.hf.weights import load_llama, save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
 

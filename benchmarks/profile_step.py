@@ -39,7 +39,7 @@ import tempfile
 import jax
 
 from benchmarks import common, train_step
-from ulysses_jax.hlo import COLLECTIVES
+from ulysses_jax.aot.hlo import COLLECTIVES
 
 CLASSES = ("attention forward", "attention backward", "bf16 GEMMs", "float32 GEMMs",
            "other GEMMs", "other fusions", "collectives", "host transfers")

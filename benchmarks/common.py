@@ -2,11 +2,13 @@
 tables: ``ulysses_jax.doctor.timing``)."""
 
 import argparse
+import ast
 import importlib.util
 import json
 import math
 import os
 import platform
+import re
 import shlex
 import sys
 
@@ -103,3 +105,32 @@ def search(fits, granularity: int, max_len: int, start: int = 0) -> tuple[int, i
     else:
       high = middle
   return low, high
+
+
+_BINDING = re.compile(r"^(\w+)\.(\w+)\s*=\s*(.+)$")
+
+
+def gin_bindings(path: str, class_name: str) -> dict:
+  """The literal values a gin file (and the files it includes) binds to ``class_name``'s
+  fields, read without gin (the GPU machines lack it): ``{"dtype": "bfloat16", ...}``. A
+  ``ValueError`` names a binding of that class that is no Python literal (a macro, a
+  reference), which only gin resolves."""
+  bindings = {}
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      line = line.split("#", 1)[0].strip()
+      if line.startswith("include "):
+        included = ast.literal_eval(line.split(None, 1)[1])
+        beside = os.path.join(os.path.dirname(path), included)
+        bindings.update(gin_bindings(beside if os.path.exists(beside) else included,
+                                     class_name))
+        continue
+      match = _BINDING.match(line)
+      if not match or match[1] != class_name:
+        continue
+      try:
+        bindings[match[2]] = ast.literal_eval(match[3])
+      except (ValueError, SyntaxError) as e:
+        raise ValueError(f"{path}:{number}: {class_name}.{match[2]} = {match[3]} is not a "
+                         "literal; only gin reads that (use the flags instead)") from e
+  return bindings

@@ -69,7 +69,7 @@ def reference(model, prompts, new_tokens):
   out = []
   with torch.no_grad():
     for prompt in prompts:
-      ids = torch.tensor([prompt])
+      ids = torch.tensor([prompt], device=model.device)
       out.append(model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=new_tokens, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist())

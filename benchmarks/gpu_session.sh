@@ -30,6 +30,18 @@
 #                 than a command may run) and time real steps up to --time-max-tokens. The 8B
 #                 searches start at 128K or 256K tokens to save compiles.
 #   peers         ulysses_jax vs transformers + PyTorch, llama3.2-1b, with --find-max
+#   speed         (about 8 minutes) the attention kernel table of ours (Mosaic) and cuDNN at
+#                 head dims 64 and 128, causal and full, 16K and 64K; the llama3.2-1b
+#                 training step at 65,536 tokens with the shipped GPU settings
+#                 (configs/runs/gpu.gin): MFU against the measured and the datasheet peak;
+#                 the profile of that step by class (benchmarks/profile_step.py); and
+#                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
+#                 marked OOM)
+#   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
+#                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
+#                 transformers' generate and the HBM and compute floors
+# GPU_SESSION_DRY=1 runs the speed and generate stages on the CPU with tiny shapes (a check of
+# the commands, tests/test_gpu_session.py); PYTHON names the interpreter (default python3).
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
 set -uo pipefail
@@ -37,12 +49,18 @@ stage=${1:?"usage: benchmarks/gpu_session.sh STAGE [OUT_DIR]"}
 out=${2:-benchmarks/results/gpu}
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+dry=${GPU_SESSION_DRY:-0}
+if [[ $dry == 1 ]]; then  # one CPU device, as one GPU
+  export JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1
+fi
 
 run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
   local name=$1; shift
   echo "+ $*" | tee "$out/$name.log"
-  "$@" 2>&1 | tee -a "$out/$name.log"
+  "$@" 2>&1 | tee -a "$out/$name.log" || failed+=("$name")
 }
+failed=()
 
 case $stage in
   kernels)
@@ -99,8 +117,36 @@ case $stage in
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
+  speed)
+    # One compilation cache: the profile reuses the timed step's program.
+    export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache_speed}
+    if [[ $dry == 1 ]]; then
+      kernel_sizes=(--tiny); step=(--preset tiny --seq-len 256); peers=(--preset tiny-gqa
+        --seq-lens 64,128)
+    else
+      kernel_sizes=(--head-dims 64,128 --seq-lens 16384,65536)
+      step=(--preset llama3.2-1b --seq-len 65536)
+      peers=(--preset llama3.2-1b --seq-lens 16384,32768,65536)
+    fi
+    step+=(--run-settings configs/runs/gpu.gin)
+    run speed_kernels "$python" -m benchmarks.attention_kernels "${kernel_sizes[@]}" \
+      --impls ours_mosaic,cudnn --json "$out/speed_kernels.json"
+    run speed_train_step "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
+      --json "$out/speed_train_step.json"
+    run speed_profile "$python" -m benchmarks.profile_step "${step[@]}" \
+      --json "$out/speed_profile.json"
+    run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
+      --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json" ;;
+  generate)
+    if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
+    run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" \
+      --json "$out/generate_gpu.json" ;;
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
-      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master or peers" >&2
+      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed or generate" >&2
     exit 2 ;;
 esac
+if (( ${#failed[@]} )); then
+  echo "failed: ${failed[*]} (their logs are in $out)" >&2
+  exit 1
+fi

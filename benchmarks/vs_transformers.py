@@ -30,7 +30,9 @@ Memory: ours is the compiled step's per-device ``args + out + temp - alias`` (``
 GPU the allocator peak; PyTorch's is ``torch.cuda.max_memory_allocated`` (GPU only). With
 ``--find-max`` (GPU only) each side's longest fitting S is searched as in
 ``benchmarks.max_seqlen`` (PyTorch: a step without ``torch.cuda.OutOfMemoryError``). PyTorch
-runs before JAX allocates anything on the GPU, and frees its cache after.
+runs before JAX allocates anything on the GPU, and frees its cache after. A side that runs
+out of memory at a length (``torch.cuda.OutOfMemoryError``, XLA's RESOURCE_EXHAUSTED) gets
+``OOM`` as its status in that row and NaN figures; the other rows still run.
 """
 
 import argparse
@@ -144,14 +146,8 @@ def run_torch(path: str, batch: dict, *, lr: float, repeats: int, on_gpu: bool,
 
 def torch_fits(path: str, batch_size: int, seq_len: int, vocab: int, policy: str) -> bool:
   """Whether PyTorch training steps at ``seq_len`` run without running out of memory."""
-  import torch
-  try:
-    run_torch(path, synthetic_batch(batch_size, seq_len, vocab, 0), lr=1e-5, repeats=1,
-              on_gpu=True, policy=policy)
-  except torch.cuda.OutOfMemoryError:
-    torch.cuda.empty_cache()
-    return False
-  return True
+  return or_out_of_memory(run_torch, path, synthetic_batch(batch_size, seq_len, vocab, 0),
+                          lr=1e-5, repeats=1, on_gpu=True, policy=policy)["status"] == "ok"
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -179,8 +175,42 @@ def plot(rows: list[dict], path: str, title: str) -> None:
   common.save_figure(figure, title, path)
 
 
+def or_out_of_memory(run, *args, **kwargs) -> dict:
+  """``run(*args, **kwargs)`` (``run_ours``, ``run_torch``), or ``{"status": "OOM", ...}``
+  where the device ran out of memory: the row records it and the other rows still run."""
+  try:
+    return {"status": "ok", **run(*args, **kwargs)}
+  except Exception as error:  # noqa: BLE001 - torch's and XLA's out-of-memory errors only
+    if not is_out_of_memory(error):
+      raise
+    message = str(error).splitlines()[0][:200]
+  print(f"out of memory in {run.__name__}: {message}", flush=True)
+  free_torch_memory()  # after the except block: the traceback held the step's tensors
+  return {"status": "OOM", "losses": [], "times": [], "peak_GiB": float("nan")}
+
+
+def is_out_of_memory(error: Exception) -> bool:
+  """Whether ``error`` is PyTorch's or XLA's report of a device out of memory."""
+  names = {cls.__name__ for cls in type(error).__mro__}
+  return "OutOfMemoryError" in names or (
+      isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error))
+
+
+def free_torch_memory() -> None:
+  """Hands the memory PyTorch caches on the GPU back (nothing on a CPU)."""
+  import torch
+  if torch.cuda.is_available():
+    torch.cuda.empty_cache()
+
+
 def side_columns(impl: str, result: dict, tokens: int) -> dict:
-  """One side's columns of a row: losses, step-time median / min / max, tokens/s, memory."""
+  """One side's columns of a row: status (ok or OOM), losses, step-time median / min / max,
+  tokens/s, memory (NaN where it ran out of memory)."""
+  if result["status"] != "ok":
+    nan = float("nan")
+    return {f"{impl}_status": result["status"], **{f"{impl}_{k}": nan for k in (
+        "first_loss", "last_loss", "step_s", "step_s_min", "step_s_max", "tokens_per_s",
+        "peak_GiB", "est_GiB")}}
   median = statistics.median(result["times"])
   columns = {"first_loss": result["losses"][0], "last_loss": result["losses"][-1],
              "step_s": median, "step_s_min": min(result["times"]),
@@ -188,7 +218,15 @@ def side_columns(impl: str, result: dict, tokens: int) -> dict:
              "peak_GiB": result["peak_GiB"]}
   if "est_GiB" in result:
     columns["est_GiB"] = result["est_GiB"]
-  return {f"{impl}_{k}": v for k, v in columns.items()}
+  return {f"{impl}_status": "ok", **{f"{impl}_{k}": v for k, v in columns.items()}}
+
+
+def step_text(row: dict, impl: str) -> str:
+  """A side's step time in the table: median [min, max], or its status (OOM)."""
+  if row[f"{impl}_status"] != "ok":
+    return row[f"{impl}_status"]
+  return (f"{row[f'{impl}_step_s']:.3g} [{row[f'{impl}_step_s_min']:.3g}, "
+          f"{row[f'{impl}_step_s_max']:.3g}]")
 
 
 def versions() -> dict:
@@ -245,10 +283,10 @@ def main(argv=None) -> list[dict]:
             max(args.granularity, jax.device_count()), args.max_len)[0]
     # All PyTorch runs first: JAX's allocator keeps what it once held.
     common_args = dict(lr=args.lr, repeats=args.repeats)
-    theirs = [run_torch(path, batches[s], on_gpu=on_gpu, policy=p, **common_args)
-              for s, p in cases]
-    ours = [run_ours(path, batches[s], dtype=args.dtype, policy=p, **common_args)
-            for s, p in cases]
+    theirs = [or_out_of_memory(run_torch, path, batches[s], on_gpu=on_gpu, policy=p,
+                               **common_args) for s, p in cases]
+    ours = [or_out_of_memory(run_ours, path, batches[s], dtype=args.dtype, policy=p,
+                             **common_args) for s, p in cases]
 
   rows = []
   for (seq_len, policy), mine, other in zip(cases, ours, theirs):
@@ -256,18 +294,16 @@ def main(argv=None) -> list[dict]:
     row = {"seq_len": seq_len, "memory_policy": policy, **side_columns("ours", mine, tokens),
            **side_columns("torch", other, tokens)}
     row["speed_ratio"] = row["ours_tokens_per_s"] / row["torch_tokens_per_s"]
-    row["first_loss_rel_diff"] = abs(mine["losses"][0] - other["losses"][0]) / abs(
-        other["losses"][0])
+    row["first_loss_rel_diff"] = abs(row["ours_first_loss"] - row["torch_first_loss"]) / abs(
+        row["torch_first_loss"])
     row["ours_max_tokens"] = max_tokens.get(("ours", policy), "n/a")
     row["torch_max_tokens"] = max_tokens.get(("torch", policy), "n/a")
     rows.append(row)
   print(f"{args.preset}, batch {args.batch}, {args.dtype}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s) for ulysses_jax, {versions()}; step times: "
         f"median [min, max] of {args.repeats} timed steps after one untimed")
-  common.print_table([{**r, "ours_step_s": f"{r['ours_step_s']:.3g} [{r['ours_step_s_min']:.3g}, "
-                              f"{r['ours_step_s_max']:.3g}]",
-                       "torch_step_s": f"{r['torch_step_s']:.3g} [{r['torch_step_s_min']:.3g}, "
-                                       f"{r['torch_step_s_max']:.3g}]"} for r in rows],
+  common.print_table([{**r, "ours_step_s": step_text(r, "ours"),
+                       "torch_step_s": step_text(r, "torch")} for r in rows],
                      ["seq_len", "memory_policy", "ours_step_s", "ours_tokens_per_s",
                       "torch_step_s", "torch_tokens_per_s", "speed_ratio", "first_loss_rel_diff",
                       "ours_est_GiB", "ours_peak_GiB", "torch_peak_GiB"])

@@ -244,7 +244,7 @@ def test_decode_step_compiled_for_h100_reads_each_layer_with_the_kernel():
 
 
 def test_doctor_decode_check_needs_a_hopper_gpu():
-  row = decode_doctor.decode_row(jax.devices()[0])
+  row, = decode_doctor.decode_rows(jax.devices()[0])
   assert row["passed"] is None and row["status"] == "needs a Hopper GPU (sm90)"
   assert decode_doctor.check(row) == {"name": "decode kernel vs XLA", "passed": None,
                                       "detail": "needs a Hopper GPU (sm90)"}
@@ -254,11 +254,15 @@ def test_doctor_decode_check_needs_a_hopper_gpu():
 def test_doctor_decode_check_runs_the_kernel_interpreted():
   """What the doctor runs on a Hopper GPU (the kernel and XLA's path against float32, then
   timed), on a 256-slot cache with the kernel interpreted. About 10 s on jax 0.10."""
-  row = decode_doctor.decode_row(jax.devices()[0], slots=256, warmup=0, iters=1,
-                                 interpret=True)
+  row, = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
+                                   interpret=True, copy_bytes=1 << 20)
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
-  assert row["kernel_ms"] > 0 and row["xla_ms"] > 0
-  assert "256 slots: kernel" in decode_doctor.check(row)["detail"]
+  assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["copy_gb_per_s"] > 0
+  assert row["kernel_pct_of_copy"] == pytest.approx(
+      100 * row["kernel_gb_per_s"] / row["copy_gb_per_s"])
+  check = decode_doctor.check(row)
+  assert check["name"] == "decode kernel vs XLA, 256 slots"
+  assert "256 slots: kernel" in check["detail"] and "% of the copy's" in check["detail"]
 
 
 def test_cache_reads_counts_a_layer_broadcast_over_the_heads():

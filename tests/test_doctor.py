@@ -31,6 +31,8 @@ def test_doctor_on_cpu_runs_the_xla_kernel_and_the_step_and_says_what_needs_a_gp
   step = report["step"]
   assert step["mesh"] == {"data": 1, "seq": 8} and step["seq_len"] == 256 * 8
   assert jnp.isfinite(step["loss"]) and step["step_s"] > 0 and step["compiled_memory_gib"] > 0
+  assert 0 < step["mfu"] and step["mfu_datasheet"] is None  # no datasheet figure for a CPU
+  assert "matmul peak, datasheet peak unknown for this device" in out
   needs_gpu = [c for c in report["checks"] if c["passed"] is None and "kernel" not in c["name"]]
   assert {c["name"] for c in needs_gpu} == {"peak memory within the compiled figure",
                                            "step time at or above the roofline"}

@@ -125,3 +125,11 @@ def gpu_named(name: str) -> Gpu:
     raise ValueError(f"unknown GPU {name!r}: expected one of {sorted(GPUS)}; pick the closest "
                      "of these (they are the GPUs ulysses_jax ships descriptions for).")
   return GPUS[name]
+
+
+def gpu_of_kind(device_kind: str) -> Gpu | None:
+  """The table's GPU a device reporting ``device_kind`` is, or None: its name, or the start of
+  it (a real H200 reports "NVIDIA H200", the compile-only devices the longer name). Other
+  variants of a chip (H100 PCIe or NVL: other clocks and peaks) are not in the table."""
+  return next((gpu for gpu in GPUS.values()
+               if gpu.name == device_kind or gpu.name.startswith(device_kind + " ")), None)

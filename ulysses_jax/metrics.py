@@ -17,6 +17,11 @@ MFU (model FLOPs utilisation) = ``flops_per_token * tokens_per_sec / peak_flops`
 * ``peak_flops``: the measured matmul throughput, in the model's compute dtype, of all
   devices together (``measure_peak_flops``), or a given per-device figure times the
   device count.
+
+Published figures divide by the datasheet's dense bf16 peak instead (989 TFLOP/s for an H100
+or H200, where a timed bf16 matmul reaches about 800): ``datasheet_peak_flops`` gives it for
+the GPUs of ``ulysses_jax.gpus``, and the records, the trainer's summary, doctor and
+``benchmarks/train_step.py`` state MFU against both (``mfu`` and ``mfu_datasheet``).
 """
 
 import json
@@ -32,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax.attention.reference import mean_visible_keys
+from ulysses_jax.gpus import gpu_of_kind
 from ulysses_jax.models.llama import LlamaConfig, count_params
 
 
@@ -71,6 +77,21 @@ def measure_peak_flops(dtype: str = "bfloat16") -> float:
     chain(x).block_until_ready()
     best = min(best, time.perf_counter() - start)
   return 2 * n**3 * repeats * len(devices) / best * jax.process_count()
+
+
+def datasheet_peak_flops(device=None) -> float | None:
+  """The datasheet's dense bf16 tensor-core FLOP/s of one ``device`` (default: the first),
+  from ``ulysses_jax.gpus``; None where the table has no such GPU (a CPU, an H100 PCIe)."""
+  gpu = gpu_of_kind((device or jax.devices()[0]).device_kind)
+  return None if gpu is None else gpu.bf16_flops
+
+
+def mfu_text(mfu: float, mfu_datasheet: float | None, peak_label: str = "measured") -> str:
+  """MFU against both peaks, each named: ``mfu`` of the ``peak_label`` matmul peak (the timed
+  one by default), ``mfu_datasheet`` of the datasheet's dense bf16 peak (None: not known)."""
+  text = f"MFU {mfu:.1%} of the {peak_label} matmul peak"
+  return text + (", datasheet peak unknown for this device" if mfu_datasheet is None
+                 else f", {mfu_datasheet:.1%} of the datasheet's dense bf16 peak")
 
 
 def device_breakdown(memory_analysis) -> dict:
@@ -206,8 +227,11 @@ class MetricsWriter:
 
 
 def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: int,
-                seconds: float, steps: int, flops_per_token: float, peak_flops: float) -> dict:
-  """The metrics record of ``step``: ``steps`` steps of ``tokens`` tokens took ``seconds``."""
+                seconds: float, steps: int, flops_per_token: float, peak_flops: float,
+                datasheet_flops: float | None = None) -> dict:
+  """The metrics record of ``step``: ``steps`` steps of ``tokens`` tokens took ``seconds``;
+  ``mfu`` of ``peak_flops``, ``mfu_datasheet`` of ``datasheet_flops`` (all devices; None:
+  left out)."""
   m = step_metrics
   record = {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
             "learning_rate": float(m["learning_rate"]),
@@ -215,6 +239,8 @@ def make_record(step: int, step_metrics: dict, nonfinite_steps: int, *, tokens: 
             "peak_memory_gib": peak_memory_gib(),
             "nonfinite_steps": int(nonfinite_steps)}
   record["mfu"] = flops_per_token * record["tokens_per_sec"] / peak_flops
+  if datasheet_flops:
+    record["mfu_datasheet"] = flops_per_token * record["tokens_per_sec"] / datasheet_flops
   if "z_loss" in m and float(m["z_loss"]):
     record["z_loss"] = float(m["z_loss"])
   record.update({k: float(v) for k, v in m.items()
@@ -250,7 +276,8 @@ def format_summary(s: dict) -> str:
         f", retrieval accuracy {last['eval_accuracy']:.3f}" if "eval_accuracy" in last else ""))
   if s["tokens_per_sec"]:
     lines.append(f"  throughput   {s['tokens_per_sec']:,.0f} tokens/s after the first step"
-                 + (f", MFU {last['mfu']:.1%}" if "mfu" in last else ""))
+                 + (", " + mfu_text(last["mfu"], last.get("mfu_datasheet"),
+                                    s.get("peak_label", "measured")) if "mfu" in last else ""))
   lines += [f"  metrics      {s['metrics']}  (tensorboard --logdir {s['tensorboard']})",
             f"  checkpoints  {s['checkpoints']}  (latest: step {s['latest_checkpoint']})"]
   if s.get("exported"):

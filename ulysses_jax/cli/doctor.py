@@ -12,7 +12,7 @@ passed, 1 a check failed, 2 bad arguments.
 
 import argparse
 
-from ulysses_jax import cli
+from ulysses_jax import cli, metrics
 from ulysses_jax.doctor.timing import format_table
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
@@ -81,6 +81,7 @@ def format_report(report: dict) -> str:
               f"tokens, mesh {s['mesh']}: {s['step_s']:.4f} s measured"
               + (f", {s['predicted_step_s']:.4f} s predicted (roofline)"
                  if "predicted_step_s" in s else "")
+              + f"; {metrics.mfu_text(s['mfu'], s['mfu_datasheet'])}"
               + f"; memory {s['compiled_memory_gib']:.3f} GiB compiled"
               + (f", {s['peak_memory_gib']:.3f} GiB peak measured"
                  if s["peak_memory_gib"] is not None else "")]

@@ -10,7 +10,8 @@ It checks what a training run relies on, on the machine it runs on, in a few min
   128, causal and full, S = 4K / 16K / 64K on GPUs), then its forward and backward TFLOP/s
   beside published FlashAttention-3 figures where they exist for the shape;
 * our split-K decode kernel against XLA's decode attention (``doctor.decode``): both checked
-  against float32 and timed over a 1M-slot cache (Hopper GPUs only);
+  against float32 and timed over caches of 8K to 1M slots, each bandwidth also as a share of
+  a device-to-device copy timed on the same GPU (Hopper GPUs only);
 * with a ring mesh (``--mesh_seq``, ``--mesh_ring``), the trainer's first-contact check of
   every backend a ring runs, on that mesh of this machine's devices (``doctor.ring``);
 * one training step of a small model on all devices present (``doctor.step``): its measured
@@ -120,8 +121,8 @@ def run(seq_lens=None, with_step: bool = True, on_row=None, ring_mesh: Mesh | No
                                   on_row=on_row)}
   checks = [{"name": f"kernel {r['kernel']} S={r['S']} causal={r['causal']}",
              "passed": r["passed"], "detail": r["status"]} for r in report["kernels"]]
-  report["decode"] = decode_lib.decode_row(devices[0], warmup=warmup, iters=iters)
-  checks.append(decode_lib.check(report["decode"]))
+  report["decode"] = decode_lib.decode_rows(devices[0], warmup=warmup, iters=iters)
+  checks += [decode_lib.check(row) for row in report["decode"]]
   if ring_mesh is not None:
     report["ring"] = ring_lib.ring_rows(ring_mesh, HEAD_DIM, on_row=on_ring_row)
     checks += [{"name": f"ring {r['kernel']} {r['attention']}", "passed": r["passed"],

@@ -6,19 +6,24 @@ slots at shuffled positions, a tenth of them empty. The kernel and XLA's path
 (``generate.attention.partial_attention``, fused as on GPUs) are each compared with the same
 computation in float32, then timed (median of ``iters`` calls after ``warmup``), with the HBM
 bandwidth each reached reading k and v: the measurement that the compiled comparison behind
-``auto``'s choice (``benchmarks/decode_compiled.py``) predicts.
+``auto``'s choice (``benchmarks/decode_compiled.py``) predicts. ``decode_rows`` does this over
+``SLOT_COUNTS`` (8K to 1M slots: a device's share of the cache shrinks as the mesh grows) and
+states each bandwidth as a share of a device-to-device copy timed on the same device
+(``doctor.timing.copy_bandwidth``, bytes read and written counted): what the memory can give.
 """
 
 import jax
 import jax.numpy as jnp
 
-from ulysses_jax.doctor.timing import time_fn
+from ulysses_jax.doctor.timing import copy_bandwidth, time_fn
 from ulysses_jax.doctor.kernels import TOLERANCE, relative_error
 from ulysses_jax.generate.attention import partial_attention
 from ulysses_jax.kernels import decode_hopper
 from ulysses_jax.kernels import target as target_lib
 
 SLOTS = 1 << 20
+SLOT_COUNTS = (1 << 13, 1 << 15, 1 << 17, SLOTS)
+COPY_BYTES = 1 << 30
 GROUP, HEAD_DIM = 4, 128
 
 
@@ -33,10 +38,22 @@ def _inputs(device, slots):
   return jax.device_put((q, k, v, q_pos, k_pos), device)
 
 
+def decode_rows(device, *, slot_counts=SLOT_COUNTS, warmup: int = 2, iters: int = 10,
+                interpret: bool = False, copy_bytes: int = COPY_BYTES) -> list[dict]:
+  """``decode_row`` at each of ``slot_counts`` with the copy bandwidth of ``device`` timed
+  once (``copy_bytes`` each way); one row saying why where the kernel cannot run."""
+  if not interpret and target_lib.of_device(device).generation != "sm90":
+    return [decode_row(device)]
+  copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters)
+  return [decode_row(device, slots=slots, warmup=warmup, iters=iters, interpret=interpret,
+                     copy_gb_per_s=copy / 1e9) for slots in slot_counts]
+
+
 def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
-               interpret: bool = False) -> dict:
+               interpret: bool = False, copy_gb_per_s: float | None = None) -> dict:
   """The kernel's check and timing beside XLA's on ``device`` (``passed`` None where it cannot
-  run: not a Hopper GPU). ``interpret``: the kernel in GPU interpret mode (tests, on a CPU)."""
+  run: not a Hopper GPU). ``interpret``: the kernel in GPU interpret mode (tests, on a CPU).
+  With ``copy_gb_per_s`` (the device's copy bandwidth) each bandwidth's share of it too."""
   row = {"kernel": "ours mosaic decode", "slots": slots, "group": GROUP, "head_dim": HEAD_DIM}
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return {**row, "status": "needs a Hopper GPU (sm90)", "passed": None}
@@ -60,14 +77,24 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
     row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
+    if copy_gb_per_s:
+      row.update(copy_gb_per_s=copy_gb_per_s,
+                 kernel_pct_of_copy=100 * row["kernel_gb_per_s"] / copy_gb_per_s,
+                 xla_pct_of_copy=100 * row["xla_gb_per_s"] / copy_gb_per_s)
   return row
 
 
 def check(row: dict) -> dict:
   """The doctor's check line of ``decode_row``'s row."""
-  detail = row["status"]
+  detail, name = row["status"], "decode kernel vs XLA"
+  if row["passed"] is not None:
+    name += f", {row['slots']:,} slots"
   if row.get("kernel_ms") is not None:
+    def share(who):
+      return (f", {row[f'{who}_pct_of_copy']:.0f} % of the copy's {row['copy_gb_per_s']:.0f}"
+              if "copy_gb_per_s" in row else "")
+
     detail += (f"; {row['slots']:,} slots: kernel {row['kernel_ms']:.3f} ms "
-               f"({row['kernel_gb_per_s']:.0f} GB/s), XLA {row['xla_ms']:.3f} ms "
-               f"({row['xla_gb_per_s']:.0f} GB/s)")
-  return {"name": "decode kernel vs XLA", "passed": row["passed"], "detail": detail}
+               f"({row['kernel_gb_per_s']:.0f} GB/s{share('kernel')}), XLA "
+               f"{row['xla_ms']:.3f} ms ({row['xla_gb_per_s']:.0f} GB/s{share('xla')})")
+  return {"name": name, "passed": row["passed"], "detail": detail}

@@ -1,7 +1,8 @@
 """One training step of a small model on the devices present: does it run, how long does it
-take against ``aot``'s roofline prediction of the same compiled step, and how much memory
-does the runtime use against the compiled figure (what ``aot`` reports, and what its "fits"
-rests on)?
+take against ``aot``'s roofline prediction of the same compiled step, its MFU against the
+measured matmul peak and the datasheet's (``metrics.mfu_text``), and how much memory does the
+runtime use against the compiled figure (what ``aot`` reports, and what its "fits" rests
+on)?
 
 The model is Llama-3.2-1B's shapes cut to 4 layers on GPUs (head dim 64) and the 0.5M-parameter
 "cpu-demo" model on CPUs, with all devices on the ``seq`` axis (Ulysses), 8,192 tokens per GPU
@@ -20,7 +21,7 @@ from ulysses_jax import sharding as sharding_lib
 from ulysses_jax import step_builder
 from ulysses_jax.aot import report as report_lib
 from ulysses_jax.data.pipeline import DataConfig
-from ulysses_jax.gpus import GPUS
+from ulysses_jax.gpus import gpu_of_kind
 from ulysses_jax.models.config import preset
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
@@ -47,11 +48,6 @@ def small_config(devices: list, on_gpu: bool) -> RunConfig:
                    model=model, data=DataConfig(seq_len=seq_len, batch_size=1))
 
 
-def gpu_of(device) -> object | None:
-  """Our description of ``device``'s GPU model (``aot.targets.GPUS``), or None."""
-  return next((g for g in GPUS.values() if g.name == device.device_kind), None)
-
-
 def run_step(devices: list, on_gpu: bool) -> dict:
   """Builds, compiles and runs the small step; returns the measurements (JSON-ready)."""
   config = small_config(devices, on_gpu)
@@ -75,7 +71,12 @@ def run_step(devices: list, on_gpu: bool) -> dict:
             "loss": float(metrics["loss"]), "step_s": float(np.median(times)),
             "compiled_memory_gib": metrics_lib.compiled_memory_gib(compiled),
             "peak_memory_gib": metrics_lib.peak_memory_gib()}
-  gpu = gpu_of(devices[0]) if on_gpu else None
+  tokens_per_s = seq_len / result["step_s"]
+  model_flops = metrics_lib.flops_per_token(config.model, seq_len) * tokens_per_s
+  result["mfu"] = model_flops / metrics_lib.measure_peak_flops(config.model.dtype)
+  datasheet = metrics_lib.datasheet_peak_flops(devices[0])
+  result["mfu_datasheet"] = datasheet and model_flops / (datasheet * len(devices))
+  gpu = gpu_of_kind(devices[0].device_kind) if on_gpu else None
   if gpu is not None:
     prediction = report_lib.describe(compiled, built, gpu, nodes=1)["prediction"]
     result["predicted_step_s"] = prediction["step_s"]

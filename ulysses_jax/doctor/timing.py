@@ -6,6 +6,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
@@ -19,6 +20,15 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10) -> dict:
     times.append(time.perf_counter() - start)
   return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
           "iters": iters}
+
+
+def copy_bandwidth(device, nbytes: int, *, warmup: int = 2, iters: int = 10) -> float:
+  """Bytes per second a device-to-device copy moves on ``device``, read and written both
+  counted (as copy bandwidth is quoted): ``x ^ 1`` over ``nbytes`` of uint32 into a new
+  buffer, which XLA can neither drop nor alias away (a plain copy it may)."""
+  x = jax.device_put(jnp.zeros(nbytes // 4, jnp.uint32), device)
+  flip = jax.jit(lambda a: a ^ jnp.uint32(1))
+  return 2 * x.nbytes / time_fn(flip, x, warmup=warmup, iters=iters)["median_s"]
 
 
 def format_table(rows: list[dict], columns: list[str]) -> str:

@@ -9,7 +9,9 @@ the evaluations from ``ulysses_jax.evaluate``. Writes into ``DIR``:
                   included), written once the run is known to proceed
   config_history/ the operative config of every start that trained, named by time and step
   metrics.jsonl   one JSON object per logged step: step, loss, grad_norm, learning_rate,
-                  tokens_per_sec, mfu, step_time_s, peak_memory_gib (where the backend
+                  tokens_per_sec, mfu (of the measured matmul peak), mfu_datasheet (of
+                  the datasheet's dense bf16 peak, on the GPUs of ulysses_jax.gpus),
+                  step_time_s, peak_memory_gib (where the backend
                   reports it), nonfinite_steps, tokens_seen/<source> for a mixture
                   (DataConfig.sources), and eval_loss / eval_accuracy at eval steps;
                   with experts router_aux_loss and each MoE layer's
@@ -185,7 +187,9 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       tokens=config.data.batch_size * config.data.seq_len,
       flops_per_token=metrics_lib.flops_per_token(config.model, config.data.seq_len),
       peak_flops=(cfg.peak_flops * jax.device_count() if cfg.peak_flops
-                  else metrics_lib.measure_peak_flops(config.model.dtype)))
+                  else metrics_lib.measure_peak_flops(config.model.dtype)),
+      datasheet_flops=(metrics_lib.datasheet_peak_flops() or 0.0) * jax.device_count())
+  summary["peak_label"] = "given (TrainConfig.peak_flops)" if cfg.peak_flops else "measured"
   if lead:
     _log.info("%s devices as %s; %s parameters; %d tokens/step; %s", jax.device_count(),
               dict(mesh.shape), f"{count_params(config.model):,}", record_args["tokens"],

@@ -1,0 +1,170 @@
+"""The speed measurements' tooling on the CPU (issue 47 items 4-6, issue 49 item 2): MFU against
+both peaks, the step profile's classes, the OOM rows of the transformers comparison, the gin
+settings the GPU stage reads, and the GPU session's speed and generate stages on tiny shapes."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from benchmarks import common, profile_step, train_step
+from ulysses_jax import gpus, metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),  # what real devices report
+    ("NVIDIA H200 141GB HBM3e", "h200"), ("NVIDIA H100 PCIe", None), ("cpu", None)])
+def test_a_device_kind_finds_its_gpu_and_datasheet_peak(kind, expected):
+  gpu = gpus.gpu_of_kind(kind)
+  assert gpu is (gpus.GPUS[expected] if expected else None)
+  if expected in ("h100", "h200"):
+    assert gpu.bf16_flops == pytest.approx(989.4e12)
+
+
+def test_mfu_is_stated_against_both_peaks_and_names_them():
+  assert metrics.mfu_text(0.36, 0.293) == ("MFU 36.0% of the measured matmul peak, 29.3% of "
+                                           "the datasheet's dense bf16 peak")
+  assert metrics.mfu_text(0.36, None).endswith("datasheet peak unknown for this device")
+  assert metrics.datasheet_peak_flops(jax.devices()[0]) is None  # a CPU
+  record = metrics.make_record(1, {"loss": 1.0, "grad_norm": 1.0, "learning_rate": 0.1}, 0,
+                               tokens=1000, seconds=1.0, steps=1, flops_per_token=1e9,
+                               peak_flops=4e12, datasheet_flops=5e12)
+  assert record["mfu"] == pytest.approx(0.25) and record["mfu_datasheet"] == pytest.approx(0.2)
+
+
+def test_run_settings_read_without_gin_equal_what_gin_binds():
+  from ulysses_jax.cli import gin_config
+  path = str(REPO / "configs" / "runs" / "gpu.gin")
+  read = common.gin_bindings(path, "LlamaConfig")
+  gin_config.parse([path], [])
+  try:
+    assert read and read == gin_config.bound_fields(gin_config.LlamaConfig)
+  finally:
+    gin_config.gin.clear_config()
+  assert set(read) <= set(train_step.RUN_SETTINGS)  # every binding has a flag to land on
+
+
+HLO = """HloModule jit_step
+%fused_dot (param_0: bf16[64,64], param_1: bf16[64,64]) -> bf16[64,64] {
+  %param_0 = bf16[64,64]{1,0} parameter(0)
+  %param_1 = bf16[64,64]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,64]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+ENTRY %main (p: bf16[64,64], h: f32[64,64]) -> bf16[64,64] {
+  %p = bf16[64,64]{1,0} parameter(0)
+  %h = f32[64,64]{1,0} parameter(1)
+  %fusion.1 = bf16[64,64]{1,0} fusion(%p, %p), kind=kCustom, calls=%fused_dot
+  %custom-call.2 = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%h, %h), custom_call_target="__cublas$gemm"
+  %custom-call.3 = bf16[64,64]{1,0} custom-call(%p), custom_call_target="mosaic_gpu", metadata={op_name="jit(step)/transpose(jvp(flash_attention_dkv_causal))/pallas_call"}
+  %all-to-all.4 = bf16[64,64]{1,0} all-to-all(%p), dimensions={0}
+  ROOT %add.5 = bf16[64,64]{1,0} add(%p, %p)
+}
+"""  # noqa: E501  (HLO's lines as XLA writes them)
+
+
+@pytest.mark.parametrize("name, hlo_op, expected", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", None, "bf16 GEMMs"),
+    ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32", None, "float32 GEMMs"),
+    ("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_NNT", "fusion.1", "bf16 GEMMs"),
+    ("nvjet_tst_192x192_64x3_2x1_v_bz_coopA_NNT", "custom-call.2", "float32 GEMMs"),
+    ("_forward_kernel", None, "attention forward"), ("_dq_kernel", None, "attention backward"),
+    ("mosaic_gpu_kernel", "custom-call.3", "attention backward"),
+    ("flash_attention_forward_causal", None, "attention forward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", None, "attention backward"),
+    ("ncclDevKernel_AllToAll_RING_LL", None, "collectives"),
+    ("all-to-all.4", "all-to-all.4", "collectives"),
+    ("MemcpyH2D", None, "host transfers"), ("loop_add_fusion", "add.5", "other fusions")])
+def test_each_kernel_gets_its_class(name, hlo_op, expected):
+  ops = profile_step.hlo_ops(HLO)
+  assert profile_step.classify(name, ops.get(hlo_op)) == expected
+
+
+def test_overlapping_gpu_kernels_share_their_overlap_and_the_classes_add_up():
+  def meta(pid, tid, name, kind="thread_name"):
+    return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+  trace = {"traceEvents": [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+      meta(1, 7, "Stream #7(Compute)"), meta(1, 13, "Stream #13(Nccl)"), meta(1, 99, "XLA Ops"),
+      {"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 10, "name": "sm90_xmma_gemm_bf16bf16"},
+      {"ph": "X", "pid": 1, "tid": 13, "ts": 5, "dur": 10, "name": "ncclDevKernel_AllGather"},
+      {"ph": "X", "pid": 1, "tid": 7, "ts": 20, "dur": 5, "name": "_forward_kernel"},
+      {"ph": "X", "pid": 1, "tid": 99, "ts": 0, "dur": 25, "name": "fusion.1"},  # a view
+      {"ph": "X", "pid": 2, "tid": 3, "ts": 0, "dur": 30, "name": "host work"}]}
+  events, mode = profile_step.device_events(trace)
+  assert len(events) == 3 and mode.startswith("gpu")
+  result = profile_step.breakdown(events, {})
+  assert result["ms"]["bf16 GEMMs"] == pytest.approx(7.5e-3)  # 5 alone + half of 5 shared
+  assert result["ms"]["collectives"] == pytest.approx(7.5e-3)
+  assert result["ms"]["attention forward"] == pytest.approx(5e-3)
+  assert result["busy_ms"] == pytest.approx(20e-3) and result["idle_ms"] == pytest.approx(5e-3)
+  assert result["span_ms"] == pytest.approx(25e-3)
+
+
+def test_profile_of_a_tiny_step_adds_up_to_the_device_time(tmp_path):
+  parser = profile_step.argparse.ArgumentParser()
+  train_step.add_step_arguments(parser)
+  args = train_step.parse_step_arguments(parser, ["--preset", "tiny", "--seq-len", "64"])
+  result = profile_step.profile(train_step.build_step(args), str(tmp_path))
+  assert result["mode"].startswith("cpu: classes by op name") and result["events"] > 0
+  assert all(ms >= 0 for ms in result["ms"].values()) and result["idle_ms"] >= -1e-9
+  assert sum(result["ms"].values()) == pytest.approx(result["busy_ms"], rel=1e-9)
+  assert result["busy_ms"] + result["idle_ms"] == pytest.approx(result["span_ms"])
+  assert result["ms"]["float32 GEMMs"] > 0 and result["ms"]["collectives"] > 0  # 8 devices
+  rows = profile_step.rows_of(result)
+  assert [r["class"] for r in rows][:len(profile_step.CLASSES)] == list(profile_step.CLASSES)
+
+
+def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
+  torch = pytest.importorskip("torch")
+  from benchmarks import vs_transformers
+
+  def torch_oom():
+    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+  def xla_oom():
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 bytes")
+
+  for run in (torch_oom, xla_oom):
+    assert vs_transformers.or_out_of_memory(run)["status"] == "OOM"
+  with pytest.raises(ValueError):
+    vs_transformers.or_out_of_memory(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+  row = vs_transformers.side_columns("torch", vs_transformers.or_out_of_memory(torch_oom), 8)
+  assert row["torch_status"] == "OOM" and row["torch_step_s"] != row["torch_step_s"]  # NaN
+  assert vs_transformers.step_text(row, "torch") == "OOM"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, files", [
+    ("speed", ["speed_kernels", "speed_train_step", "speed_profile", "speed_vs_transformers"]),
+    ("generate", ["generate_gpu"])])
+def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
+  """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
+  (GPU_SESSION_DRY=1): a typo costs no GPU time. About 2 minutes each on 2 busy cores."""
+  pytest.importorskip("transformers")
+  env = {**os.environ, "GPU_SESSION_DRY": "1", "PYTHON": sys.executable}
+  done = subprocess.run(["bash", "benchmarks/gpu_session.sh", stage, str(tmp_path)], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  for name in files:
+    written = json.loads((tmp_path / f"{name}.json").read_text())
+    assert written["rows"] and written["environment"]["platform"] == "cpu", name
+  if stage == "speed":
+    step, = json.loads((tmp_path / "speed_train_step.json").read_text())["rows"]
+    assert step["MFU"] > 0 and step["dtype"] == "bfloat16" and step["mlp_chunk"] == 8192
+    assert step["MFU_datasheet"] is None  # no datasheet figure for a CPU
+    profile = json.loads((tmp_path / "speed_profile.json").read_text())
+    assert sum(r["ms"] for r in profile["rows"][:len(profile_step.CLASSES)]) == pytest.approx(
+        profile["busy_ms"])
+  else:
+    written = json.loads((tmp_path / "generate_gpu.json").read_text())
+    assert all(r["status"] == "ok" and r["hf_status"] == "ok" for r in written["rows"])
+    assert all(r["ms_per_token"] > 0 and r["floor_ms_per_token"] > 0 and
+               r["compute_floor_s"] > 0 for r in written["rows"])
+    assert written["agreement"][0]["identical"] == 1.0  # float32, greedy: the same tokens

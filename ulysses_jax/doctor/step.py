@@ -20,7 +20,7 @@ from ulysses_jax import sharding as sharding_lib
 from ulysses_jax import step_builder
 from ulysses_jax.aot import report as report_lib
 from ulysses_jax.data.pipeline import DataConfig
-from ulysses_jax.gpus import GPUS
+from ulysses_jax.gpus import Gpu, gpu_of_kind
 from ulysses_jax.models.config import preset
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
@@ -47,9 +47,14 @@ def small_config(devices: list, on_gpu: bool) -> RunConfig:
                    model=model, data=DataConfig(seq_len=seq_len, batch_size=1))
 
 
-def gpu_of(device) -> object | None:
-  """Our description of ``device``'s GPU model (``aot.targets.GPUS``), or None."""
-  return next((g for g in GPUS.values() if g.name == device.device_kind), None)
+def gpu_of(device) -> tuple[Gpu, str]:
+  """Our description of ``device``'s GPU model (``gpus.gpu_of_kind``: its row, or the nearest by
+  compute capability and XLA's memory pool) and what was assumed ("" for a known GPU)."""
+  capability = getattr(device, "compute_capability", None)
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  _, gpu, assumed = gpu_of_kind(device.device_kind, capability and tuple(
+      int(c) for c in str(capability).split(".")), limit)
+  return gpu, assumed
 
 
 def run_step(devices: list, on_gpu: bool) -> dict:
@@ -75,10 +80,12 @@ def run_step(devices: list, on_gpu: bool) -> dict:
             "loss": float(metrics["loss"]), "step_s": float(np.median(times)),
             "compiled_memory_gib": metrics_lib.compiled_memory_gib(compiled),
             "peak_memory_gib": metrics_lib.peak_memory_gib()}
-  gpu = gpu_of(devices[0]) if on_gpu else None
-  if gpu is not None:
+  if on_gpu:
+    gpu, assumed = gpu_of(devices[0])
     prediction = report_lib.describe(compiled, built, gpu, nodes=1)["prediction"]
-    result["predicted_step_s"] = prediction["step_s"]
+    result.update(predicted_step_s=prediction["step_s"], gpu=gpu.name)
+    if assumed:
+      result["gpu_assumed"] = assumed
   return result
 
 
@@ -101,11 +108,11 @@ def checks(result: dict, on_gpu: bool) -> list[dict]:
     rows.append({"name": "step time at or above the roofline",
                  "passed": result["step_s"] >= ROOFLINE_FLOOR * predicted,
                  "detail": f"measured {result['step_s']:.4f} s, predicted {predicted:.4f} s "
-                           f"({predicted / result['step_s']:.0%} of the roofline reached)"})
+                           f"({predicted / result['step_s']:.0%} of the roofline reached)" +
+                           (f"; {result['gpu_assumed']}" if "gpu_assumed" in result else "")})
   else:
-    why = "needs a GPU" if not on_gpu else "no roofline description of this GPU model"
     rows.append({"name": "step time at or above the roofline", "passed": None,
-                 "detail": f"{why} (measured {result['step_s']:.4f} s)"})
+                 "detail": f"needs a GPU (measured {result['step_s']:.4f} s)"})
   return rows
 
 

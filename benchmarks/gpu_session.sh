@@ -30,8 +30,18 @@
 #                 than a command may run) and time real steps up to --time-max-tokens. The 8B
 #                 searches start at 128K or 256K tokens to save compiles.
 #   peers         ulysses_jax vs transformers + PyTorch, llama3.2-1b, with --find-max
+#   first-contact  a user's path through the real commands for every shipped GPU config cut
+#                 to one GPU (benchmarks/first_contact.py): ulysses-train a few steps, SIGTERM
+#                 and resume, ulysses-evaluate, ulysses-generate, ulysses-export and
+#                 transformers loading the export, ulysses-doctor; ends with one table.
+#                 FIRST_CONTACT_MODE=cpu runs it on the CPU with tiny shapes (the test does);
+#                 FIRST_CONTACT_CONFIGS=a.gin,b.gin chooses the configs (default: all).
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
+# The commands read gin files and may log to TensorBoard, and the GPU machine lacks gin-config
+# and tensorboardX: carry their wheels in .whl/ (on a connected machine: pip download
+# --no-deps --dest .whl gin-config tensorboardX), and the stages that need them install them
+# from there, without a network, into OUT_DIR/site.
 set -uo pipefail
 stage=${1:?"usage: benchmarks/gpu_session.sh STAGE [OUT_DIR]"}
 out=${2:-benchmarks/results/gpu}
@@ -42,6 +52,14 @@ run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
   local name=$1; shift
   echo "+ $*" | tee "$out/$name.log"
   "$@" 2>&1 | tee -a "$out/$name.log"
+}
+
+need_gin() {
+  python3 -c 'import gin, tensorboardX' 2>/dev/null && return
+  python3 -m pip install --quiet --no-index --find-links .whl --target "$out/site" \
+    gin-config tensorboardX || { echo "gin-config/tensorboardX missing: put their wheels" \
+    "in .whl/ (see the top of this script)" >&2; exit 2; }
+  export PYTHONPATH="$PYTHONPATH:$out/site"
 }
 
 case $stage in
@@ -99,8 +117,12 @@ case $stage in
     run vs_transformers python3 -m benchmarks.vs_transformers --preset llama3.2-1b \
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
+  first-contact)
+    need_gin
+    run first_contact python3 -m benchmarks.first_contact --out "$out/first_contact" \
+      --mode "${FIRST_CONTACT_MODE:-gpu}" ${FIRST_CONTACT_CONFIGS:+--configs "$FIRST_CONTACT_CONFIGS"} ;;
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
-      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master or peers" >&2
+      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers or first-contact" >&2
     exit 2 ;;
 esac

@@ -290,13 +290,14 @@ def test_every_shipped_gpu_config_cut_to_one_device_reads(mode, tmp_path):
   from benchmarks import first_contact
   from ulysses_jax.cli import gin_config
   configs = first_contact.shipped_gpu_configs()
-  assert "configs/llama1b_128k.gin" in configs and len(configs) >= 10
+  assert configs[0] == "configs/llama1b_128k.gin" and len(configs) >= 10
   for config in configs:
     params = first_contact.cut(config, first_contact.SIZES[mode], str(tmp_path), 4)
     fine_tuning = first_contact.family_of(config) is not None
     assert fine_tuning == any(p.startswith("TrainConfig.init_from") for p in params)
     run = gin_config.read([config], params + ["TrainConfig.init_from = ''"] * fine_tuning)
-    assert (run.train.mesh_data, run.train.mesh_seq, run.train.steps) == (1, 1, 4), config
+    assert (run.train.mesh_data, run.train.mesh_seq, run.train.mesh_ring,
+            run.train.steps) == (1, 1, 1, 4), config
     assert run.train.platform == {"gpu": "gpu", "cpu": "cpu"}[mode]
     assert run.model.dtype == "bfloat16" and run.data.seq_len == first_contact.SIZES[
         mode].seq_len

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ulysses_jax.benchmarking import format_table
+from ulysses_jax.doctor.timing import format_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_RUN = "include 'configs/runs/gpu.gin'"
@@ -180,7 +180,7 @@ def compare_with_transformers(export: str, seq_len: int) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from ulysses_jax import hf  # pylint: disable=import-outside-toplevel
+  from ulysses_jax.hf import weights as hf  # pylint: disable=import-outside-toplevel
   from ulysses_jax.mesh import make_mesh  # pylint: disable=import-outside-toplevel
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -245,7 +245,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
   workdir = os.path.join(out, "runs", os.path.splitext(os.path.basename(first))[0])
   platform = ["--platform=cpu"] if mode == "cpu" else []
   data = ",".join(os.path.join(ROOT, "ulysses_jax", f) for f in ("train/__init__.py",
-                                                                 "finetune.py"))
+                                                                 "generate/__init__.py"))
   result = os.path.join(out, "evaluate.json")
   row = run("ulysses-evaluate (by position, passkey)",
             [*python, "ulysses_jax.evaluate", f"--workdir={workdir}",

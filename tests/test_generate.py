@@ -306,7 +306,7 @@ def test_a_bf16_run_generates_in_bf16_unless_told(tmp_path, capsys):
   and says so; ``--dtype`` still overrides, with a cache twice the size."""
   from ulysses_jax import train
   from ulysses_jax.checkpoint import CheckpointConfig
-  from ulysses_jax.data import DataConfig
+  from ulysses_jax.data.pipeline import DataConfig
   from ulysses_jax.models.config import LlamaConfig
   from ulysses_jax.run_config import RunConfig, TrainConfig
   np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 128, 512))

@@ -311,11 +311,12 @@ def test_gpu_session_first_contact_runs_on_the_cpu(tmp_path):
   import os
   import subprocess
   import sys
+
+  from child_env import child_env
   pytest.importorskip("transformers")
-  env = {**os.environ, "FIRST_CONTACT_MODE": "cpu", "JAX_PLATFORMS": "",
-         "FIRST_CONTACT_CONFIGS": "configs/llama1b_128k.gin,"
-                                  "configs/finetune_qwen3_30b_a3b_8gpu_2m.gin",
-         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+  env = child_env(FIRST_CONTACT_MODE="cpu", FIRST_CONTACT_CONFIGS="configs/llama1b_128k.gin,"
+                  "configs/finetune_qwen3_30b_a3b_8gpu_2m.gin",
+                  PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
   root = pathlib.Path(__file__).parent.parent
   run = subprocess.run(["bash", "benchmarks/gpu_session.sh", "first-contact", str(tmp_path)],
                        cwd=root, env=env, capture_output=True, text=True, timeout=900)

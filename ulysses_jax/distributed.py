@@ -73,7 +73,7 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
 
 def gpu_plugins() -> dict[str, str]:
   """JAX's GPU plugins installed here, read from their packages without starting JAX:
-  backend ("cuda", "rocm") -> the package that provides it (e.g. "jax-cuda12-plugin 0.10.2")."""
+  backend ("cuda", "rocm") -> the package that provides it (e.g. "jax-cuda12-pjrt 0.10.2")."""
   modules = {e.value: e.dist and f"{e.dist.name} {e.dist.version}"
              for e in importlib.metadata.entry_points(group="jax_plugins")}
   try:
@@ -101,7 +101,7 @@ def resolve_platform(platform: str) -> str:
     raise RuntimeError(f"the config asks for platform 'gpu' but JAX {jax.__version__} has no "
                        f"GPU plugin here (no package provides jax_plugins.xla_cuda* or "
                        f"xla_rocm*); {NO_GPU_FIX}")
-  return ",".join(plugins) if len(plugins) == 1 else ""
+  return next(iter(plugins)) if len(plugins) == 1 else ""
 
 
 def reserve_gpu_memory() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements that benchmarks/RESULTS.md still lacks, in stages that each fit one
 # 10-minute command on a lent H100/H200 (the GPU machine has jax, flax, optax, orbax, torch and
-# transformers; nothing here needs gin-config).
+# transformers; only first-contact needs gin-config, see below).
 #
 # Usage, from the repository root on the GPU machine:
 #   benchmarks/gpu_session.sh STAGE [OUT_DIR]        (OUT_DIR defaults to benchmarks/results/gpu)
@@ -40,10 +40,20 @@
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors
+#   first-contact  a user's path through the real commands for every shipped GPU config cut
+#                 to one GPU (benchmarks/first_contact.py): ulysses-train a few steps, SIGTERM
+#                 and resume, ulysses-evaluate, ulysses-generate, ulysses-export and
+#                 transformers loading the export, ulysses-doctor; ends with one table.
+#                 FIRST_CONTACT_MODE=cpu runs it on the CPU with tiny shapes (the test does);
+#                 FIRST_CONTACT_CONFIGS=a.gin,b.gin chooses the configs (default: all).
 # GPU_SESSION_DRY=1 runs the speed and generate stages on the CPU with tiny shapes (a check of
 # the commands, tests/test_gpu_session.py); PYTHON names the interpreter (default python3).
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
+# The commands read gin files and may log to TensorBoard, and the GPU machine lacks gin-config
+# and tensorboardX: carry their wheels in .whl/ (on a connected machine: pip download
+# --no-deps --dest .whl gin-config tensorboardX), and the stages that need them install them
+# from there, without a network, into OUT_DIR/site.
 set -uo pipefail
 stage=${1:?"usage: benchmarks/gpu_session.sh STAGE [OUT_DIR]"}
 out=${2:-benchmarks/results/gpu}
@@ -61,6 +71,14 @@ run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log
   "$@" 2>&1 | tee -a "$out/$name.log" || failed+=("$name")
 }
 failed=()
+
+need_gin() {
+  "$python" -c 'import gin, tensorboardX' 2>/dev/null && return
+  "$python" -m pip install --quiet --no-index --find-links .whl --target "$out/site" \
+    gin-config tensorboardX || { echo "gin-config/tensorboardX missing: put their wheels" \
+    "in .whl/ (see the top of this script)" >&2; exit 2; }
+  export PYTHONPATH="$PYTHONPATH:$out/site"
+}
 
 case $stage in
   kernels)
@@ -141,9 +159,14 @@ case $stage in
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
     run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" \
       --json "$out/generate_gpu.json" ;;
+  first-contact)
+    need_gin
+    run first_contact "$python" -m benchmarks.first_contact --out "$out/first_contact" \
+      --mode "${FIRST_CONTACT_MODE:-gpu}" ${FIRST_CONTACT_CONFIGS:+--configs "$FIRST_CONTACT_CONFIGS"} ;;
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
-      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed or generate" >&2
+      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, generate or" \
+      "first-contact" >&2
     exit 2 ;;
 esac
 if (( ${#failed[@]} )); then

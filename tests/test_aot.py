@@ -137,6 +137,43 @@ def test_one_gpu_table_for_aot_and_the_planner():
   assert a100.intra_bw / h100.intra_bw == pytest.approx(300 / 450)
 
 
+# What drivers report (nvidia-smi, jax.devices()[0].device_kind) -> the table's row.
+DRIVER_NAMES = {
+    "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H100 PCIe": "h100_pcie",
+    "NVIDIA H100 NVL": "h100_nvl", "NVIDIA H800": "h800", "NVIDIA H200": "h200",
+    "NVIDIA GH200 480GB": "gh200", "NVIDIA A100-SXM4-40GB": "a100_40gb",
+    "NVIDIA A100-SXM4-80GB": "a100", "NVIDIA A100 80GB PCIe": "a100_pcie",
+    "NVIDIA B200": "b200", "NVIDIA GB200": "gb200"}
+
+
+@pytest.mark.parametrize("reported, key", DRIVER_NAMES.items())
+def test_the_gpu_table_knows_the_names_drivers_report(reported, key):
+  """Each driver's name finds its row, with nothing assumed, and the row serves doctor's
+  roofline, aot's target and budget, and the planner."""
+  from ulysses_jax import gpus, plan
+  found, gpu, assumed = gpus.gpu_of_kind(reported)
+  assert (found, assumed) == (key, "")
+  assert gpus.gpu_of_kind(reported.removeprefix("NVIDIA ").lower())[0] == key
+  assert f'device_description_str: "{gpu.name}"' in aot.targets.target_config(gpu)
+  assert plan.Hardware.of(key).budget_bytes == gpu.budget_bytes > 0
+  assert 0 < gpu.bf16_flops <= 2.5e15 and 0 < gpu.memory_bandwidth < 1e13
+
+
+def test_an_unknown_gpu_gets_the_nearest_row_and_doctor_says_what_it_assumed():
+  """By compute capability, then memory; doctor's roofline line names the values assumed."""
+  from ulysses_jax import gpus
+  from ulysses_jax.doctor import step
+  key, gpu, assumed = gpus.gpu_of_kind("NVIDIA H200 NVL", (9, 0), 140 * GIB)
+  assert key == "h200" and assumed.startswith("'NVIDIA H200 NVL' is not in ulysses_jax.gpus: "
+                                              "assumed the values of 'h200'")
+  assert gpus.gpu_of_kind("NVIDIA A100-PCIE-40GB", (8, 0), 40 * GIB)[0] == "a100_40gb"
+  assert gpus.gpu_of_kind("NVIDIA B300", (10, 3), 270 * GIB)[0] == "gb200"
+  result = {"loss": 1.0, "peak_memory_gib": 1.0, "compiled_memory_gib": 1.0, "step_s": 0.2,
+            "predicted_step_s": 0.1, "gpu_assumed": assumed}
+  line = step.checks(result, on_gpu=True)[-1]
+  assert line["passed"] and line["detail"].endswith(assumed)
+
+
 def test_the_runtime_reserve_is_a_tenth_of_each_gpu_and_can_be_given_in_gib():
   """The budget is the capacity less the reserve (at least 6 GiB on an H100, proportionally
   more on larger GPUs); --reserve_gib replaces it, and nonsense is refused."""

@@ -280,3 +280,52 @@ def test_data_pipeline_times_each_case_against_the_gpu_need(tmp_path):
   assert 150_000 < rows[0]["tokens"] <= 200_000  # whole documents up to --tokens
   written = json.loads((tmp_path / "data.json").read_text())
   assert written["rows"][0]["case"] == "parquet_tokens" and written["needs"] == needs
+
+
+@pytest.mark.parametrize("mode", ["gpu", "cpu"], ids=["one_gpu_shapes", "tiny_cpu_shapes"])
+def test_every_shipped_gpu_config_cut_to_one_device_reads(mode, tmp_path):
+  """first-contact's cut of each GPU config (configs/*.gin with configs/runs/gpu.gin) is a
+  valid one-device run in bfloat16, a few steps (a fine-tuning config's checkpoint, which
+  the stage writes first, left out here)."""
+  from benchmarks import first_contact
+  from ulysses_jax.cli import gin_config
+  configs = first_contact.shipped_gpu_configs()
+  assert configs[0] == "configs/llama1b_128k.gin" and len(configs) >= 10
+  for config in configs:
+    params = first_contact.cut(config, first_contact.SIZES[mode], str(tmp_path), 4)
+    fine_tuning = first_contact.family_of(config) is not None
+    assert fine_tuning == any(p.startswith("TrainConfig.init_from") for p in params)
+    run = gin_config.read([config], params + ["TrainConfig.init_from = ''"] * fine_tuning)
+    assert (run.train.mesh_data, run.train.mesh_seq, run.train.mesh_ring,
+            run.train.steps) == (1, 1, 1, 4), config
+    assert run.train.platform == {"gpu": "gpu", "cpu": "cpu"}[mode]
+    assert run.model.dtype == "bfloat16" and run.data.seq_len == first_contact.SIZES[
+        mode].seq_len
+
+
+@pytest.mark.slow
+def test_gpu_session_first_contact_runs_on_the_cpu(tmp_path):
+  """``benchmarks/gpu_session.sh first-contact`` end to end on the CPU with tiny shapes: a
+  from-scratch config (SIGTERM, resume, evaluate, generate, export, transformers, doctor)
+  and a fine-tuning one from a random mixture-of-experts checkpoint; every row passes."""
+  import os
+  import subprocess
+  import sys
+
+  from child_env import child_env
+  pytest.importorskip("transformers")
+  env = child_env(FIRST_CONTACT_MODE="cpu", FIRST_CONTACT_CONFIGS="configs/llama1b_128k.gin,"
+                  "configs/finetune_qwen3_30b_a3b_8gpu_2m.gin",
+                  PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+  root = pathlib.Path(__file__).parent.parent
+  run = subprocess.run(["bash", "benchmarks/gpu_session.sh", "first-contact", str(tmp_path)],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+  report = json.loads((tmp_path / "first_contact" / "first_contact.json").read_text())
+  commands = [r["command"] for r in report["rows"]]
+  assert commands[1:4] == ["ulysses-train llama1b_128k (SIGTERM after step 2)",
+                           "ulysses-train llama1b_128k (resumed)",
+                           "ulysses-train finetune_qwen3_30b_a3b_8gpu_2m"]
+  assert [r["exit_code"] for r in report["rows"][1:3]] == [75, 0]
+  assert all(r["passed"] for r in report["rows"])
+  assert "commands passed" in run.stdout and "ulysses-doctor" in run.stdout

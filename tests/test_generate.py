@@ -299,3 +299,44 @@ def test_workdir_generates_from_its_checkpoint(references, tmp_path):
                              f"--max_new_tokens={NEW_TOKENS}", "--mesh_seq=8",
                              "--platform=cpu", "--cpu_devices=8"])
   assert [r["output_ids"] for r in result["results"]] == ref.expected
+
+
+def test_a_bf16_run_generates_in_bf16_unless_told(tmp_path, capsys):
+  """``--workdir`` of a bfloat16 run computes and caches in bfloat16 (its LlamaConfig.dtype),
+  and says so; ``--dtype`` still overrides, with a cache twice the size."""
+  from ulysses_jax import train
+  from ulysses_jax.checkpoint import CheckpointConfig
+  from ulysses_jax.data.pipeline import DataConfig
+  from ulysses_jax.models.config import LlamaConfig
+  from ulysses_jax.run_config import RunConfig, TrainConfig
+  np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 128, 512))
+  train.train(str(tmp_path / "run"), RunConfig(
+      train=TrainConfig(steps=1, mesh_seq=8, progress_bar=False, kernel_check=False),
+      model=LlamaConfig(preset="tiny", dtype="bfloat16", attention_backend="xla"),
+      data=DataConfig(source="files", paths=(str(tmp_path / "data.npy"),), seq_len=64,
+                      batch_size=1),
+      checkpoint=CheckpointConfig(async_save=False)))
+  capsys.readouterr()
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text(json.dumps({"prompt_ids": list(range(1, 17))}) + "\n")
+  flags = [f"--workdir={tmp_path / 'run'}", f"--prompts={prompts}", "--max_new_tokens=2",
+           "--mesh_seq=8", "--platform=cpu", "--cpu_devices=8", "--no_kernel_check"]
+  sizes = {}
+  for extra, dtype, why in [([], "bfloat16", "the run's LlamaConfig.dtype"),
+                            (["--dtype=float32"], "float32", "--dtype")]:
+    sizes[dtype] = generate_cli.run(flags + extra)["kv_cache_bytes_per_device"]
+    err = capsys.readouterr().err
+    assert f"computing in {dtype} ({why}), the KV cache too" in err, err
+    assert re.search(rf"KV cache: .* rows per device, {dtype};", err), err
+  assert sizes["float32"] == 2 * sizes["bfloat16"]
+
+
+def test_a_hugging_face_checkpoint_computes_in_its_torch_dtype(tmp_path):
+  """config.json's ``dtype`` (newer transformers) or ``torch_dtype``; float32 without one."""
+  for config, expected in [({"torch_dtype": "bfloat16"}, ("bfloat16", "torch_dtype")),
+                           ({"dtype": "float32", "torch_dtype": "bfloat16"}, ("float32", "dtype")),
+                           ({}, ("float32", "names no dtype"))]:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    dtype, why = finetune.compute_dtype(str(tmp_path))
+    assert dtype == expected[0] and expected[1] in why
+  assert finetune.compute_dtype(str(tmp_path), "float16") == ("float16", "--dtype")

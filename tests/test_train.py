@@ -162,6 +162,39 @@ def test_train_config_values_are_checked():
     distributed.configure_platform("gpux")
 
 
+@pytest.mark.skipif(bool(distributed.gpu_plugins()), reason="JAX has a GPU plugin here")
+def test_platform_gpu_without_a_gpu_plugin_fails_before_jax_starts(tmp_path, capsys):
+  """--platform gpu in a CPU-only JAX: our error and exit 2 before any work, not JAX's."""
+  assert distributed.resolve_platform("cuda") == "cuda"
+  code = train_cli.main([f"--gin_file={TINY}", f"--workdir={tmp_path / 'w'}", "--platform=gpu"])
+  error = capsys.readouterr().err.strip().splitlines()[-1]
+  assert code == cli.EXIT_USAGE and not (tmp_path / "w").exists()
+  assert error.startswith(f"error: the config asks for platform 'gpu' but JAX {jax.__version__} "
+                          "has no GPU plugin here"), error
+  assert "--platform cpu" in error and "rocm'" not in error
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif("cuda" not in distributed.gpu_plugins(),
+                    reason="needs JAX's CUDA plugin: run `make test-gpu-compile`")
+def test_platform_gpu_is_the_installed_cuda_backend_and_no_gpu_fails_first(tmp_path):
+  """With JAX's CUDA plugin and no GPU (.venv-gpu-compile), "gpu" is the CUDA backend, and a
+  shipped GPU config stops at once with our "no GPU" error (exit 2), not JAX's about ROCm."""
+  assert distributed.resolve_platform("gpu") == "cuda"
+  env = child_env()
+  del env["JAX_PLATFORMS"]
+  workdir = tmp_path / "w"
+  run = subprocess.run([sys.executable, "-m", "ulysses_jax.train",
+                        "--gin_file=configs/llama1b_128k.gin", f"--workdir={workdir}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  error = run.stderr.strip().splitlines()[-1]
+  assert run.returncode == cli.EXIT_USAGE, run.stderr
+  assert error.startswith(f"error: the config asks for platform 'gpu' but JAX {jax.__version__} "
+                          "found no GPU (its GPU plugins: cuda (jax-cuda"), error
+  assert "--platform cpu" in error and "rocm" not in run.stderr.lower()
+  assert not workdir.exists()
+
+
 def test_xla_gets_the_gpu_budget_unless_the_user_chose_a_fraction(monkeypatch):
   """The trainer (configure_platform, for any platform but CPU and TPU) leaves the runtime
   reserve aot assumes: XLA_CLIENT_MEM_FRACTION = 1 - RUNTIME_RESERVE_FRACTION; a fraction the

@@ -10,13 +10,23 @@ Everything here must run before JAX starts its backends (before the first array 
 ``jax.devices()`` call).
 """
 
+import importlib.metadata
 import os
+import pkgutil
+import re
 
 import jax
 
 from ulysses_jax.gpus import RUNTIME_RESERVE_FRACTION
 
 PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
+# JAX's GPU plugins are modules jax_plugins.xla_cuda12, xla_cuda13, xla_rocm7, ...: the backend
+# each registers is in its name. (JAX reads jax_platforms="gpu" as "cuda and rocm": on a machine
+# with one of them, the other fails to start.)
+_GPU_PLUGIN = re.compile(r"^(?:jax_plugins\.)?xla_(cuda|rocm)[0-9]*$")
+NO_GPU_FIX = ("run on a machine whose GPUs nvidia-smi lists, with JAX's plugin for them (pip "
+              "install 'jax[cuda13]'), or choose the CPU: --platform cpu "
+              "(TrainConfig.platform = \"cpu\")")
 # JAX's GPU client preallocates this share of each GPU for XLA (both names are read; the second
 # is the older one, and setting both is an error).
 MEM_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
@@ -34,7 +44,8 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
   """Selects the JAX platform, the number of virtual CPU devices and the compile cache.
 
   Args:
-    platform: "" (JAX's default: GPU if present), or one of ``PLATFORMS``.
+    platform: "" (JAX's default: GPU if present), or one of ``PLATFORMS`` ("gpu": the GPU
+      backend installed, ``resolve_platform``).
     cpu_devices: virtual CPU devices per process (0: JAX's default, one), so that a laptop
       can run a multi-device mesh.
     compilation_cache: a directory for JAX's persistent compilation cache ("" = off).
@@ -46,7 +57,7 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
     raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS} or '' for "
                      "JAX's default")
   if platform:
-    jax.config.update("jax_platforms", platform)
+    jax.config.update("jax_platforms", resolve_platform(platform))
   if platform not in ("cpu", "tpu"):
     reserve_gpu_memory()
   if cpu_devices:
@@ -58,6 +69,39 @@ def configure_platform(platform: str = "", cpu_devices: int = 0, compilation_cac
   if compilation_cache:
     jax.config.update("jax_compilation_cache_dir", compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def gpu_plugins() -> dict[str, str]:
+  """JAX's GPU plugins installed here, read from their packages without starting JAX:
+  backend ("cuda", "rocm") -> the package that provides it (e.g. "jax-cuda12-pjrt 0.10.2")."""
+  modules = {e.value: e.dist and f"{e.dist.name} {e.dist.version}"
+             for e in importlib.metadata.entry_points(group="jax_plugins")}
+  try:
+    import jax_plugins  # pylint: disable=import-outside-toplevel  # a namespace package
+    modules.update({f"jax_plugins.{m.name}": None for m in pkgutil.iter_modules(
+        jax_plugins.__path__) if f"jax_plugins.{m.name}" not in modules})
+  except ImportError:
+    pass
+  found = {}
+  for module, package in sorted(modules.items()):
+    match = _GPU_PLUGIN.match(module)
+    if match:
+      found.setdefault(match.group(1), package or module)
+  return found
+
+
+def resolve_platform(platform: str) -> str:
+  """The ``jax_platforms`` value of ``platform``: "gpu" is the GPU backend whose plugin is
+  installed ("cuda" or "rocm"; JAX's own choice among them when both are), the rest as they
+  are. Raises ``RuntimeError`` (before JAX starts) for "gpu" without a GPU plugin."""
+  if platform != "gpu":
+    return platform
+  plugins = gpu_plugins()
+  if not plugins:
+    raise RuntimeError(f"the config asks for platform 'gpu' but JAX {jax.__version__} has no "
+                       f"GPU plugin here (no package provides jax_plugins.xla_cuda* or "
+                       f"xla_rocm*); {NO_GPU_FIX}")
+  return next(iter(plugins)) if len(plugins) == 1 else ""
 
 
 def reserve_gpu_memory() -> None:
@@ -85,9 +129,18 @@ def gpu_memory_line() -> str:
 
 
 def check_platform(platform: str = "", cpu_devices: int = 0):
-  """Raises if the running backend differs from what ``configure_platform`` asked for."""
-  backend = jax.default_backend()
-  if platform and backend != {"cuda": "gpu"}.get(platform, platform):
+  """Raises if the running backend differs from what ``configure_platform`` asked for (a GPU
+  asked for where JAX found none: what it found, and the fix)."""
+  wanted = {"cuda": "gpu"}.get(platform, platform)
+  try:
+    backend = jax.default_backend()
+  except (RuntimeError, AssertionError) as e:  # JAX 0.10 asserts when no platform started
+    if wanted != "gpu":
+      raise
+    raise RuntimeError(_no_gpu(platform, str(e) or "no GPU device")) from e
+  if wanted == "gpu" and backend != "gpu":
+    raise RuntimeError(_no_gpu(platform, f"only {backend!r} devices"))
+  if platform and backend != wanted:
     raise RuntimeError(f"the config asks for platform {platform!r} but JAX runs on "
                        f"{backend!r}: JAX started before the setting could apply, or no "
                        f"{platform} device is visible")
@@ -97,6 +150,15 @@ def check_platform(platform: str = "", cpu_devices: int = 0):
         f"with {jax.local_device_count()}; start a fresh process (python -m "
         f"ulysses_jax.train) or set XLA_FLAGS=--xla_force_host_platform_device_count="
         f"{cpu_devices} before JAX is imported")
+
+
+def _no_gpu(platform: str, found: str) -> str:
+  plugins = gpu_plugins()
+  installed = ", ".join(f"{b} ({p})" for b, p in plugins.items()) or "none"
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  hidden = "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
+  return (f"the config asks for platform {platform!r} but JAX {jax.__version__} found no GPU "
+          f"(its GPU plugins: {installed}{hidden}; JAX: {found}); {NO_GPU_FIX}")
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -18,9 +18,25 @@ and NVLink-C2C to the Grace CPU at 900 GB/s both ways, shared by the two GPUs of
 200 Gb/s (A100) InfiniBand NIC per GPU as in NVIDIA's DGX systems. ``nvlink_domain`` is how
 many GPUs one NVLink fabric joins: the 8 of an HGX/DGX board, the 72 of a GB200 NVL72 rack;
 traffic between domains crosses the network at ``network_bandwidth``.
+
+The variants (H100 PCIe, A100 SXM4 40GB, A100 80GB PCIe) take their device facts from XLA's
+``h100_pcie.txtpb``, ``a100_sxm_40.txtpb`` and ``a100_pcie_80.txtpb`` in the same folder; those
+XLA has no file for (H100 NVL, H800, GH200 480GB) are the H100 SXM's chip with the datasheet's
+memory (its capacity in GB, not a driver's reading), bandwidths and peak: NVIDIA H100 datasheet
+(H100 PCIe: 1,513 TFLOP/s bf16 with sparsity, 2 TB/s, an NVLink bridge of 600 GB/s joining two
+GPUs, PCIe 5; H100 NVL: 1,671 TFLOP/s with sparsity, 94 GB at 3.9 TB/s, NVLink bridge 600 GB/s),
+NVIDIA H800 SXM5 product brief (the H100 SXM with NVLink at 400 GB/s both ways), NVIDIA GH200
+Grace Hopper Superchip datasheet (GH200 480GB: 96 GB HBM3 at 4 TB/s, NVLink-C2C to the Grace CPU
+at 900 GB/s both ways), NVIDIA A100 datasheet (A100 80GB PCIe: 312 TFLOP/s, NVLink bridge
+600 GB/s for two GPUs, PCIe 4). Dense rates are the datasheets' sparse ones halved.
+
+``reported_names``: what drivers call the GPU of a row besides its ``name`` (``nvidia-smi``,
+``jax.devices()[0].device_kind``); ``gpu_of_kind`` finds a device's row by them, or the nearest
+row by compute capability and memory for a GPU not in the table.
 """
 
 import dataclasses
+import math
 
 GB = 1e9
 GIB = 2**30
@@ -59,6 +75,7 @@ class Gpu:
   cudnn_version: tuple[int, int, int]
   # What the runtime holds outside XLA's program, as a share of memory_bytes.
   runtime_reserve_fraction: float = RUNTIME_RESERVE_FRACTION
+  reported_names: tuple[str, ...] = ()  # other device kinds drivers report for this GPU
 
   @property
   def runtime_reserve_bytes(self) -> int:
@@ -91,18 +108,41 @@ _H100 = Gpu(name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0),
             network_bandwidth=50 * GB, nvlink_domain=8, pcie_bandwidth=64 * GB,
             cudnn_version=(9, 10, 0))
 
+_A100 = Gpu(name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0),
+            accelerated_features=False, sm_count=108, fp32_lanes_per_sm=64,
+            shared_memory_per_sm=167936, shared_memory_per_block_optin=166912,
+            clock_ghz=1.41, memory_bytes=85100068864, memory_bandwidth=2.03904e12,
+            l2_bytes=41943040, bf16_flops=312e12, nvlink_bandwidth=300 * GB,
+            network_bandwidth=25 * GB, nvlink_domain=8, pcie_bandwidth=32 * GB,
+            cudnn_version=(8, 9, 4))
+
 GPUS = {
     "h100": _H100,
+    # XLA's h100_pcie.txtpb: 114 SMs at 1.755 GHz, 2.04 TB/s; NVLink bridges join pairs.
+    "h100_pcie": dataclasses.replace(_H100, name="NVIDIA H100 PCIe", sm_count=114,
+                                     clock_ghz=1.755, memory_bandwidth=2.03904e12,
+                                     bf16_flops=756.5e12, nvlink_bandwidth=300 * GB,
+                                     nvlink_domain=2),
+    "h100_nvl": dataclasses.replace(_H100, name="NVIDIA H100 NVL", memory_bytes=94 * 10**9,
+                                    memory_bandwidth=3.9e12, bf16_flops=835.5e12,
+                                    nvlink_bandwidth=300 * GB, nvlink_domain=2),
+    "h800": dataclasses.replace(_H100, name="NVIDIA H800", nvlink_bandwidth=200 * GB),
     # The same Hopper chip as the H100 SXM, with 141 GB of faster HBM3e.
     "h200": dataclasses.replace(_H100, name="NVIDIA H200 141GB HBM3e",
-                                memory_bytes=151397597184, memory_bandwidth=4.8e12),
-    "a100": Gpu(name="NVIDIA A100-SXM4-80GB", compute_capability=(8, 0),
-                accelerated_features=False, sm_count=108, fp32_lanes_per_sm=64,
-                shared_memory_per_sm=167936, shared_memory_per_block_optin=166912,
-                clock_ghz=1.41, memory_bytes=85100068864, memory_bandwidth=2.03904e12,
-                l2_bytes=41943040, bf16_flops=312e12, nvlink_bandwidth=300 * GB,
-                network_bandwidth=25 * GB, nvlink_domain=8, pcie_bandwidth=32 * GB,
-                cudnn_version=(8, 9, 4)),
+                                memory_bytes=151397597184, memory_bandwidth=4.8e12,
+                                reported_names=("NVIDIA H200",)),
+    # One superchip per node: the Grace CPU's memory over NVLink-C2C, other nodes over the network.
+    "gh200": dataclasses.replace(_H100, name="NVIDIA GH200 480GB", memory_bytes=96 * 10**9,
+                                 memory_bandwidth=4.0e12, nvlink_domain=1,
+                                 pcie_bandwidth=450 * GB),
+    "a100": _A100,
+    # XLA's a100_sxm_40.txtpb.
+    "a100_40gb": dataclasses.replace(_A100, name="NVIDIA A100-SXM4-40GB",
+                                     memory_bytes=42331013120, memory_bandwidth=1.5552e12),
+    # XLA's a100_pcie_80.txtpb (which calls it "A100 80GB"); NVLink bridges join pairs.
+    "a100_pcie": dataclasses.replace(_A100, name="NVIDIA A100 80GB PCIe", clock_ghz=1.1105,
+                                     memory_bytes=79050250240, memory_bandwidth=2.039e12,
+                                     nvlink_domain=2),
     "b200": Gpu(name="NVIDIA B200", compute_capability=(10, 0), accelerated_features=True,
                 sm_count=148, fp32_lanes_per_sm=128, shared_memory_per_sm=233472,
                 shared_memory_per_block_optin=232448, clock_ghz=1.965,
@@ -127,9 +167,34 @@ def gpu_named(name: str) -> Gpu:
   return GPUS[name]
 
 
-def gpu_of_kind(device_kind: str) -> Gpu | None:
-  """The table's GPU a device reporting ``device_kind`` is, or None: its name, or the start of
-  it (a real H200 reports "NVIDIA H200", the compile-only devices the longer name). Other
-  variants of a chip (H100 PCIe or NVL: other clocks and peaks) are not in the table."""
-  return next((gpu for gpu in GPUS.values()
-               if gpu.name == device_kind or gpu.name.startswith(device_kind + " ")), None)
+def _normalized(kind: str) -> str:
+  kind = " ".join(kind.split()).casefold()
+  return kind.removeprefix("nvidia ")
+
+
+def gpu_of_kind(device_kind: str, compute_capability: tuple[int, int] | None = None,
+                memory_bytes: int | None = None) -> tuple[str, Gpu, str]:
+  """The table's row of a GPU by the name its driver reports (``jax.devices()[0].device_kind``,
+  ``nvidia-smi``): ``(key, row, assumed)``, ``assumed`` "" when the name is the row's. For a GPU
+  not in the table, the nearest row by compute capability, then by memory (of those given),
+  and ``assumed`` a sentence saying which row's values stand in for the GPU's."""
+  wanted = _normalized(device_kind)
+  for key, gpu in GPUS.items():
+    if wanted in {_normalized(n) for n in (gpu.name, *gpu.reported_names)}:
+      return key, gpu, ""
+
+  def distance(item):
+    gpu = item[1]
+    capability = (0 if compute_capability is None else
+                  abs(10 * (gpu.compute_capability[0] - compute_capability[0])
+                      + gpu.compute_capability[1] - compute_capability[1]))
+    memory = 0 if not memory_bytes else abs(math.log(gpu.memory_bytes / memory_bytes))
+    return capability, memory
+
+  key, gpu = min(GPUS.items(), key=distance)
+  by = [what for what, given in (("compute capability", compute_capability),
+                                 ("memory", memory_bytes)) if given]
+  return key, gpu, (f"{device_kind!r} is not in ulysses_jax.gpus: assumed the values of "
+                    f"{key!r} ({gpu.name}, nearest by {' and '.join(by) or 'nothing known'}): "
+                    f"{gpu.bf16_flops / 1e12:g} TFLOP/s bf16, {gpu.memory_bandwidth / 1e12:.2f} "
+                    f"TB/s, {gpu.memory_bytes / GIB:.1f} GiB")

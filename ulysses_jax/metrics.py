@@ -81,9 +81,13 @@ def measure_peak_flops(dtype: str = "bfloat16") -> float:
 
 def datasheet_peak_flops(device=None) -> float | None:
   """The datasheet's dense bf16 tensor-core FLOP/s of one ``device`` (default: the first),
-  from ``ulysses_jax.gpus``; None where the table has no such GPU (a CPU, an H100 PCIe)."""
-  gpu = gpu_of_kind((device or jax.devices()[0]).device_kind)
-  return None if gpu is None else gpu.bf16_flops
+  from ``ulysses_jax.gpus``; None for a CPU, or a GPU the table knows only by its nearest row
+  (whose peak may be another chip's)."""
+  device = device or jax.devices()[0]
+  if device.platform != "gpu":
+    return None
+  _, gpu, assumed = gpu_of_kind(device.device_kind)
+  return None if assumed else gpu.bf16_flops
 
 
 def mfu_text(mfu: float, mfu_datasheet: float | None, peak_label: str = "measured") -> str:

@@ -38,7 +38,9 @@ class TrainConfig:
   max_bad_steps: consecutive non-finite steps that stop training.
   offload_optimizer, offload_params, master_weights: the train state's memory options
     (``train_step.MemoryOptions``, which documents and checks them).
-  platform: "" (JAX's default), "cpu", "gpu", "cuda" or "tpu".
+  platform: "" (JAX's default), "cpu", "gpu" (the GPU backend installed: CUDA or ROCm;
+    ``distributed.resolve_platform``), "cuda" or "tpu". Asked for a GPU where JAX finds
+    none, the run stops before any work.
   cpu_devices: virtual CPU devices per process (0: JAX's default).
   peak_flops: per-device peak FLOP/s for MFU (0: measure at start; see ``metrics``).
   progress_bar: show a tqdm bar on a terminal (else a log line per record).

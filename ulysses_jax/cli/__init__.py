@@ -77,7 +77,8 @@ def add_json_flag(parser: argparse.ArgumentParser, what: str = "the report") -> 
 def add_platform_flags(parser: argparse.ArgumentParser) -> None:
   """``--platform`` and ``--cpu_devices`` (``TrainConfig.platform`` and ``cpu_devices``)."""
   parser.add_argument("--platform", choices=distributed.PLATFORMS,
-                      help="JAX's platform (default: JAX's choice, a GPU if there is one)")
+                      help="JAX's platform (default: JAX's choice, a GPU if there is one); gpu: "
+                      "the GPU backend installed (CUDA or ROCm)")
   parser.add_argument("--cpu_devices", type=int, help="virtual CPU devices per process "
                       "(default: JAX's, one)")
 

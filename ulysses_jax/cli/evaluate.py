@@ -12,7 +12,8 @@ probes: a forward pass only (``ulysses_jax.evaluate``).
 (or ``python -m ulysses_jax.evaluate``.) The mesh flags mean what ``TrainConfig``'s do:
 ``--mesh_seq`` devices on the sequence axis (default 1), ``--mesh_data`` on the data axis
 (default -1: the devices that ``--mesh_seq`` leaves); the model is the checkpoint's, as
-``step_builder.resolve`` reads it for ``TrainConfig.init_from``, in ``--dtype`` without remat.
+``step_builder.resolve`` reads it for ``TrainConfig.init_from``, without remat, in the
+checkpoint's dtype (a run's ``LlamaConfig.dtype``, config.json's ``torch_dtype``) or ``--dtype``.
 
 Rows are the documents of ``--data`` (text, ``.jsonl`` or token files, as for training) in
 file order, each cut into consecutive windows of S tokens (``data.document_windows``: row i
@@ -94,7 +95,8 @@ def parser() -> cli.Parser:
       "DataConfig.token_dtype, else uint16; .npy files carry theirs)")
   add("--mesh_data", type=int, default=-1, help="devices on the data axis (-1: the rest)")
   add("--mesh_seq", type=int, default=1, help="devices on the sequence axis")
-  add("--dtype", default="float32", help="LlamaConfig.dtype: the compute dtype")
+  add("--dtype", help="LlamaConfig.dtype: the compute dtype (default: the checkpoint's, a "
+      "run's LlamaConfig.dtype or config.json's torch_dtype)")
   cli.add_json_flag(p, "the result")
   add("--plot", help="PNG of loss by position (and the pass-key heatmap)")
   add("--passkey", action="store_true", help="run the pass-key test")
@@ -210,7 +212,8 @@ def evaluate(args) -> dict:
     data_defaults["token_dtype"] = args.token_dtype
   if args.chat_template:
     data_defaults["chat_template"] = args.chat_template
-  given = {"dtype": args.dtype, "remat_policy": "none"}
+  dtype, dtype_reason = finetune.compute_dtype(source, args.dtype)
+  given = {"dtype": dtype, "remat_policy": "none"}
   run_config = step_builder.resolve(RunConfig(
       train=TrainConfig(mesh_data=args.mesh_data, mesh_seq=args.mesh_seq, init_from=source),
       model=LlamaConfig(**given)), given=given)
@@ -262,6 +265,7 @@ def evaluate(args) -> dict:
                                   check=not args.no_kernel_check)
   model = finetune.load_model(source, attention.model_config(config), mesh)
   graphdef, params = nnx.split(model)
+  print(f"computing in {dtype} ({dtype_reason})", file=sys.stderr)
   print(f"attention: {attention.choice.reason}", file=sys.stderr)
   evaluator = PositionEval(graphdef)
   result = {"model": os.path.abspath(source), "seq_len": args.seq_len, "mesh": dict(mesh.shape)}

@@ -73,7 +73,8 @@ def parser() -> cli.Parser:
   add("--mesh_ring", type=int, default=1, help="devices on the ring axis")
   add("--prefill_chunk", type=int, default=0, help="prefill in chunks of this many tokens "
       "(0: the whole prompt in one pass)")
-  add("--dtype", default="float32", help="LlamaConfig.dtype: the compute and cache dtype")
+  add("--dtype", help="LlamaConfig.dtype: the compute and cache dtype (default: the "
+      "checkpoint's, a run's LlamaConfig.dtype or config.json's torch_dtype)")
   add("--fsdp_params", action="store_true", help="keep the weights sharded as in training "
       "(FSDP: less memory, an all-gather of every weight per token) instead of replicated")
   add("--tokenizer", help="'byte' or a tokenizer.json (default: the checkpoint's "
@@ -136,7 +137,8 @@ class _Checkpoint:
       if os.path.isfile(tokenizer_json):
         data = {"tokenizer": tokenizer_json}
     self.tokenizer = args.tokenizer or data.get("tokenizer")
-    given = {"dtype": args.dtype, "remat_policy": "none", "attn_head_chunks": 1}
+    dtype, self.dtype_reason = finetune.compute_dtype(self.source, args.dtype)
+    given = {"dtype": dtype, "remat_policy": "none", "attn_head_chunks": 1}
     self.train = TrainConfig(mesh_data=args.mesh_data, mesh_seq=args.mesh_seq,
                              mesh_ring=args.mesh_ring, init_from=self.source)
     self.config = step_builder.resolve(RunConfig(train=self.train,
@@ -229,6 +231,7 @@ def run_parsed(args) -> dict:
   model = finetune.load_model(checkpoint.source, attention.model_config(config), mesh,
                               rules=sharding.DEFAULT_RULES if args.fsdp_params else
                               generate_lib.PARAM_RULES)
+  _log(f"computing in {config.dtype} ({checkpoint.dtype_reason}), the KV cache too")
   _log(f"attention: {attention.choice.reason}")
   _log(f"mesh {dict(mesh.shape)}; {len(prompts)} prompt(s) of up to {layout.prompt_len} tokens "
        f"(padded), EOS ids {list(checkpoint.eos_ids)}")

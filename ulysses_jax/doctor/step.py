@@ -21,7 +21,7 @@ from ulysses_jax import sharding as sharding_lib
 from ulysses_jax import step_builder
 from ulysses_jax.aot import report as report_lib
 from ulysses_jax.data.pipeline import DataConfig
-from ulysses_jax.gpus import gpu_of_kind
+from ulysses_jax.gpus import Gpu, gpu_of_kind
 from ulysses_jax.models.config import preset
 from ulysses_jax.run_config import RunConfig, TrainConfig
 
@@ -46,6 +46,16 @@ def small_config(devices: list, on_gpu: bool) -> RunConfig:
     seq_len = 256 * n
   return RunConfig(train=TrainConfig(mesh_data=1, mesh_seq=n, steps=1 + TIMED_STEPS),
                    model=model, data=DataConfig(seq_len=seq_len, batch_size=1))
+
+
+def gpu_of(device) -> tuple[Gpu, str]:
+  """Our description of ``device``'s GPU model (``gpus.gpu_of_kind``: its row, or the nearest by
+  compute capability and XLA's memory pool) and what was assumed ("" for a known GPU)."""
+  capability = getattr(device, "compute_capability", None)
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  _, gpu, assumed = gpu_of_kind(device.device_kind, capability and tuple(
+      int(c) for c in str(capability).split(".")), limit)
+  return gpu, assumed
 
 
 def run_step(devices: list, on_gpu: bool) -> dict:
@@ -76,10 +86,12 @@ def run_step(devices: list, on_gpu: bool) -> dict:
   result["mfu"] = model_flops / metrics_lib.measure_peak_flops(config.model.dtype)
   datasheet = metrics_lib.datasheet_peak_flops(devices[0])
   result["mfu_datasheet"] = datasheet and model_flops / (datasheet * len(devices))
-  gpu = gpu_of_kind(devices[0].device_kind) if on_gpu else None
-  if gpu is not None:
+  if on_gpu:
+    gpu, assumed = gpu_of(devices[0])
     prediction = report_lib.describe(compiled, built, gpu, nodes=1)["prediction"]
-    result["predicted_step_s"] = prediction["step_s"]
+    result.update(predicted_step_s=prediction["step_s"], gpu=gpu.name)
+    if assumed:
+      result["gpu_assumed"] = assumed
   return result
 
 
@@ -102,11 +114,11 @@ def checks(result: dict, on_gpu: bool) -> list[dict]:
     rows.append({"name": "step time at or above the roofline",
                  "passed": result["step_s"] >= ROOFLINE_FLOOR * predicted,
                  "detail": f"measured {result['step_s']:.4f} s, predicted {predicted:.4f} s "
-                           f"({predicted / result['step_s']:.0%} of the roofline reached)"})
+                           f"({predicted / result['step_s']:.0%} of the roofline reached)" +
+                           (f"; {result['gpu_assumed']}" if "gpu_assumed" in result else "")})
   else:
-    why = "needs a GPU" if not on_gpu else "no roofline description of this GPU model"
     rows.append({"name": "step time at or above the roofline", "passed": None,
-                 "detail": f"{why} (measured {result['step_s']:.4f} s)"})
+                 "detail": f"needs a GPU (measured {result['step_s']:.4f} s)"})
   return rows
 
 

@@ -24,6 +24,7 @@ reads the shapes from its own checkpoints, never from ``init_from``), and
 """
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Mapping
 
@@ -131,6 +132,26 @@ def model_config(init_from: str, bound: Mapping[str, object] | None = None) -> L
                       f"contradicts: {'; '.join(problems)}. Remove these bindings (and any "
                       "model gin file include) or start from a matching checkpoint.")
   return base.replace(**{k: v for k, v in bound.items() if k not in ARCHITECTURE_FIELDS})
+
+
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def compute_dtype(source: str, asked: str | None = None) -> tuple[str, str]:
+  """The dtype to compute (and cache) in with the checkpoint ``source``, and why: ``asked``
+  (a ``--dtype``) if given, else the checkpoint's own: a workdir's ``LlamaConfig.dtype``, a
+  Hugging Face ``config.json``'s ``dtype`` (newer transformers) or ``torch_dtype`` (float32 when
+  it names none of ``COMPUTE_DTYPES``)."""
+  if asked:
+    return asked, "--dtype"
+  if not is_hf_checkpoint(source):
+    return SavedParams(source).config.dtype, "the run's LlamaConfig.dtype"
+  with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
+    hf_config = json.load(f)
+  for key in ("dtype", "torch_dtype"):
+    if hf_config.get(key) in COMPUTE_DTYPES:
+      return hf_config[key], f"the checkpoint's {key} in config.json"
+  return "float32", "config.json names no dtype or torch_dtype"
 
 
 def _checkpoint_config(init_from: str) -> LlamaConfig:

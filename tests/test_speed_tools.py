@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from benchmarks import common, profile_step, train_step
-from ulysses_jax import gpus, metrics
+from ulysses_jax import metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

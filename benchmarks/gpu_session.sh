@@ -33,7 +33,8 @@
 #   speed         (about 8 minutes) the attention kernel table of ours (Mosaic) and cuDNN at
 #                 head dims 64 and 128, causal and full, 16K and 64K; the llama3.2-1b
 #                 training step at 65,536 tokens with the shipped GPU settings
-#                 (configs/runs/gpu.gin): MFU against the measured and the datasheet peak;
+#                 (configs/runs/gpu.gin): MFU against the measured and the datasheet peak,
+#                 and the same step recomputing attention's forward (--no-keep-attention);
 #                 the profile of that step by class (benchmarks/profile_step.py); and
 #                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
 #                 marked OOM)
@@ -151,6 +152,9 @@ case $stage in
       --impls ours_mosaic,cudnn --json "$out/speed_kernels.json"
     run speed_train_step "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --json "$out/speed_train_step.json"
+    # The same step recomputing attention's forward in the backward, beside it (the ratio).
+    run speed_train_step_recompute "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
+      --no-keep-attention --json "$out/speed_train_step_recompute.json"
     run speed_profile "$python" -m benchmarks.profile_step "${step[@]}" \
       --json "$out/speed_profile.json"
     run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \

@@ -60,6 +60,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dtype", default="bfloat16" if on_gpu else "float32")
   parser.add_argument("--remat", default="full", choices=llama.REMAT_POLICIES)
   parser.add_argument("--remat-group", type=int, default=1, help="layers per remat group")
+  parser.add_argument("--keep-attention", action=argparse.BooleanOptionalAction, default=True,
+                      help="remat keeps attention's output and lse (LlamaConfig."
+                           "remat_keep_attention): the backward runs no attention forward")
   parser.add_argument("--param-dtype", default="float32")
   parser.add_argument("--master-weights", action="store_true",
                       help="float32 master weights (with --param-dtype bfloat16)")
@@ -95,8 +98,9 @@ def parse_step_arguments(parser: argparse.ArgumentParser, argv) -> argparse.Name
 
 # LlamaConfig field -> the flag's attribute
 RUN_SETTINGS = {"dtype": "dtype", "param_dtype": "param_dtype", "remat_policy": "remat",
-                "remat_group": "remat_group", "mlp_chunk": "mlp_chunk",
-                "loss_chunk": "loss_chunk", "attention_backend": "backend"}
+                "remat_group": "remat_group", "remat_keep_attention": "keep_attention",
+                "mlp_chunk": "mlp_chunk", "loss_chunk": "loss_chunk",
+                "attention_backend": "backend"}
 
 
 def build_step(args: argparse.Namespace) -> dict:
@@ -108,6 +112,7 @@ def build_step(args: argparse.Namespace) -> dict:
   batch_size = args.batch or args.data
   config = llama.preset(args.preset, dtype=args.dtype, param_dtype=args.param_dtype,
                         remat_policy=args.remat, remat_group=args.remat_group,
+                        remat_keep_attention=args.keep_attention,
                         mlp_chunk=args.mlp_chunk, loss_chunk=args.loss_chunk,
                         attention_backend=args.backend)
   run = RunConfig(train=TrainConfig(mesh_data=mesh.shape["data"], mesh_seq=seq_axis,
@@ -155,7 +160,8 @@ def main(argv=None):
       "seq_len": args.seq_len, "dtype": args.dtype, "param_dtype": args.param_dtype,
       "master_weights": args.master_weights, "offload_optimizer": args.offload_optimizer,
       "offload_params": args.offload_params,
-      "remat": args.remat, "remat_group": args.remat_group, "mlp_chunk": args.mlp_chunk,
+      "remat": args.remat, "remat_group": args.remat_group,
+      "keep_attention": args.keep_attention, "mlp_chunk": args.mlp_chunk,
       "loss_chunk": args.loss_chunk, "backend": args.backend,
       "step_s": timing["median_s"], "tokens_per_s": tokens_per_s,
       "model_TFLOPs": model_flops / 1e12, "peak_TFLOPs": peak / 1e12,

@@ -63,7 +63,7 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
 @pytest.mark.slow
 @pytest.mark.parametrize("window,seq_len,heads,sinks", [
     (1, 300, (1, 1), False), (50, 300, (1, 1), False), (200, 400, (2, 1), True),
-    (1000, 300, (1, 1), False)])
+    (1000, 300, (1, 1), False)], ids=["1", "50", "200-gqa-sinks", "1000"])
 def test_mosaic_kernels_with_a_sliding_window_match_reference(window, seq_len, heads, sinks):
   q, k, v, d_out, segment_ids = random_inputs(13, 1, seq_len, *heads, 64, dtype=jnp.bfloat16,
                                               num_segments=3)

@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices, set before JAX is imported anywhere; GPU tests skip
-without a GPU; a quick test over its time budget fails."""
+without a GPU; a quick test over its time budget fails; one trainer run on the retrieval task
+shared by the tests of what it learned."""
 
 import fcntl
 import logging

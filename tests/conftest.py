@@ -1,8 +1,13 @@
 """Test setup: 8 virtual CPU devices, set before JAX is imported anywhere; GPU tests skip
-without a GPU; a quick test over its time budget fails."""
+without a GPU; a quick test over its time budget fails; one trainer run on the retrieval task
+shared by the tests of what it learned."""
 
+import fcntl
 import logging
 import os
+import shutil
+import subprocess
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -15,6 +20,8 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+from child_env import child_env  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -113,3 +120,33 @@ def fault(monkeypatch):
 
 
 pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this file's hooks on sample tests
+
+
+# The retrieval run: configs/retrieval_cpu.gin learns the task (eval accuracy about 0.5 against
+# a chance of 1/16) within 40 steps at this warmup; 80 leave a margin.
+RETRIEVAL_RUN = ["STEPS = 80", "OptimizerConfig.warmup_steps = 20", "TrainConfig.eval_every = 0"]
+
+
+@pytest.fixture(scope="session")
+def retrieval_run(tmp_path_factory):
+  """``(workdir, stdout)`` of one trainer run (``python -m ulysses_jax.train``) of
+  configs/retrieval_cpu.gin with ``RETRIEVAL_RUN``: evaluated after its last step, one
+  checkpoint. The tests of what a model trained on retrieval learned share it; under xdist the
+  first worker to ask trains it and the others wait for it."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # this session's, shared by its workers
+  workdir, log = root / "retrieval_run", root / "retrieval_run.stdout"
+  with open(root / "retrieval_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not log.exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # a failed attempt's: start afresh
+      out = subprocess.run(
+          [sys.executable, "-m", "ulysses_jax.train", "--gin_file=configs/retrieval_cpu.gin",
+           f"--workdir={workdir}"] + [f"--gin_param={p}" for p in RETRIEVAL_RUN],
+          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env=child_env(),
+          capture_output=True, text=True, timeout=600)
+      if out.returncode:
+        raise AssertionError(f"trainer failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+      log.write_text(out.stdout)
+  return str(workdir), log.read_text()

@@ -20,7 +20,6 @@ from ulysses_jax.data import pipeline as data  # noqa: E402
 from ulysses_jax.hf import init_from as finetune  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
 from ulysses_jax.cli import evaluate as evaluate_cli  # noqa: E402
-from ulysses_jax.cli import train as train_cli  # noqa: E402
 from ulysses_jax.config_checks import ConfigError  # noqa: E402
 from ulysses_jax.data.corpus import make_tokenizer  # noqa: E402
 from ulysses_jax.evaluate import passkey  # noqa: E402
@@ -148,16 +147,14 @@ def test_plot_draws_the_curve_and_the_heatmap(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_model_trained_on_retrieval_beats_chance_at_retrieval(tmp_path):
+def test_a_model_trained_on_retrieval_beats_chance_at_retrieval(retrieval_run):
   """Pass-key-style scoring (a row counts when every label is the top prediction) of a Llama
   trained by the trainer on the retrieval task (keys on the first of 8 sequence shards, the
-  question on the last), read back from its workdir."""
-  train_cli.main(["--gin_file=configs/retrieval_cpu.gin", f"--workdir={tmp_path}",
-              "--gin_param=STEPS=300", "--gin_param=TrainConfig.progress_bar=False",
-              "--gin_param=TrainConfig.eval_every=0"])
+  question on the last; conftest's ``retrieval_run``), read back from its workdir."""
+  workdir, _ = retrieval_run
   mesh = make_mesh(data=1, seq=8)
-  config = finetune.model_config(str(tmp_path))
-  model = finetune.load_model(str(tmp_path), config, mesh)
+  config = finetune.model_config(workdir)
+  model = finetune.load_model(workdir, config, mesh)
   task = data.RetrievalTask()
   _, evals = data.make_datasets(data.DataConfig(source="retrieval", seq_len=64, batch_size=64,
                                                 retrieval=task), mesh)

@@ -49,21 +49,27 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
                            forward_kernel="mosaic", backward_kernel="mosaic")
 
 
-# The Hopper kernels with a sliding window, against the dense reference: 400 tokens (four
-# 128-row tiles, the last partly padding), GQA, packed segments crossing tiles; windows of one
-# key, inside a key block (50), across block edges and not a block multiple (200), and longer
-# than the sequence (as causal). Forward blocks: 128 keys; dq: 64 keys; dk/dv: 64 queries.
-# The window of 200 runs with large attention sinks, applied through the kernels' lse (out, lse,
-# dq, dk, dv and d(sinks) compared). Slow like the Mosaic tests above (about 10 s each on jax
-# 0.12, 60 s on jax 0.10).
+# The Hopper kernels with a sliding window, against the dense reference, packed segments
+# crossing tiles; windows of one key, inside a key block (50), across block edges and not a block
+# multiple (200), and longer than the sequence (as causal). Forward blocks: 128 keys; dq: 64
+# keys; dk/dv: 64 queries. The window of 200 runs on 400 tokens (four 128-row tiles, the last
+# partly padding: the last tile's window skips two dq blocks) with GQA and large attention sinks,
+# applied through the kernels' lse (out, lse, dq, dk, dv and d(sinks) compared), and refills the
+# dq and dk/dv rings. The others need neither: on 300 tokens (three tiles) one head skips the
+# blocks below windows of 1 and 50 in all three kernels (the third tile's forward, the second's
+# dq, the first dk/dv CTA's query blocks from 192 on), and the window of 1000 streams every
+# block; GQA's dk/dv over a window's block range is the 200 case's, the refilled rings under a
+# causal mask ``test_mosaic_kernels_match_reference``'s. Slow like the Mosaic tests above.
 @pytest.mark.slow
-@pytest.mark.parametrize("window,sinks", [(1, False), (50, False), (200, True), (1000, False)])
-def test_mosaic_kernels_with_a_sliding_window_match_reference(window, sinks):
-  q, k, v, d_out, segment_ids = random_inputs(13, 1, 400, 2, 1, 64, dtype=jnp.bfloat16,
+@pytest.mark.parametrize("window,seq_len,heads,sinks", [
+    (1, 300, (1, 1), False), (50, 300, (1, 1), False), (200, 400, (2, 1), True),
+    (1000, 300, (1, 1), False)], ids=["1", "50", "200-gqa-sinks", "1000"])
+def test_mosaic_kernels_with_a_sliding_window_match_reference(window, seq_len, heads, sinks):
+  q, k, v, d_out, segment_ids = random_inputs(13, 1, seq_len, *heads, 64, dtype=jnp.bfloat16,
                                               num_segments=3)
   check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
                            sliding_window=window, tol=BF16_TOL, forward_kernel="mosaic",
-                           backward_kernel="mosaic", sinks=large_sinks(2) if sinks else None)
+                           backward_kernel="mosaic", sinks=large_sinks(heads[0]) if sinks else None)
 
 
 @pytest.mark.slow
@@ -89,8 +95,12 @@ def test_mosaic_kernels_skip_the_blocks_outside_the_window():
                                ("dq", dq[:, 384:], expected[2][:, 384:])):
     assert relative_error(actual, wanted) < BF16_TOL, name
   # Keys 0-127 (the first dk/dv CTA) are seen by queries up to 190 only: query blocks of 64
-  # rows from 192 on must not be streamed.
-  _, _, _, dk, dv = flash_outputs_and_grads(flash, q.at[:, 192:].set(jnp.nan), k, v, d_out, d_lse)
+  # rows from 192 on must not be streamed (0 * NaN in dk's dS^T q). The backward alone, given
+  # the dense output and lse.
+  backward = jax.jit(lambda q: flash_attention_backward(
+      q, k, v, expected[0].astype(q.dtype), expected[1], d_out, causal=True,
+      sliding_window=window, grad_dtype=q.dtype, kernel="mosaic"))
+  _, dk, dv = backward(q.at[:, 192:].set(jnp.nan))
   for name, actual, wanted in (("dk", dk[:, :128], expected[3][:, :128]),
                                ("dv", dv[:, :128], expected[4][:, :128])):
     assert relative_error(actual, wanted) < BF16_TOL, name

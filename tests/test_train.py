@@ -444,12 +444,11 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_pa
 
 
 @pytest.mark.slow
-def test_retrieval_is_learned_across_sequence_shards(cache_dir, tmp_path):
-  workdir = str(tmp_path / "run")
-  out = _run(workdir, ["STEPS = 300"], cache_dir, gin_file="configs/retrieval_cpu.gin")
+def test_retrieval_is_learned_across_sequence_shards(retrieval_run):
+  workdir, stdout = retrieval_run
   config = gin_config.read(["configs/retrieval_cpu.gin"], [])
   data, task, cfg = config.data, config.data.retrieval, config.train
   shard = data.seq_len // cfg.mesh_seq
   assert cfg.mesh_seq == 8 and 2 * task.num_pairs <= shard < data.seq_len - 2  # first vs last
   accuracy = _records(workdir)[-1]["eval_accuracy"]
-  assert accuracy > 4 * task.chance, out.stdout
+  assert accuracy > 4 * task.chance, stdout

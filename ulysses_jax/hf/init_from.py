@@ -145,7 +145,7 @@ def compute_dtype(source: str, asked: str | None = None) -> tuple[str, str]:
   if asked:
     return asked, "--dtype"
   if not is_hf_checkpoint(source):
-    return SavedParams(source).config.dtype, "the run's LlamaConfig.dtype"
+    return _checkpoint_config(source).dtype, "the run's LlamaConfig.dtype"
   with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
     hf_config = json.load(f)
   for key in ("dtype", "torch_dtype"):

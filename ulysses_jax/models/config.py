@@ -114,10 +114,11 @@ class LlamaConfig:
   ``remat_group`` (layers per rematerialised group: the backward keeps one residual-stream
   input per group, in host memory under ``full_offload``, and recomputes the group's forward
   to get its layers' inputs back: L/k + k layer inputs live instead of L, for one more forward
-  pass), ``remat_keep_attention`` (every policy but ``"none"`` keeps each layer's attention
-  output and log-sum-exp for the backward, S·Hq·(D·c + 4) bytes per layer (c bytes of the
-  compute dtype) over the devices, on the host with the offloading policies, so the backward
-  never runs the attention's forward again; False recomputes them), ``mlp_chunk`` (tokens
+  pass), ``remat_keep_attention`` (the policies that keep on the device, ``"full"`` and the
+  ``save_*`` ones, and remat groups without offloading, keep each layer's attention output and
+  log-sum-exp for the backward, S·Hq·(D·c + 4) bytes per layer (c bytes of the compute dtype)
+  over the devices, so the backward never runs the attention's forward again; False recomputes
+  them, as ``"offload"`` and ``"full_offload"`` always do), ``mlp_chunk`` (tokens
   per device per MLP tile; 0 = untiled), ``loss_chunk`` (tokens
   per device per cross-entropy chunk), ``attn_head_chunks`` (attention runs over this many
   chunks of heads, each recomputed in the backward, so q, k, v and the attention output exist

@@ -46,6 +46,7 @@ _ACT_BS = ("act_batch", "act_seq")
 
 LAYER_INPUT = "layer_input"  # the residual stream entering a layer: what "full" remat keeps
 GROUP_INPUT = "group_input"  # the residual stream entering a group of remat_group layers
+OFFLOADING_POLICIES = ("offload", "full_offload")  # residuals in pinned host memory
 
 
 def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT), *,
@@ -59,16 +60,19 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT), *,
   ``full`` keeps per layer) to ``pinned_host``: no activation memory per layer on the device,
   L·B·S/P·E in the compute dtype on the host, one transfer each way per layer.
 
-  ``keep_attention`` (``LlamaConfig.remat_keep_attention``): every policy also keeps the
-  attention's output and log-sum-exp as its backward reads them (``KERNEL_RESIDUALS``:
-  ``[B, S, Hq/P, D]`` in the compute dtype and ``[B, Hq/P, S]`` float32 per device after the
-  all-to-all), so the backward runs only the attention's backward kernels, never its forward
-  again; the offloading policies move them to the host with what they offload.
+  ``keep_attention`` (``LlamaConfig.remat_keep_attention``): the policies that keep what they
+  keep on the device also keep the attention's output and log-sum-exp as its backward reads
+  them (``KERNEL_RESIDUALS``: ``[B, S, Hq/P, D]`` in the compute dtype and ``[B, Hq/P, S]``
+  float32 per device after the all-to-all), so the backward runs only the attention's backward
+  kernels, never its forward again. The offloading policies (``OFFLOADING_POLICIES``) recompute
+  them: they exist to leave the device nearly empty, and XLA's GPU compiler (jax 0.10.2) fails
+  on these residuals offloaded from inside the layer scan ("Expected instruction to have shape
+  equal to ..." after layout assignment).
   """
   policies = jax.checkpoint_policies
-  kept = list(KERNEL_RESIDUALS) if keep_attention else []
+  kept = list(KERNEL_RESIDUALS) if keep_attention and name not in OFFLOADING_POLICIES else []
   offloaded = lambda offload: policies.save_and_offload_only_these_names(
-      names_which_can_be_saved=[], names_which_can_be_offloaded=[*offload, *kept],
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(offload),
       offload_src="device", offload_dst="pinned_host")
   with_kept = lambda policy: (policies.save_from_both_policies(
       policy, policies.save_only_these_names(*kept)) if kept else policy)
@@ -87,15 +91,15 @@ def remat_policy(name: str, names: tuple[str, ...] = (QKV, ATTN_OUT), *,
 
 
 def _group_policy(layer_policy: str, keep_attention: bool):
-  """What a group of layers keeps for the backward: its input (recomputing the rest) and,
-  with ``keep_attention``, its layers' attention residuals (``remat_policy``), in host memory
-  when the layers keep theirs there (``full_offload``)."""
-  kept = list(KERNEL_RESIDUALS) if keep_attention else []
+  """What a group of layers keeps for the backward: its input (recomputing the rest), in host
+  memory when the layers keep theirs there (``full_offload``), else on the device with, given
+  ``keep_attention``, its layers' attention residuals (``remat_policy``)."""
   if layer_policy == "full_offload":
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=[GROUP_INPUT, *kept],
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[GROUP_INPUT],
         offload_src="device", offload_dst="pinned_host")
-  return jax.checkpoint_policies.save_only_these_names(*kept)
+  return jax.checkpoint_policies.save_only_these_names(
+      *(KERNEL_RESIDUALS if keep_attention else ()))
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}

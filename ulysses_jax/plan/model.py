@@ -43,8 +43,8 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          group being recomputed); ``offload`` keeps the named
                                          ones on the host, ``full_offload`` the inputs; and
                                          attention's output and float32 lse per layer
-                                         (``keep_attention``; on the host with the offloading
-                                         policies)
+                                         (``keep_attention``; not with the offloading
+                                         policies, which recompute them)
   host       what is offloaded: optimizer state, layer parameters and gradients, per-layer
              residuals; per device, against
              ``Hardware.host_bytes`` per device
@@ -218,9 +218,9 @@ class Layout:
   all-to-all over ``seq``, a ring over ``ring``) or ``"allgather_kv"`` (the Llama 3 /
   Megatron baseline, modelled for comparison only: K and V gathered over ``seq``, no ring).
   ``keep_attention`` (``LlamaConfig.remat_keep_attention``): with a rematerialising policy,
-  every layer keeps attention's output and log-sum-exp for the backward (on the host with the
-  offloading policies), so the backward does not run attention's forward again; False
-  recomputes them (the planner's fallback when keeping them does not fit).
+  every layer keeps attention's output and log-sum-exp on the device for the backward (the
+  offloading policies recompute them), so the backward does not run attention's forward
+  again; False recomputes them (the planner's fallback when keeping them does not fit).
   """
   data: int
   seq: int
@@ -247,8 +247,9 @@ class Layout:
   @property
   def keeps_attention(self) -> bool:
     """Whether the layers keep attention's residuals: ``keep_attention`` under a
-    rematerialising policy (without remat everything is kept anyway)."""
-    return self.keep_attention and self.remat != "none"
+    rematerialising policy that keeps on the device (without remat everything is kept anyway;
+    the offloading policies recompute them, ``models.llama.remat_policy``)."""
+    return self.keep_attention and self.remat not in ("none", *_ON_HOST)
 
   @property
   def mesh(self) -> tuple[int, int, int]:
@@ -315,7 +316,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
              + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names")
-             + kept_attention_bytes(model, layout, t, c) * (layout.remat not in _ON_HOST))
+             + kept_attention_bytes(model, layout, t, c))
   attn_len = seq_len // layout.ring  # keys per step on each device
   block = min(_XLA_BLOCK, attn_len)
   gathered_kv = layout.attention == "allgather_kv"
@@ -427,14 +428,14 @@ def kept_attention_bytes(model, layout, t, c):
   return model.num_layers * t * heads * (model.head_dim * c + 4)
 
 
-_ON_HOST = ("offload", "full_offload")  # the policies that keep their residuals on the host
+_ON_HOST = ("offload", "full_offload")  # the policies that keep their residuals on the host;
+# they recompute attention's (models.llama.remat_policy)
 
 
 def _host_activation_bytes(model, layout, t, c):
   """Bytes of activations the remat policy keeps on the host, per device."""
-  kept = kept_attention_bytes(model, layout, t, c) * (layout.remat in _ON_HOST)
   if layout.remat == "full_offload":
-    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim + kept
+    return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim
   if layout.remat == "offload":
-    return model.num_layers * t * c * _named_per_token(model) + kept
+    return model.num_layers * t * c * _named_per_token(model)
   return 0

@@ -9,16 +9,25 @@ Implementations that fail to compile or run are skipped with the reason.
 
 Run on a GPU (one H100/H200 run of the default grid takes a few minutes):
   python -m benchmarks.attention_kernels [--seq-lens 4096,16384,65536] [--head-dims 64,128]
-      [--impls ours,ours_mosaic,cudnn,pallas_triton,pallas_mgpu,xla,xla_chunked] [--sweep]
-      [--json PATH]
+      [--masks causal,full] [--impls ours,ours_mosaic,cudnn,pallas_triton,pallas_mgpu,xla,
+      xla_chunked,'mosaic_*'] [--sweep] [--json PATH]
 "ours" is our flash attention with the Triton-lowered kernels, "ours_mosaic" the same with the
 Hopper kernels of ``ulysses_jax.kernels.flash_hopper`` (forward) and ``flash_hopper_backward``
 (dq, dk/dv; head dims 64 and 128). A row's bwd column is the backward kernel's.
+
+``--sweep`` also times our Triton kernels at other block sizes and, on a Hopper GPU, every
+Mosaic tile of ``flash_attention.mosaic_candidates``: rows ``mosaic_forward[...]`` change
+the forward's tile, ``mosaic_dq[...]`` / ``mosaic_dkv[...]`` one backward kernel's, the other
+kernels keeping the table's. It ends with the table rows (``flash_attention._MOSAIC_TILES``)
+of the fastest tile of each kernel per head dim and mask, to paste there (a row's tiles
+were each timed beside the table's, which is among the candidates). The sweep of one head dim
+and mask at 16K tokens takes about 3 minutes on an H200 (estimate; gpu_session.sh sweep).
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
 
 import argparse
+import fnmatch
 import functools
 
 import jax
@@ -28,7 +37,9 @@ from benchmarks.common import environment, print_table, write_json
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
                                         measure, reference_on_rows, sampled_rows, throughput)
-from ulysses_jax.kernels.flash_attention import flash_attention, choose_tiles
+from ulysses_jax.kernels import flash_hopper_backward
+from ulysses_jax.kernels.flash_attention import (MOSAIC_KERNELS, choose_tiles, flash_attention,
+                                                mosaic_candidates)
 from ulysses_jax.doctor.timing import time_fn
 
 SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
@@ -43,10 +54,24 @@ def implementations(causal, head_dim, *, interpret, sweep):
                              block_kv=block_kv, interpret=interpret, forward_kernel=kernel,
                              backward_kernel=kernel)
 
-  def ours_mosaic():
+  def ours_mosaic(kernel=None, tile=None):
+    """Our Mosaic kernels (Triton's backward at D = 256), with ``tile`` for one ``kernel``."""
     if interpret:  # GPU interpret mode runs them in the tests; far too slow for a benchmark
       raise RuntimeError("the Mosaic GPU kernels need a Hopper GPU")
-    return ours(kernel="mosaic")
+    backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+
+    def attention(q, k, v):
+      tiles = None
+      if tile is not None:
+        plan = choose_tiles(q.shape[1], head_dim, causal=causal, scale=scale,
+                            generation="sm90", forward_kernel="mosaic",
+                            backward_kernel=backward)
+        tiles = [plan.forward, plan.dq, plan.dkv]
+        tiles[MOSAIC_KERNELS.index(kernel)] = tile
+      return flash_attention(q, k, v, causal=causal, interpret=interpret,
+                             forward_kernel="mosaic", backward_kernel=backward,
+                             tiles=None if tiles is None else tuple(tiles))
+    return attention
 
   def cudnn():
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
@@ -78,9 +103,68 @@ def implementations(causal, head_dim, *, interpret, sweep):
   impls = {"ours": ours, "ours_mosaic": ours_mosaic}
   if sweep:
     impls.update({f"ours[{bq}x{bk}]": functools.partial(ours, bq, bk) for bq, bk in SWEEP_BLOCKS})
+    impls.update({mosaic_name(kernel, tile): functools.partial(ours_mosaic, kernel, tile)
+                  for kernel, tiles in mosaic_candidates(head_dim).items() for tile in tiles})
   impls.update(cudnn=cudnn, pallas_triton=pallas_triton, pallas_mgpu=pallas_mgpu, xla=xla,
                xla_chunked=xla_chunked)
   return impls
+
+
+def mosaic_name(kernel, tile):
+  """The row of a swept Mosaic tile: ``mosaic_<kernel>[<block_q>x<block_kv>-<warps>w-
+  <stages>st(-pingpong)]`` (no commas: ``--impls`` takes a list of them)."""
+  pingpong = "-pingpong" if tile.pingpong else ""
+  return (f"mosaic_{kernel}[{tile.block_q}x{tile.block_kv}-{tile.num_warps}w-"
+          f"{tile.num_stages}st{pingpong}]")
+
+
+def tile_source(tile):
+  """A ``Tile`` as the table in ``flash_attention`` writes it."""
+  pingpong = ", pingpong=True" if tile.pingpong else ""
+  return f"Tile({tile.block_q}, {tile.block_kv}, {tile.num_warps}, {tile.num_stages}{pingpong})"
+
+
+def mosaic_times(rows, head_dim):
+  """``{(S, causal): {kernel: {tile: ms}}}`` of the swept Mosaic rows of ``head_dim`` that ran:
+  a forward tile's forward time, a dq or dk/dv tile's forward+backward time (the other kernels
+  are the table's in those rows)."""
+  by_name = {mosaic_name(kernel, tile): (kernel, tile)
+             for kernel, tiles in mosaic_candidates(head_dim).items() for tile in tiles}
+  times = {}
+  for row in rows:
+    if row["D"] != head_dim or row["impl"] not in by_name or row["status"] != "ok":
+      continue
+    kernel, tile = by_name[row["impl"]]
+    ms = row["fwd_ms"] if kernel == "forward" else row["fwd_bwd_ms"]
+    times.setdefault((row["S"], row["causal"]), {}).setdefault(kernel, {})[tile] = ms
+  return times
+
+
+def print_mosaic_table(rows, head_dims):
+  """Prints, per head dim, length and mask, the table row of the fastest tile of each kernel
+  (the table's own where none of its candidates ran) and their times beside the table's
+  tiles'; returns ``{"sm90,D,causal,S=..": [tile sources]}``."""
+  table = {}
+  for head_dim in head_dims:
+    backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+    for (seq_len, causal), times in sorted(mosaic_times(rows, head_dim).items()):
+      plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, generation="sm90",
+                          forward_kernel="mosaic", backward_kernel=backward)
+      chosen, notes = [], []
+      for kernel in MOSAIC_KERNELS if backward == "mosaic" else MOSAIC_KERNELS[:1]:
+        current = getattr(plan, kernel)
+        best = min(times.get(kernel, {current: None}).items(),
+                   key=lambda item: float("inf") if item[1] is None else item[1])
+        chosen.append(tile_source(best[0]))
+        if best[1] is not None:
+          table_ms = times[kernel].get(current)
+          notes.append(f"{kernel} {best[1]:.3f} ms (table's "
+                       + ("not run" if table_ms is None else f"{table_ms:.3f}") + ")")
+      chosen += ["None"] * (3 - len(chosen))
+      print(f'    ("sm90", {head_dim}, {causal}): ({", ".join(chosen)}),  '
+            f'# S={seq_len}: {"; ".join(notes)}')
+      table[f"sm90,{head_dim},{causal},S={seq_len}"] = chosen
+  return table
 
 
 def matmul_peak_tflops(size):
@@ -97,10 +181,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seq-lens", default="4096,16384,65536")
   parser.add_argument("--head-dims", default="64,128")
-  parser.add_argument("--impls", default="all", help="comma-separated names, or all")
+  parser.add_argument("--impls", default="all", help="comma-separated names or patterns "
+                      "('mosaic_*': every swept Mosaic tile), or all")
   parser.add_argument("--tokens", type=int, default=16384, help="batch = max(1, tokens // S)")
   parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden // D")
-  parser.add_argument("--sweep", action="store_true", help=f"also time ours at {SWEEP_BLOCKS}")
+  parser.add_argument("--masks", default="causal,full", help="causal, full or both")
+  parser.add_argument("--sweep", action="store_true", help=f"also time ours at {SWEEP_BLOCKS} "
+                      "and, on a Hopper GPU, every Mosaic tile of mosaic_candidates")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
   parser.add_argument("--json", default="", help="write the rows here as JSON "
                       "(nothing is written without it)")
@@ -108,10 +195,10 @@ def main():
   if args.tiny:
     args.seq_lens, args.head_dims, args.tokens, args.hidden = "128,200", "64", 256, 128
   interpret = jax.default_backend() != "gpu"
-  known = implementations(True, 64, interpret=interpret, sweep=args.sweep)
-  chosen = list(known) if args.impls == "all" else args.impls.split(",")
-  if unknown := [name for name in chosen if name not in known]:
-    parser.error(f"unknown --impls {unknown}; choose from {list(known)}")
+  known = list(implementations(True, 64, interpret=interpret, sweep=args.sweep))
+  patterns = ["*"] if args.impls == "all" else args.impls.split(",")
+  if unknown := [p for p in patterns if not fnmatch.filter(known, p)]:
+    parser.error(f"unknown --impls {unknown}; choose from {known}")
   warmup, iters = (1, 2) if args.tiny else (2, 10)
 
   env = environment()
@@ -131,7 +218,7 @@ def main():
       q, k, v, d_out = (jax.random.normal(key, (batch, seq_len, heads, head_dim), jnp.bfloat16)
                         for key in keys)
       rows = sampled_rows(seq_len)
-      for causal in (True, False):
+      for causal in [{"causal": True, "full": False}[mask] for mask in args.masks.split(",")]:
         plan = choose_tiles(seq_len, head_dim, causal=causal, scale=head_dim ** -0.5,
                             interpret=interpret)
         print(f"\nB={batch} S={seq_len} H={heads} D={head_dim} causal={causal}; ours: "
@@ -139,7 +226,7 @@ def main():
         reference = reference_on_rows(q, k, v, d_out, rows, causal)
         flops = attention_flops(batch, seq_len, heads, head_dim, causal)
         impls = implementations(causal, head_dim, interpret=interpret, sweep=args.sweep)
-        for name in chosen:
+        for name in [name for name in impls if any(fnmatch.fnmatch(name, p) for p in patterns)]:
           try:
             fn = impls[name]()
           except Exception as e:  # noqa: BLE001
@@ -156,10 +243,14 @@ def main():
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]
   print()
   print_table([{**r, "status": r["status"][:80]} for r in rows_out], columns)
+  mosaic_table = {}
+  if args.sweep:
+    print("\nThe fastest Mosaic tiles, as rows of flash_attention._MOSAIC_TILES:")
+    mosaic_table = print_mosaic_table(rows_out, map(int, args.head_dims.split(",")))
   if args.json:
     write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
                tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,
-               tokens=args.tokens, hidden=args.hidden)
+               tokens=args.tokens, hidden=args.hidden, mosaic_table=mosaic_table)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@
 #                 the profile of that step by class (benchmarks/profile_step.py); and
 #                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
 #                 marked OOM)
+#   sweep-d64-causal, sweep-d64-full, sweep-d128  (each about 5 minutes, an estimate) every
+#                 Mosaic attention tile of flash_attention.mosaic_candidates at 16K tokens
+#                 (two or three compute warpgroups, 64/128-wide streamed blocks, 2-4 slots,
+#                 the forward with and without ping-pong) beside the table's and cuDNN; ends
+#                 with the winners as rows of flash_attention._MOSAIC_TILES to paste there
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors
@@ -47,7 +52,7 @@
 #                 transformers loading the export, ulysses-doctor; ends with one table.
 #                 FIRST_CONTACT_MODE=cpu runs it on the CPU with tiny shapes (the test does);
 #                 FIRST_CONTACT_CONFIGS=a.gin,b.gin chooses the configs (default: all).
-# GPU_SESSION_DRY=1 runs the speed and generate stages on the CPU with tiny shapes (a check of
+# GPU_SESSION_DRY=1 runs the speed, sweep and generate stages on the CPU with tiny shapes (a check of
 # the commands, tests/test_gpu_session.py); PYTHON names the interpreter (default python3).
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
@@ -159,6 +164,13 @@ case $stage in
       --json "$out/speed_profile.json"
     run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
       --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json" ;;
+  sweep-d64-causal|sweep-d64-full|sweep-d128)
+    read -r head_dim masks <<<"$(case $stage in sweep-d64-causal) echo 64 causal;;
+      sweep-d64-full) echo 64 full;; *) echo 128 causal,full;; esac)"
+    if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(--seq-lens 16384); fi
+    run "$stage" "$python" -m benchmarks.attention_kernels "${sizes[@]}" --head-dims "$head_dim" \
+      --masks "$masks" --sweep --impls 'ours_mosaic,cudnn,mosaic_*' \
+      --json "$out/$stage.json" ;;
   generate)
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
     run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" \
@@ -169,7 +181,8 @@ case $stage in
       --mode "${FIRST_CONTACT_MODE:-gpu}" ${FIRST_CONTACT_CONFIGS:+--configs "$FIRST_CONTACT_CONFIGS"} ;;
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
-      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, generate or" \
+      "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, sweep-d64-causal," \
+      "sweep-d64-full, sweep-d128, generate or" \
       "first-contact" >&2
     exit 2 ;;
 esac

@@ -21,8 +21,10 @@ from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
+from ulysses_jax.kernels import flash_attention as fa
 from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
-                                                flash_attention_backward)
+                                                flash_attention_backward, mosaic_candidates)
+from ulysses_jax.kernels.flash_kernels import Tile
 
 
 # The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
@@ -47,6 +49,71 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
   check_flash_against_reference(q, k, v, d_out, causal=causal,
                            segment_ids=segment_ids if segments else None, tol=BF16_TOL,
                            forward_kernel="mosaic", backward_kernel="mosaic")
+
+
+# The tile variants ``benchmarks.attention_kernels --sweep`` times: three compute warpgroups in
+# all three kernels (192 query rows for the forward and dq, 192 keys for dk/dv; the padded length
+# then a multiple of 384), and the forward's ping-pong schedule with 64-key slots. 456 tokens:
+# the last tile is partly padding, every ring refills, packed segments cross tiles. Slow (41 s,
+# 28 s on 2 cores): CI runs them after `make test`; the race detector runs both (newest JAX).
+@pytest.mark.slow
+@pytest.mark.parametrize("tiles", [
+    (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2)),
+    (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3))],
+    ids=["three-warpgroups", "pingpong"])
+def test_mosaic_tile_variants_match_reference(tiles):
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, 456, 2, 1, 64, dtype=jnp.bfloat16,
+                                              num_segments=4)
+  check_flash_against_reference(q, k, v, d_out, causal=True, segment_ids=segment_ids,
+                                tol=BF16_TOL, forward_kernel="mosaic", backward_kernel="mosaic",
+                                tiles=tiles, interpret=True)
+
+
+@pytest.mark.slow
+def test_every_swept_mosaic_tile_lowers_for_hopper():
+  """Each tile of ``mosaic_candidates`` in its kernel (the others the table's), forward and
+  backward, causal, packed, through Mosaic GPU's lowering, which also checks the CTA's shared
+  memory against Hopper's 227 KiB: a sweep on a GPU times only tiles that lower. About 60 s."""
+  for head_dim in (64, 128, 256):
+    backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+    plan = choose_tiles(1000, head_dim, causal=True, scale=1.0, generation="sm90",
+                        forward_kernel="mosaic", backward_kernel=backward)
+    for i, (kernel, tiles) in enumerate(mosaic_candidates(head_dim).items()):
+      for tile in tiles:
+        chosen = [plan.forward, plan.dq, plan.dkv]
+        chosen[i] = tile
+        kernels = _lowered_kernels(head_dim, True, True, None, backward, tiles=tuple(chosen))
+        assert kernels >= (3 if backward == "mosaic" else 1), (head_dim, kernel, tile)
+
+
+def test_mosaic_tiles_are_checked_before_tracing():
+  q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+  plan = choose_tiles(256, 128, causal=True, scale=1.0, generation="sm90",
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  three = (Tile(192, 128, 16, 2), plan.dq, plan.dkv)
+  with pytest.raises(ValueError, match=r"Mosaic forward kernel cannot run .* at head dim 128: "
+                     r"num_warps 16: 12 \(two compute warpgroups\), or 16 \(three\) at "
+                     r"head dim 64"):
+    flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=three)
+  pingpong_dq = (plan.forward, Tile(128, 64, 12, 2, pingpong=True), plan.dkv)
+  with pytest.raises(ValueError, match="pingpong: the forward with two compute warpgroups only"):
+    flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=pingpong_dq)
+  too_big = (Tile(128, 128, 12, 4), plan.dq, plan.dkv)
+  with pytest.raises(ValueError, match=r"\d+ bytes of shared memory: at most 232448"):
+    flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=too_big)
+  with pytest.raises(ValueError, match="pass tiles or block_q / block_kv, not both"):
+    flash_attention(q, q, q, forward_kernel="mosaic", block_q=128, tiles=too_big)
+
+
+def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
+  """The sweep times the table's own tiles beside the others (its winners never lose to the
+  table in the same run), and every row of the table passes the checks a user's tiles do."""
+  for (generation, head_dim, causal), tiles in fa._MOSAIC_TILES.items():
+    candidates = mosaic_candidates(head_dim)
+    for kernel, tile in zip(fa.MOSAIC_KERNELS, tiles):
+      if tile is not None:
+        fa.check_mosaic_tile(kernel, tile, head_dim)
+        assert tile in candidates[kernel], (generation, head_dim, causal, kernel, tile)
 
 
 # The Hopper kernels with a sliding window, against the dense reference, packed segments
@@ -191,6 +258,13 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
   realise; compiling and running it needs an H100/H200. With a window the block ranges and
   the masks are traced values too."""
   backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
+  kernels = _lowered_kernels(head_dim, causal, segments, window, backward)
+  assert kernels >= (3 if backward == "mosaic" else 1), kernels
+
+
+def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None):
+  """Mosaic GPU calls in the gradient of our attention lowered for Hopper (batch 2, 1000
+  tokens, GQA 4:2)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if segments else None
@@ -198,13 +272,12 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
   def loss(q, k, v, ids):
     out = flash_attention(q, k, v, causal=causal, segment_ids=ids, interpret=False,
                           forward_kernel="mosaic", backward_kernel=backward,
-                          sliding_window=window)
+                          sliding_window=window, tiles=tiles)
     return out.astype(jnp.float32).sum()
   with lowering_target(90):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(
         lowering_platforms=("cuda",))
-  kernels = lowered.as_text().count("mosaic_gpu")
-  assert kernels >= (3 if backward == "mosaic" else 1), kernels
+  return lowered.as_text().count("mosaic_gpu")
 
 
 def test_mosaic_plan():
@@ -220,3 +293,14 @@ def test_mosaic_plan():
       128, 64, 64, 128)
 
 
+
+
+def test_three_warpgroup_tiles_pad_to_a_common_multiple_and_keep_their_rows_when_short():
+  tiles = (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2))
+  plan = choose_tiles(65536, 64, causal=True, scale=1.0, tiles=tiles, forward_kernel="mosaic",
+                      backward_kernel="mosaic")
+  assert plan.padded_len == 65664 and (plan.forward, plan.dq, plan.dkv) == tiles  # 171 x 384
+  # A table row of three warpgroups cut to a short sequence keeps 64 rows per warpgroup.
+  fitted = fa._fit_mosaic(tiles[0], "forward", 32, None, None)
+  assert (fitted.block_q, fitted.block_kv) == (192, 64)
+  assert fa._fit_mosaic(tiles[2], "dkv", 32, None, None).block_kv == 192

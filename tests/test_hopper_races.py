@@ -19,6 +19,7 @@ from attention_cases import BF16_TOL, output_and_grads, random_inputs, relative_
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_kernels, hopper_interpret
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
+from ulysses_jax.kernels.flash_kernels import Tile
 
 pytestmark = pytest.mark.skipif(
     not hopper_interpret.has_proxy_aware_race_detector(),
@@ -81,18 +82,27 @@ def test_detector_reports_a_ring_refill_without_the_proxy_fence():
 # 128: 2); segment ids are sorted random documents, so they cross tiles. The window of 600
 # starts the later CTAs' streams past block 0 and cuts blocks at its lower edge (masked), yet
 # still wraps every ring twice (slow: 13 s forward, 48 s backward on 2 cores).
-CASES = [pytest.param(800, True, (2, 1), 64, True, None, id="causal-gqa-d64-packed"),
-         pytest.param(600, False, (2, 1), 128, True, None, id="full-gqa-d128-packed"),
-         pytest.param(600, True, (2, 2), 128, False, None, id="causal-mha-d128"),
-         pytest.param(800, True, (2, 1), 128, True, 600, id="window600-gqa-d128-packed",
-                      marks=pytest.mark.slow)]
+# The tile variants of the sweep: three compute warpgroups in every kernel (900 tokens pad to
+# 1152: six 192-row tiles), and the forward's ping-pong schedule (its backward is the table's).
+THREE_WARPGROUPS = (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2))
+PINGPONG = (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3))
+CASES = [pytest.param(800, True, (2, 1), 64, True, None, None, id="causal-gqa-d64-packed"),
+         pytest.param(600, False, (2, 1), 128, True, None, None, id="full-gqa-d128-packed"),
+         pytest.param(600, True, (2, 2), 128, False, None, None, id="causal-mha-d128"),
+         pytest.param(800, True, (2, 1), 128, True, 600, None, id="window600-gqa-d128-packed",
+                      marks=pytest.mark.slow),
+         pytest.param(900, True, (2, 1), 64, True, None, THREE_WARPGROUPS,
+                      id="three-warpgroups-causal-gqa-d64-packed"),
+         pytest.param(800, True, (2, 1), 64, True, None, PINGPONG,
+                      id="pingpong-causal-gqa-d64-packed")]
 
 
-def _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window):
+def _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window, tiles):
   q, k, v, d_out, segment_ids = random_inputs(5, 1, seq_len, *heads, head_dim,
                                               dtype=jnp.bfloat16, num_segments=4)
   plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
-                      forward_kernel="mosaic", backward_kernel="mosaic", sliding_window=window)
+                      forward_kernel="mosaic", backward_kernel="mosaic", sliding_window=window,
+                      tiles=tiles)
   groups = heads[0] // heads[1]
   # The most blocks a CTA streams, per kernel: key blocks of a query tile (forward, dq), query
   # blocks of every grouped head for a key tile (dk/dv).
@@ -113,10 +123,11 @@ def _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window):
   return q, k, v, d_out, segment_ids if segments else None
 
 
-def _attention(causal, segment_ids, window):
+def _attention(causal, segment_ids, window, tiles):
   return lambda q, k, v: flash_attention(q, k, v, causal=causal, segment_ids=segment_ids,
                                          interpret=True, forward_kernel="mosaic",
-                                         backward_kernel="mosaic", sliding_window=window)
+                                         backward_kernel="mosaic", sliding_window=window,
+                                         tiles=tiles)
 
 
 def _reference(causal, segment_ids, window, *arrays):
@@ -134,21 +145,24 @@ def _assert_close(name, actual, expected):
   assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window", CASES)
-def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, window):
-  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window)
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles", CASES)
+def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, window, tiles):
+  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window,
+                                             tiles)
   with _race_checked():
-    out = jax.jit(_attention(causal, segment_ids, window))(q, k, v)
+    out = jax.jit(_attention(causal, segment_ids, window, tiles))(q, k, v)
   _assert_close("out", out, _reference(causal, segment_ids, window, q, k, v))
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window", CASES)
-def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window):
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles",
+                         [case for case in CASES if case.values[-1] is not PINGPONG])
+def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window,
+                                         tiles):
   """One backward pass runs both kernels; a race names the kernel's source line."""
   q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments,
-                                                 window)
+                                                 window, tiles)
   # The forward, unchecked
-  _, backward = jax.vjp(_attention(causal, segment_ids, window), q, k, v)
+  _, backward = jax.vjp(_attention(causal, segment_ids, window, tiles), q, k, v)
   with _race_checked():
     grads = jax.jit(backward)(d_out)
   _, *expected = _reference(causal, segment_ids, window, q, k, v, d_out)

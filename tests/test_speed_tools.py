@@ -1,6 +1,7 @@
-"""The speed measurements' tooling on the CPU (issue 47 items 4-6, issue 49 item 2): MFU against
-both peaks, the step profile's classes, the OOM rows of the transformers comparison, the gin
-settings the GPU stage reads, and the GPU session's speed and generate stages on tiny shapes."""
+"""The speed measurements' tooling on the CPU (issue 47 items 2, 4-6, issue 49 item 2): MFU
+against both peaks, the step profile's classes, the OOM rows of the transformers comparison,
+the gin settings the GPU stage reads, the Mosaic tile sweep's winners, and the GPU session's
+speed, sweep and generate stages on tiny shapes."""
 
 import json
 import os
@@ -12,8 +13,9 @@ import types
 import jax
 import pytest
 
-from benchmarks import common, profile_step, train_step
+from benchmarks import attention_kernels, common, profile_step, train_step
 from ulysses_jax import metrics
+from ulysses_jax.kernels.flash_kernels import Tile
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -146,7 +148,7 @@ def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, files", [
     ("speed", ["speed_kernels", "speed_train_step", "speed_profile", "speed_vs_transformers"]),
-    ("generate", ["generate_gpu"])])
+    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"])])
 def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
   """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
   (GPU_SESSION_DRY=1): a typo costs no GPU time. About 2 minutes each on 2 busy cores."""
@@ -158,7 +160,11 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
   for name in files:
     written = json.loads((tmp_path / f"{name}.json").read_text())
     assert written["rows"] and written["environment"]["platform"] == "cpu", name
-  if stage == "speed":
+  if stage == "sweep-d128":  # on the CPU every Mosaic row is skipped, with the reason
+    written = json.loads((tmp_path / "sweep-d128.json").read_text())
+    assert any(r["impl"].startswith("mosaic_dkv[") and "Hopper GPU" in r["status"]
+               for r in written["rows"])
+  elif stage == "speed":
     step, = json.loads((tmp_path / "speed_train_step.json").read_text())["rows"]
     assert step["MFU"] > 0 and step["dtype"] == "bfloat16" and step["mlp_chunk"] == 8192
     assert step["MFU_datasheet"] is None  # no datasheet figure for a CPU
@@ -171,3 +177,29 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
     assert all(r["ms_per_token"] > 0 and r["floor_ms_per_token"] > 0 and
                r["compute_floor_s"] > 0 for r in written["rows"])
     assert written["agreement"][0]["identical"] == 1.0  # float32, greedy: the same tokens
+
+
+def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
+  """From timed rows (here written out, as a GPU run would give them): the forward's fastest
+  forward time, dq's and dk/dv's fastest forward+backward time, each beside the table's tile's;
+  a kernel none of whose tiles ran keeps the table's; failed rows do not count."""
+  candidates = attention_kernels.mosaic_candidates(64)
+  name = attention_kernels.mosaic_name
+  table_forward, table_dq = Tile(128, 128, 12, 3), Tile(128, 64, 12, 3)
+  three = Tile(192, 128, 16, 2)
+  assert three in candidates["forward"] and table_forward in candidates["forward"]
+  row = lambda impl, **times: dict(impl=impl, S=16384, D=64, causal=True, status="ok", **times)
+  rows = [row(name("forward", table_forward), fwd_ms=3.0, fwd_bwd_ms=10.0),
+          row(name("forward", three), fwd_ms=2.5, fwd_bwd_ms=9.6),
+          {**row(name("forward", Tile(128, 64, 12, 2, pingpong=True)), fwd_ms=1.0),
+           "status": "FAILED check: out error 1e-1"},
+          row(name("dq", table_dq), fwd_ms=3.0, fwd_bwd_ms=10.0),
+          row(name("dq", Tile(192, 64, 16, 3)), fwd_ms=3.0, fwd_bwd_ms=9.0),
+          row("cudnn", fwd_ms=0.1, fwd_bwd_ms=0.1)]
+  table = attention_kernels.print_mosaic_table(rows, [64])
+  assert table == {"sm90,64,True,S=16384": [
+      "Tile(192, 128, 16, 2)", "Tile(192, 64, 16, 3)", "Tile(64, 128, 12, 3)"]}
+  printed = capsys.readouterr().out
+  assert ('("sm90", 64, True): (Tile(192, 128, 16, 2), Tile(192, 64, 16, 3), '
+          'Tile(64, 128, 12, 3)),  # S=16384: forward 2.500 ms (table\'s 3.000); '
+          'dq 9.000 ms (table\'s 10.000)') in printed

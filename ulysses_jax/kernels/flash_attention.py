@@ -30,6 +30,7 @@ Mosaic, forward and backward) serves models with sinks unchanged.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,16 +65,24 @@ _TILES = {
         256: ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
     },
 }
-# The Mosaic forward per head dim: (CTA query rows, keys per slot, warps = 3 warpgroups, slots).
-# Shared memory: rows*D + 2*slots*block_kv*D 16-bit elements, at most 192 KiB (D = 256).
-_MOSAIC_TILES = {64: (128, 128, 12, 3), 128: (128, 128, 12, 2), 256: (128, 64, 12, 2)}
-# The Mosaic dq and dk/dv kernels: dq (CTA query rows, keys per slot, 12, slots), dk/dv (queries
-# per slot, CTA keys, 12, slots). Shared memory at D = 128: 2 x 128 owned rows x D + 2 x slots x
-# 64 x D 16-bit elements, 128 KiB. Registers bound the slot width (dk and dv accumulators of 64
-# keys x D float32, plus two 64 x 64 float32 tiles per warpgroup).
-_MOSAIC_BACKWARD_TILES = {64: ((128, 64, 12, 3), (64, 128, 12, 3)),
-                          128: ((128, 64, 12, 2), (64, 128, 12, 2))}
-_MOSAIC_MIN_ROWS = flash_hopper.COMPUTE_WARPGROUPS * flash_hopper.WGMMA_ROWS
+# The Mosaic kernels (Hopper) per (GPU generation, head dim, causal): the tiles of the forward,
+# dq and dk/dv (None: no Mosaic backward at D = 256). Forward: CTA query rows, keys per slot;
+# dq: CTA query rows, keys per slot; dk/dv: queries per slot, CTA keys. Warps 12: two compute
+# warpgroups (16: three, head dim 64 only). Shared memory (``mosaic_shared_memory``) at most
+# 192 KiB (the forward at D = 256); registers bound the backward's slot width (dk and dv
+# accumulators of 64 keys x D float32, plus two 64 x 64 float32 tiles per warpgroup). These
+# ran on an H200 (2026-11-27, issue 47's profile); `python -m benchmarks.attention_kernels
+# --sweep` times ``mosaic_candidates`` on a GPU and prints these rows for its winners.
+_MOSAIC_TILES = {
+    ("sm90", 64, True): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
+    ("sm90", 64, False): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
+    ("sm90", 128, True): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
+    ("sm90", 128, False): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
+    ("sm90", 256, True): (Tile(128, 64, 12, 2), None, None),
+    ("sm90", 256, False): (Tile(128, 64, 12, 2), None, None),
+}
+_MOSAIC_MIN_ROWS = 2 * flash_hopper.WGMMA_ROWS  # two compute warpgroups
+_SHARED_MEMORY = 227 * 1024  # the most one CTA may allocate on Hopper
 KERNELS = ("triton", "mosaic")
 
 
@@ -84,6 +93,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
                     interpret: bool | None = None, return_lse: bool = False,
                     forward_kernel: str = "triton", backward_kernel: str = "triton",
                     sliding_window: int | None = None, sinks: jax.Array | None = None,
+                    tiles: tuple[Tile, Tile, Tile] | None = None,
                     ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact attention with Pallas kernels; differentiable, including through the lse.
 
@@ -112,6 +122,9 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
       backward) skips the blocks it hides.
     sinks: None, or ``[Hq]`` float logits, one more softmax column per query head with no value
       (gpt-oss; ``ulysses_jax.kernels.variants``), applied through the lse.
+    tiles: the forward, dq and dk/dv kernels' ``Tile``s as given, instead of the table's
+      (``benchmarks.attention_kernels --sweep`` times ``mosaic_candidates`` so); not with
+      ``block_q`` / ``block_kv``.
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32 (the
@@ -121,8 +134,9 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
   check_sinks(sinks, q_BSHD.shape[2], "flash_attention")
   _validate_kernels(forward_kernel, backward_kernel, q_BSHD, block_q, block_kv, sliding_window,
                     causal)
+  _validate_tiles(tiles, forward_kernel, backward_kernel, q_BSHD.shape[3], block_q, block_kv)
   plan = _plan_for(q_BSHD, causal, scale, block_q, block_kv, interpret, forward_kernel,
-                   backward_kernel, sliding_window)
+                   backward_kernel, sliding_window, tiles)
   q_seg, kv_seg = _padded_segment_ids(plan, segment_ids, kv_segment_ids)
   out, lse = _flash(plan, *(_pad(plan, x) for x in (q_BSHD, k_BSKD, v_BSKD)), q_seg, kv_seg)
   s = plan.seq_len
@@ -163,7 +177,7 @@ def flash_attention_backward(q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, d_out_BS
 
 
 def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, backward_kernel,
-              sliding_window):
+              sliding_window, tiles=None):
   d = q.shape[3]
   target = target_lib.current(arrays=(q,))
   if interpret is None:
@@ -175,7 +189,7 @@ def _plan_for(q, causal, scale, block_q, block_kv, interpret, forward_kernel, ba
                       block_kv=block_kv, interpret=bool(interpret),
                       generation="other" if interpret else target.generation,
                       forward_kernel=forward_kernel, backward_kernel=backward_kernel,
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, tiles=tiles)
 
 
 def _check_triton_finds_the_gpu(target):
@@ -215,36 +229,125 @@ def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
                  block_q: int | None = None, block_kv: int | None = None,
                  interpret: bool = False, generation: str | None = None,
                  forward_kernel: str = "triton", backward_kernel: str = "triton",
-                 sliding_window: int | None = None) -> KernelSpec:
+                 sliding_window: int | None = None,
+                 tiles: tuple[Tile, Tile, Tile] | None = None) -> KernelSpec:
   """Block sizes and launch parameters of the three kernels for one problem shape.
 
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default that of the
-  devices the call is built for (``target.current``; ``"other"`` in interpret mode).
+  devices the call is built for (``target.current``; ``"other"`` in interpret mode). The
+  Mosaic kernels' tiles are the Hopper rows of the table in any case. ``tiles`` (forward, dq,
+  dk/dv) replace the table's as given.
   """
-  if generation is None:
-    generation = "other" if interpret else target_lib.current().generation
-  table = list(_TILES[generation][max(64, head_dim)])
-  if forward_kernel == "mosaic":
-    table[0] = _MOSAIC_TILES[head_dim]
-  if backward_kernel == "mosaic":
-    table[1:] = _MOSAIC_BACKWARD_TILES[head_dim]
-  # Blocks never exceed the (power-of-two rounded) sequence, so short sequences pad little.
-  cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
-  tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
-           for bq, bk, warps, stages in table]
-  # Mosaic kernels: at least 64 rows per compute warpgroup, 64 rows per streamed block.
-  at_least = lambda tile, block_q, block_kv: dataclasses.replace(
-      tile, block_q=max(tile.block_q, block_q), block_kv=max(tile.block_kv, block_kv))
-  if forward_kernel == "mosaic":
-    tiles[0] = at_least(tiles[0], _MOSAIC_MIN_ROWS, 64)
-  if backward_kernel == "mosaic":
-    tiles[1:] = at_least(tiles[1], _MOSAIC_MIN_ROWS, 64), at_least(tiles[2], 64, _MOSAIC_MIN_ROWS)
-  largest = max(max(t.block_q, t.block_kv) for t in tiles)
-  padded_len = -(-seq_len // largest) * largest
+  if tiles is None:
+    if generation is None:
+      generation = "other" if interpret else target_lib.current().generation
+    # Blocks never exceed the (power-of-two rounded) sequence, so short sequences pad little.
+    cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
+    tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
+             for bq, bk, warps, stages in _TILES[generation][max(64, head_dim)]]
+    mosaic = _MOSAIC_TILES[("sm90", head_dim, bool(causal))] if head_dim in (
+        flash_hopper.HEAD_DIMS) else (None,) * 3
+    kernels = (forward_kernel, backward_kernel, backward_kernel)
+    tiles = [_fit_mosaic(table_tile, name, cap, block_q, block_kv) if kernel == "mosaic" else tile
+             for tile, table_tile, name, kernel in zip(tiles, mosaic, MOSAIC_KERNELS, kernels)]
+  # Every kernel's grid divides the padded length (blocks are powers of two, or 192 rows).
+  step = math.lcm(*(block for tile in tiles for block in (tile.block_q, tile.block_kv)))
   return KernelSpec(causal=bool(causal), scale=float(scale), seq_len=seq_len,
-                    padded_len=padded_len, interpret=interpret, forward=tiles[0], dq=tiles[1],
-                    dkv=tiles[2], forward_kernel=forward_kernel,
+                    padded_len=-(-seq_len // step) * step, interpret=interpret,
+                    forward=tiles[0], dq=tiles[1], dkv=tiles[2], forward_kernel=forward_kernel,
                     backward_kernel=backward_kernel, sliding_window=sliding_window)
+
+
+MOSAIC_KERNELS = ("forward", "dq", "dkv")
+
+
+def _owned_and_streamed(kernel):
+  """Which of a Mosaic kernel's blocks its CTA owns (split over its compute warpgroups), and
+  which it streams: dk/dv owns keys, the forward and dq own query rows."""
+  return ("block_kv", "block_q") if kernel == "dkv" else ("block_q", "block_kv")
+
+
+def _fit_mosaic(tile, kernel, cap, block_q, block_kv):
+  """The table's Mosaic ``tile`` for a sequence of at most ``cap`` (a power of two) tokens: no
+  block beyond it, but at least 64 rows per compute warpgroup and 64 streamed. Blocks the
+  caller gives replace the table's, with two compute warpgroups and no ping-pong."""
+  if block_q or block_kv:
+    tile = Tile(block_q or tile.block_q, block_kv or tile.block_kv, 12, tile.num_stages)
+  owned, streamed = _owned_and_streamed(kernel)
+  least = {owned: flash_hopper.WGMMA_ROWS * flash_hopper.compute_warpgroups(tile), streamed: 64}
+  return dataclasses.replace(tile, **{name: max(min(getattr(tile, name), cap), least[name])
+                                      for name in least})
+
+
+def mosaic_shared_memory(kernel, tile, head_dim):
+  """Bytes of shared memory a Mosaic kernel's CTA allocates (16-bit inputs, segment ids): each
+  buffer rounded up to 1 KiB as Mosaic GPU aligns them (its lowering checks the real figure)."""
+  owned, streamed = (getattr(tile, name) for name in _owned_and_streamed(kernel))
+  tiles = {"forward": (1, 2), "dq": (2, 2), "dkv": (2, 2)}[kernel]  # (owned, streamed) [*, D]
+  vectors = {"forward": (2, 1), "dq": (3, 1), "dkv": (1, 3)}[kernel]  # float32 / int32 [*]
+  buffers = ([owned * head_dim * 2] * tiles[0] + [owned * 4] * vectors[0]
+             + [tile.num_stages * streamed * head_dim * 2] * tiles[1]
+             + [tile.num_stages * streamed * 4] * vectors[1])
+  return sum(-(-size // 1024) * 1024 for size in buffers)
+
+
+def check_mosaic_tile(kernel, tile, head_dim):
+  """Raises unless the Mosaic ``kernel`` (``MOSAIC_KERNELS``) can run ``tile`` at ``head_dim``."""
+  warpgroups = flash_hopper.compute_warpgroups(tile)
+  owned, streamed = _owned_and_streamed(kernel)
+  problems = []
+  if tile.num_warps not in (12, 16) or (warpgroups == 3 and head_dim != 64):
+    problems.append(f"num_warps {tile.num_warps}: 12 (two compute warpgroups), or 16 (three) at "
+                    "head dim 64")
+  elif getattr(tile, owned) % (flash_hopper.WGMMA_ROWS * warpgroups):
+    problems.append(f"{owned} {getattr(tile, owned)}: a multiple of "
+                    f"{flash_hopper.WGMMA_ROWS * warpgroups} ({warpgroups} compute warpgroups)")
+  if getattr(tile, streamed) % 64:
+    problems.append(f"{streamed} {getattr(tile, streamed)}: a multiple of 64")
+  if tile.num_stages < 2:
+    problems.append(f"num_stages {tile.num_stages}: at least 2")
+  if tile.pingpong and (kernel != "forward" or warpgroups != 2):
+    problems.append("pingpong: the forward with two compute warpgroups only")
+  if (smem := mosaic_shared_memory(kernel, tile, head_dim)) > _SHARED_MEMORY:
+    problems.append(f"{smem} bytes of shared memory: at most {_SHARED_MEMORY}")
+  if problems:
+    raise ValueError(f"flash_attention: the Mosaic {kernel} kernel cannot run {tile} at head dim "
+                     f"{head_dim}: " + "; ".join(problems) + ". Use mosaic_candidates().")
+
+
+def mosaic_candidates(head_dim):
+  """``{kernel: [Tile]}``: the Mosaic tiles ``benchmarks.attention_kernels --sweep`` times at
+  ``head_dim``: two or three compute warpgroups (FA3's 192-row tile at 64), streamed blocks of
+  64 or 128, two to four slots, the forward with and without ping-pong; those that fit."""
+  warpgroups = (2, 3) if head_dim == 64 else (2,)
+  found = {kernel: [] for kernel in MOSAIC_KERNELS}
+  for kernel in MOSAIC_KERNELS if head_dim in flash_hopper_backward.HEAD_DIMS else ("forward",):
+    owned, streamed = _owned_and_streamed(kernel)
+    for n in warpgroups:
+      for block in (64, 128):
+        for stages in (2, 3, 4):
+          for pingpong in (False, True) if kernel == "forward" and n == 2 else (False,):
+            tile = Tile(**{owned: 64 * n, streamed: block}, num_warps=4 * (n + 1),
+                        num_stages=stages, pingpong=pingpong)
+            if mosaic_shared_memory(kernel, tile, head_dim) <= _SHARED_MEMORY:
+              found[kernel].append(tile)
+  return found
+
+
+def _validate_tiles(tiles, forward_kernel, backward_kernel, head_dim, block_q, block_kv):
+  if tiles is None:
+    return
+  if block_q or block_kv:
+    raise ValueError("flash_attention: pass tiles or block_q / block_kv, not both.")
+  if len(tiles) != 3 or not all(isinstance(t, Tile) for t in tiles):
+    raise ValueError(f"flash_attention: tiles must be three Tiles (forward, dq, dk/dv), got "
+                     f"{tiles!r}.")
+  kernels = (forward_kernel, backward_kernel, backward_kernel)
+  for name, tile, kernel in zip(MOSAIC_KERNELS, tiles, kernels):
+    if kernel == "mosaic":
+      check_mosaic_tile(name, tile, head_dim)
+    else:
+      _validate_blocks(tile.block_q, tile.block_kv)
 
 
 def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
@@ -276,6 +379,10 @@ def _validate(q, k, v, segment_ids, kv_segment_ids, block_q, block_kv):
     if ids is not None and (ids.shape != q.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer)):
       raise ValueError(f"flash_attention: {name} must be integers of shape [B, S] = "
                        f"{q.shape[:2]}, got {ids.dtype}{list(ids.shape)}.")
+  _validate_blocks(block_q, block_kv)
+
+
+def _validate_blocks(block_q, block_kv):
   for name, block in (("block_q", block_q), ("block_kv", block_kv)):
     if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
       raise ValueError(f"flash_attention: {name} must be a power of two >= {_MIN_BLOCK}, got "

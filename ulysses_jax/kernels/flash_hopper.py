@@ -1,11 +1,13 @@
 """Hopper (sm90) flash attention in Pallas Mosaic GPU: the forward kernel, and the pieces that
 the backward kernels of ``flash_hopper_backward`` share with it.
 
-Every kernel here is a CTA of three warpgroups. Two compute warpgroups own half of the CTA's
-rows each (64 query rows, or 64 key rows in the dk/dv kernel) and run wgmma matmuls on them;
-the third only issues TMA copies (``produce``): it streams blocks of the other side (key
-blocks here and in dq, query blocks in dk/dv) into a ring of ``Tile.num_stages``
-shared-memory slots, running ahead of the compute warpgroups by up to that many blocks. Each
+Every kernel here is a CTA of ``Tile.num_warps / 4`` warpgroups. Two or three compute warpgroups
+(``compute_warpgroups``) own 64 of the CTA's rows each (query rows, or key rows in the dk/dv
+kernel) and run wgmma matmuls on them; the last warpgroup only issues TMA copies (``produce``):
+it streams blocks of the other side (key blocks here and in dq, query blocks in dk/dv) into a
+ring of ``Tile.num_stages`` shared-memory slots, running ahead of the compute warpgroups by up
+to that many blocks. Three compute warpgroups (192 rows, FA3's tile at head dim 64) read each
+streamed block for 1.5x the rows, at 160 registers per thread instead of 232. Each
 streamed operand has a ``<name>_ready`` barrier per slot (its copy landed); groups of operands
 share a ``<name>_free`` barrier per slot (two arrivals, one per compute warpgroup), after which
 the producer may overwrite them. Both compute warpgroups visit the same blocks, so producer and
@@ -37,6 +39,12 @@ The price under a causal mask is at most one fully masked block for the first wa
 (none when ``block_kv`` equals the tile's rows, the default for head dims 64 and 128); a window
 adds at most one for the second warpgroup's rows at its lower edge.
 
+With ``Tile.pingpong`` the forward's two compute warpgroups take turns on the tensor cores
+(FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier): a barrier of two arrivals, passed
+twice per key block by each, lets one warpgroup's softmax run while the other's QK^T and PV
+matmuls run. Whether that wins depends on the head dim and GPU: ``benchmarks.attention_kernels
+--sweep`` times it.
+
 Inputs and outputs follow ``flash_kernels.forward`` (padded ``[B, Sp, H, D]`` arrays read in
 place by strided TMA windows; lse ``[B, Hq, Sp]`` natural log, ``-inf`` for a row that sees no
 key), so either backward (Triton or Mosaic) consumes its residuals unchanged. 16-bit inputs
@@ -57,8 +65,10 @@ from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, dot, kv_block_
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
-COMPUTE_WARPGROUPS = 2
-WGMMA_ROWS = 64  # one warpgroup's wgmma covers 64 rows: a compute warpgroup's share is a multiple
+WGMMA_ROWS = 64  # one warpgroup's wgmma covers 64 rows: a compute warpgroup's share
+# Registers per thread of (a compute warpgroup, the copy warpgroup), by compute warpgroups: the
+# SM's 65,536 over (n + 1) x 128 threads, the copy warpgroup needing few (FA3's split).
+REGISTERS = {2: (232, 40), 3: (160, 32)}
 # 128-byte swizzle over tiles of 64 16-bit elements: a layout wgmma reads without bank conflicts.
 SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -72,11 +82,17 @@ def unpack_refs(refs, has_segments, num_inputs, num_outputs):
   return refs[:num_inputs], *segments, refs[len(refs) - num_outputs:]
 
 
-def launch(kernel, out_type, grid, plan):
-  """``plgpu.kernel`` over grid ``("tile", "batch", "head")`` with three warpgroups."""
+def compute_warpgroups(tile):
+  """The compute warpgroups of a CTA of ``tile`` (``num_warps`` counts the copy warpgroup too)."""
+  return tile.num_warps // 4 - 1
+
+
+def launch(kernel, out_type, grid, plan, tile):
+  """``plgpu.kernel`` over grid ``("tile", "batch", "head")``, ``tile.num_warps / 4``
+  warpgroups."""
   return plgpu.kernel(
       kernel, out_type=out_type, grid=grid, grid_names=("tile", "batch", "head"),
-      num_threads=COMPUTE_WARPGROUPS + 1, thread_name="wg",
+      num_threads=compute_warpgroups(tile) + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params() if plan.interpret else None)
 
@@ -92,15 +108,15 @@ def smem_tile(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=SMEM_TRANSFORMS if swizzled else ())
 
 
-def own_buffers(operands):
+def own_buffers(operands, warpgroups):
   """Per compute warpgroup, one buffer per ``{name: (shape, dtype)}`` and a barrier per copy."""
-  buffers = {name: smem_tile((COMPUTE_WARPGROUPS, *shape), dtype)
+  buffers = {name: smem_tile((warpgroups, *shape), dtype)
              for name, (shape, dtype) in operands.items()}
-  buffers["own_ready"] = plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS * len(operands))
+  buffers["own_ready"] = plgpu.Barrier(num_barriers=warpgroups * len(operands))
   return buffers
 
 
-def ring_buffers(stages, operands, free_groups, consumers=COMPUTE_WARPGROUPS):
+def ring_buffers(stages, operands, free_groups, consumers):
   """The producer's ring: ``stages`` slots of each ``{name: (shape, dtype)}``, a ``<name>_ready``
   barrier per operand and slot, and a ``<group>_free`` barrier per group name and slot (one
   arrival per consumer warpgroup)."""
@@ -129,13 +145,13 @@ def load_own(smem, w, windows):
   return {name: smem[name].at[w] for name in windows}
 
 
-def produce(smem, stages, num_steps, groups_of_step):
+def produce(smem, stages, num_steps, groups_of_step, registers=REGISTERS[2][1]):
   """The copy warpgroup: fills slot ``t % stages`` for steps ``t`` in ``[0, num_steps)``.
 
   ``groups_of_step(t)`` lists ``(group, {name: gmem window})`` in the order the consumers free
-  the groups; before refilling a slot the producer waits until both consumers freed the group.
+  the groups; before refilling a slot the producer waits until every consumer freed the group.
   """
-  plgpu.set_max_registers(40, action="decrease")
+  plgpu.set_max_registers(registers, action="decrease")
 
   @pl.loop(0, num_steps)
   def _(t):
@@ -239,13 +255,19 @@ class TileLayout:
 # versions so far: the register A operand with an initialised accumulator), it is a plain dot of
 # the same shared-memory tiles; everything around it (TMA, barriers, masks, softmax) is shared.
 
-def a_times_bt(a_smem, b_smem, *, interpret):
-  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``."""
+def a_times_bt(a_smem, b_smem, *, interpret, while_running=None):
+  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``; runs
+  ``while_running()`` after issuing the (asynchronous) wgmma, before reading its result."""
   if stand_in("a_times_bt", interpret):
-    return dot(a_smem[...], b_smem[...], 1, 1)
+    product = dot(a_smem[...], b_smem[...], 1, 1)
+    if while_running is not None:
+      while_running()
+    return product
 
   def product(acc_ref):
     plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+    if while_running is not None:
+      while_running()
     return acc_ref[...]
   return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
 
@@ -272,7 +294,7 @@ def forward(plan, q, k, v, q_seg, kv_seg):
                              has_segments=q_seg is not None)
   call = launch(kernel, (jax.ShapeDtypeStruct(q.shape, q.dtype),
                          jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)),
-                (sp // plan.forward.block_q, b, hq), plan)
+                (sp // plan.forward.block_q, b, hq), plan, plan.forward)
   return call(q, k, v, *((q_seg, kv_seg) if q_seg is not None else ()))
 
 
@@ -281,7 +303,7 @@ def key_ring(tile, head_dim, dtype, has_segments):
   operands = dict(k=((tile.block_kv, head_dim), dtype), v=((tile.block_kv, head_dim), dtype))
   if has_segments:
     operands["kv_seg"] = ((tile.block_kv,), jnp.int32)
-  return ring_buffers(tile.num_stages, operands, ("k", "v"))
+  return ring_buffers(tile.num_stages, operands, ("k", "v"), compute_warpgroups(tile))
 
 
 def stream_keys(tile, gmem, smem, batch, kv_head, first, end):
@@ -293,19 +315,23 @@ def stream_keys(tile, gmem, smem, batch, kv_head, first, end):
     if gmem["kv_seg"] is not None:
       v_group["kv_seg"] = gmem["kv_seg"].at[batch, keys]
     return [("k", dict(k=gmem["k"].at[batch, keys, kv_head])), ("v", v_group)]
-  produce(smem, tile.num_stages, end - first, groups_of_step)
+  produce(smem, tile.num_stages, end - first, groups_of_step,
+          REGISTERS[compute_warpgroups(tile)][1])
 
 
 def _forward_kernel(*refs, plan, groups, has_segments):
   (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = unpack_refs(
       refs, has_segments, 3, 2)
   tile = plan.forward
-  rows, d, dtype = tile.block_q // COMPUTE_WARPGROUPS, q_ref.shape[-1], q_ref.dtype
+  warpgroups = compute_warpgroups(tile)
+  rows, d, dtype = tile.block_q // warpgroups, q_ref.shape[-1], q_ref.dtype
   own = dict(q=((rows, d), dtype))
   if has_segments:
     own["q_seg"] = ((rows,), jnp.int32)
-  buffers = dict(**own_buffers(own), lse=smem_tile((COMPUTE_WARPGROUPS, rows), jnp.float32),
+  buffers = dict(**own_buffers(own, warpgroups), lse=smem_tile((warpgroups, rows), jnp.float32),
                  **key_ring(tile, d, dtype, has_segments))
+  if tile.pingpong:
+    buffers["schedule"] = plgpu.Barrier(num_arrivals=2)
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, lse=lse_ref, q_seg=q_seg_ref,
               kv_seg=kv_seg_ref)
 
@@ -329,11 +355,12 @@ def run_query_tile(plan, tile, buffers, gmem, groups, compute):
       ranges = all_masked(ranges)  # every block needs the segment mask
     wg = lax.axis_index("wg")
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
-    rows = tile.block_q // COMPUTE_WARPGROUPS
-    for w in range(COMPUTE_WARPGROUPS):
+    warpgroups = compute_warpgroups(tile)
+    rows = tile.block_q // warpgroups
+    for w in range(warpgroups):
       first_row = tile_index * tile.block_q + w * rows
       pl.when(wg == w)(functools.partial(compute, smem, w, batch, head, first_row, ranges))
-    pl.when(wg == COMPUTE_WARPGROUPS)(functools.partial(
+    pl.when(wg == warpgroups)(functools.partial(
         stream_keys, tile, gmem, smem, batch, lax.div(head, groups), ranges[0], ranges[3]))
 
   with_shared_memory(buffers, body)
@@ -341,9 +368,10 @@ def run_query_tile(plan, tile, buffers, gmem, groups, compute):
 
 def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   """One compute warpgroup: ``rows`` query rows against the key blocks of ``ranges``."""
-  plgpu.set_max_registers(232, action="increase")
   tile = plan.forward
-  rows, block_kv, stages = tile.block_q // COMPUTE_WARPGROUPS, tile.block_kv, tile.num_stages
+  warpgroups = compute_warpgroups(tile)
+  plgpu.set_max_registers(REGISTERS[warpgroups][0], action="increase")
+  rows, block_kv, stages = tile.block_q // warpgroups, tile.block_kv, tile.num_stages
   has_segments = gmem["q_seg"] is not None
   query_rows = pl.ds(first_row, rows)
   windows = dict(q=gmem["q"].at[batch, query_rows, head])
@@ -354,8 +382,12 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   q_seg = scores_tile.rows_of(own["q_seg"]) if has_segments else None
   q_pos = first_row + scores_tile.iota(0)
   qk_scale = plan.scale * LOG2E
-  matmul = functools.partial(a_times_bt, interpret=plan.interpret)
   accumulate = functools.partial(plus_a_times_b, interpret=plan.interpret)
+  # Ping-pong: each warpgroup arrives twice per block (QK^T issued; softmax done), so phases
+  # alternate between the two; the second starts one phase late and the first ends one late.
+  turn = (lambda: (plgpu.barrier_arrive(smem["schedule"]),
+                   plgpu.barrier_wait(smem["schedule"]))) if tile.pingpong else None
+  matmul = functools.partial(a_times_bt, interpret=plan.interpret, while_running=turn)
 
   def visit(masked, j, carry):
     acc, row_max, denom = carry
@@ -377,7 +409,12 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
     probs = jnp.exp2(scores - scores_tile.per_row(ref_max))
     denom = denom * correction + probs.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-    acc = accumulate(acc, probs.astype(own["q"].dtype), wait_ready(smem, "v", slot))
+    if tile.pingpong:  # softmax done: let the other warpgroup's matmuls go first
+      plgpu.barrier_arrive(smem["schedule"])
+    v = wait_ready(smem, "v", slot)
+    if tile.pingpong:
+      plgpu.barrier_wait(smem["schedule"])
+    acc = accumulate(acc, probs.astype(own["q"].dtype), v)
     release(smem, "v", slot,
             fence=has_segments or stand_in_reads(plan.interpret, "plus_a_times_b"))
     return acc, new_max, denom
@@ -386,7 +423,11 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   init = (scores_tile.zeros((rows, own["q"].shape[-1])),
           scores_tile.cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
           scores_tile.cast(jnp.zeros((rows,), jnp.float32), row_layout))
+  if tile.pingpong and w == 1:
+    turn()
   acc, row_max, denom = visit_blocks(ranges, visit, init)
+  if tile.pingpong and w == 0:
+    turn()
 
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)

@@ -2,8 +2,8 @@
 
 Same contracts as ``flash_kernels.backward_dq`` / ``backward_dkv`` (padded inputs, ``lse2`` in
 base 2 with +inf for rows that see no key, ``delta = rowsum(dO * O) - dlse``), and the same
-CTA shape as the forward of ``flash_hopper``: two compute warpgroups of 64 rows each and a
-copy warpgroup streaming blocks of the other side through a ring of shared-memory slots.
+CTA shape as the forward of ``flash_hopper``: two or three compute warpgroups of 64 rows each
+and a copy warpgroup streaming blocks of the other side through a ring of shared-memory slots.
 
 * dq: a CTA owns ``plan.dq.block_q`` query rows of one (batch, query head), with their q, dO,
   lse2 and delta in shared memory, and streams the visible key blocks (K, V) exactly as the
@@ -23,7 +23,7 @@ some of its keys, and the blocks the window's lower edge cuts are masked too. Pa
 rows need no mask in dk/dv: their dO and delta are 0, so they add exactly 0. Gradients are
 written in the inputs' dtype through the CTA's own buffers (q for dq; K and V for dk and dv).
 Head dims 64 and 128: at 256 the dk and dv accumulators of 64 keys alone would fill a
-warpgroup's registers.
+warpgroup's registers; three compute warpgroups (160 registers each) at head dim 64 only.
 """
 
 import functools
@@ -39,7 +39,6 @@ from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, q_block_ranges
                                                 visit_blocks)
 
 HEAD_DIMS = (64, 128)
-_WGS = hopper.COMPUTE_WARPGROUPS
 
 
 def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
@@ -49,7 +48,7 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   kernel = functools.partial(_dq_kernel, plan=plan, groups=hq // k.shape[2],
                              has_segments=q_seg is not None)
   call = hopper.launch(kernel, jax.ShapeDtypeStruct(q.shape, grad_dtype),
-                       (sp // plan.dq.block_q, b, hq), plan)
+                       (sp // plan.dq.block_q, b, hq), plan, plan.dq)
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
 
 
@@ -57,12 +56,14 @@ def _dq_kernel(*refs, plan, groups, has_segments):
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), q_seg_ref, kv_seg_ref, (dq_ref,) = (
       hopper.unpack_refs(refs, has_segments, 6, 1))
   tile = plan.dq
-  rows, d, dtype = tile.block_q // _WGS, q_ref.shape[-1], q_ref.dtype
+  warpgroups = hopper.compute_warpgroups(tile)
+  rows, d, dtype = tile.block_q // warpgroups, q_ref.shape[-1], q_ref.dtype
   own = dict(q=((rows, d), dtype), do=((rows, d), dtype), lse2=((rows,), jnp.float32),
              delta=((rows,), jnp.float32))
   if has_segments:
     own["q_seg"] = ((rows,), jnp.int32)
-  buffers = dict(**hopper.own_buffers(own), **hopper.key_ring(tile, d, dtype, has_segments))
+  buffers = dict(**hopper.own_buffers(own, warpgroups),
+                 **hopper.key_ring(tile, d, dtype, has_segments))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
               q_seg=q_seg_ref, kv_seg=kv_seg_ref, dq=dq_ref)
 
@@ -72,9 +73,10 @@ def _dq_kernel(*refs, plan, groups, has_segments):
 
 def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   """One compute warpgroup: dq of ``rows`` query rows from the key blocks of ``ranges``."""
-  plgpu.set_max_registers(232, action="increase")
   tile = plan.dq
-  rows, block_kv, stages = tile.block_q // _WGS, tile.block_kv, tile.num_stages
+  warpgroups = hopper.compute_warpgroups(tile)
+  plgpu.set_max_registers(hopper.REGISTERS[warpgroups][0], action="increase")
+  rows, block_kv, stages = tile.block_q // warpgroups, tile.block_kv, tile.num_stages
   has_segments = gmem["q_seg"] is not None
   query_rows = pl.ds(first_row, rows)
   windows = {name: gmem[name].at[batch, query_rows, head] for name in ("q", "do")}
@@ -123,7 +125,7 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   kernel = functools.partial(_dkv_kernel, plan=plan, groups=q.shape[2] // hkv,
                              has_segments=q_seg is not None)
   call = hopper.launch(kernel, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
-                       (sp // plan.dkv.block_kv, b, hkv), plan)
+                       (sp // plan.dkv.block_kv, b, hkv), plan, plan.dkv)
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
 
 
@@ -131,7 +133,8 @@ def _dkv_kernel(*refs, plan, groups, has_segments):
   (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = (
       hopper.unpack_refs(refs, has_segments, 6, 2))
   tile = plan.dkv
-  keys, d, dtype = tile.block_kv // _WGS, k_ref.shape[-1], k_ref.dtype
+  warpgroups = hopper.compute_warpgroups(tile)
+  keys, d, dtype = tile.block_kv // warpgroups, k_ref.shape[-1], k_ref.dtype
   own = dict(k=((keys, d), dtype), v=((keys, d), dtype))
   if has_segments:
     own["kv_seg"] = ((keys,), jnp.int32)
@@ -139,8 +142,8 @@ def _dkv_kernel(*refs, plan, groups, has_segments):
                   lse2=((tile.block_q,), jnp.float32), delta=((tile.block_q,), jnp.float32))
   if has_segments:
     streamed["q_seg"] = ((tile.block_q,), jnp.int32)
-  buffers = dict(**hopper.own_buffers(own),
-                 **hopper.ring_buffers(tile.num_stages, streamed, ("q", "do")))
+  buffers = dict(**hopper.own_buffers(own, warpgroups),
+                 **hopper.ring_buffers(tile.num_stages, streamed, ("q", "do"), warpgroups))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
               q_seg=q_seg_ref, kv_seg=kv_seg_ref, dk=dk_ref, dv=dv_ref)
 
@@ -151,11 +154,11 @@ def _dkv_kernel(*refs, plan, groups, has_segments):
       ranges = all_masked(ranges)  # every block needs the segment mask
     wg = lax.axis_index("wg")
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("head")
-    for w in range(_WGS):
+    for w in range(warpgroups):
       pl.when(wg == w)(functools.partial(
           _dkv_compute, plan, gmem, smem, w, batch, kv_head, groups, first_key + w * keys,
           ranges))
-    pl.when(wg == _WGS)(functools.partial(
+    pl.when(wg == warpgroups)(functools.partial(
         _stream_queries, plan, gmem, smem, batch, kv_head, groups, ranges[0], ranges[3]))
 
   hopper.with_shared_memory(buffers, body)
@@ -175,15 +178,17 @@ def _stream_queries(plan, gmem, smem, batch, kv_head, groups, lo, end):
     if gmem["q_seg"] is not None:
       late["q_seg"] = gmem["q_seg"].at[batch, rows]
     return [("q", dict(q=gmem["q"].at[batch, rows, head])), ("do", late)]
-  hopper.produce(smem, plan.dkv.num_stages, groups * num_blocks, groups_of_step)
+  hopper.produce(smem, plan.dkv.num_stages, groups * num_blocks, groups_of_step,
+                 hopper.REGISTERS[hopper.compute_warpgroups(plan.dkv)][1])
 
 
 def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges):
   """One compute warpgroup: dk, dv of ``keys`` keys from the query blocks of ``ranges``
   (``flash_kernels.q_block_ranges`` of the CTA's keys) of each query head of the group."""
-  plgpu.set_max_registers(232, action="increase")
   tile = plan.dkv
-  keys, block_q, stages = tile.block_kv // _WGS, tile.block_q, tile.num_stages
+  warpgroups = hopper.compute_warpgroups(tile)
+  plgpu.set_max_registers(hopper.REGISTERS[warpgroups][0], action="increase")
+  keys, block_q, stages = tile.block_kv // warpgroups, tile.block_q, tile.num_stages
   has_segments = gmem["q_seg"] is not None
   key_rows = pl.ds(first_key, keys)
   windows = {name: gmem[name].at[batch, key_rows, kv_head] for name in ("k", "v")}

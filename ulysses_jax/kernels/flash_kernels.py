@@ -37,13 +37,16 @@ LOG2E = math.log2(math.e)
 @dataclasses.dataclass(frozen=True)
 class Tile:
   """Block sizes and launch parameters of one kernel. For the Mosaic kernels (``flash_hopper``,
-  ``flash_hopper_backward``) ``num_warps`` is 12 (three warpgroups) and ``num_stages`` the
-  slots of the streamed side in shared memory; the CTA owns ``block_q`` query rows (forward,
-  dq) or ``block_kv`` keys (dk/dv), and streams blocks of the other size."""
+  ``flash_hopper_backward``) ``num_warps`` is 12 or 16 (two or three compute warpgroups of 64
+  rows and a copy warpgroup) and ``num_stages`` the slots of the streamed side in shared
+  memory; the CTA owns ``block_q`` query rows (forward, dq) or ``block_kv`` keys (dk/dv), and
+  streams blocks of the other size. ``pingpong``: the Mosaic forward's two compute warpgroups
+  take turns on the tensor cores (``flash_hopper``)."""
   block_q: int
   block_kv: int
   num_warps: int
   num_stages: int
+  pingpong: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -255,14 +255,29 @@ def test_doctor_decode_check_runs_the_kernel_interpreted():
   """What the doctor runs on a Hopper GPU (the kernel and XLA's path against float32, then
   timed), on a 256-slot cache with the kernel interpreted. About 10 s on jax 0.10."""
   row, = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
-                                   interpret=True, copy_bytes=1 << 20)
+                                   interpret=True, copy_bytes=1 << 20,
+                                   variants={"2 waves": dict(waves=2)})
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
+  assert row["variant_ms"]["2 waves"] > 0
   assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["copy_gb_per_s"] > 0
   assert row["kernel_pct_of_copy"] == pytest.approx(
       100 * row["kernel_gb_per_s"] / row["copy_gb_per_s"])
   check = decode_doctor.check(row)
   assert check["name"] == "decode kernel vs XLA, 256 slots"
   assert "256 slots: kernel" in check["detail"] and "% of the copy's" in check["detail"]
+  assert "fastest variant: 2 waves" in check["detail"]
+
+
+def test_default_splits_fill_one_wave_of_the_gpus_sms_and_the_ring_what_fits():
+  """Llama-3.1-8B's 8 KV heads on an H100: 16 splits (128 CTAs, one wave), not 17 (136: a
+  second wave for 4 CTAs); an H100 PCIe's 114 SMs take 14; more heads than SMs, one split."""
+  assert decode_hopper.default_splits(1, 8, 8192) == 16
+  assert decode_hopper.default_splits(1, 8, 8192, sms=114) == 14
+  assert decode_hopper.default_splits(1, 1, 8192) == 132
+  assert decode_hopper.default_splits(2, 100, 8192) == 1
+  assert decode_hopper.default_splits(1, 1, 5) == 5  # never more splits than blocks
+  assert [decode_hopper.default_stages(block, d) for block, d in
+          ((128, 128), (64, 128), (128, 64))] == [2, 4, 4]
 
 
 def test_cache_reads_counts_a_layer_broadcast_over_the_heads():

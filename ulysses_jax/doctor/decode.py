@@ -10,6 +10,8 @@ bandwidth each reached reading k and v: the measurement that the compiled compar
 ``SLOT_COUNTS`` (8K to 1M slots: a device's share of the cache shrinks as the mesh grows) and
 states each bandwidth as a share of a device-to-device copy timed on the same device
 (``doctor.timing.copy_bandwidth``, bytes read and written counted): what the memory can give.
+Beside the kernel's defaults it times the ``VARIANTS`` of its block, ring slots and splits
+(``variant_ms``), the measurements that choose its defaults (``decode_hopper.default_*``).
 """
 
 import jax
@@ -25,6 +27,12 @@ SLOTS = 1 << 20
 SLOT_COUNTS = (1 << 13, 1 << 15, 1 << 17, SLOTS)
 COPY_BYTES = 1 << 30
 GROUP, HEAD_DIM = 4, 128
+# Options of ``decode_hopper.decode_attention`` timed beside its defaults (128-slot blocks, two
+# ring slots at head dim 128, one CTA per SM): finer blocks with the deeper ring they allow, the
+# same blocks through two slots only, and twice the CTAs (two waves).
+VARIANTS = {"64-slot blocks": dict(block=64), "64-slot blocks, 2 slots": dict(block=64,
+                                                                              num_stages=2),
+            "2 waves": dict(waves=2)}
 
 
 def _inputs(device, slots):
@@ -39,21 +47,35 @@ def _inputs(device, slots):
 
 
 def decode_rows(device, *, slot_counts=SLOT_COUNTS, warmup: int = 2, iters: int = 10,
-                interpret: bool = False, copy_bytes: int = COPY_BYTES) -> list[dict]:
+                interpret: bool = False, copy_bytes: int = COPY_BYTES,
+                variants=VARIANTS) -> list[dict]:
   """``decode_row`` at each of ``slot_counts`` with the copy bandwidth of ``device`` timed
   once (``copy_bytes`` each way); one row saying why where the kernel cannot run."""
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return [decode_row(device)]
   copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters)
   return [decode_row(device, slots=slots, warmup=warmup, iters=iters, interpret=interpret,
-                     copy_gb_per_s=copy / 1e9) for slots in slot_counts]
+                     copy_gb_per_s=copy / 1e9, variants=variants) for slots in slot_counts]
+
+
+def _kernel_options(options, slots, device):
+  """``decode_attention``'s keyword arguments for a ``VARIANTS`` entry at ``slots`` slots."""
+  options = dict(options)
+  waves = options.pop("waves", 1)
+  if waves > 1:
+    block = options.get("block") or decode_hopper.default_block(slots, HEAD_DIM)
+    sms = target_lib.of_device(device).core_count or decode_hopper.H100_SMS
+    options["num_splits"] = waves * decode_hopper.default_splits(1, 1, -(-slots // block), sms)
+  return options
 
 
 def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
-               interpret: bool = False, copy_gb_per_s: float | None = None) -> dict:
+               interpret: bool = False, copy_gb_per_s: float | None = None,
+               variants=VARIANTS) -> dict:
   """The kernel's check and timing beside XLA's on ``device`` (``passed`` None where it cannot
-  run: not a Hopper GPU). ``interpret``: the kernel in GPU interpret mode (tests, on a CPU).
-  With ``copy_gb_per_s`` (the device's copy bandwidth) each bandwidth's share of it too."""
+  run: not a Hopper GPU), and each of ``variants`` timed (ms, None where it failed).
+  ``interpret``: the kernel in GPU interpret mode (tests, on a CPU). With ``copy_gb_per_s``
+  (the device's copy bandwidth) each bandwidth's share of it too."""
   row = {"kernel": "ours mosaic decode", "slots": slots, "group": GROUP, "head_dim": HEAD_DIM}
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return {**row, "status": "needs a Hopper GPU (sm90)", "passed": None}
@@ -77,11 +99,27 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
     row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
+    row["variant_ms"] = {name: _time_variant(_kernel_options(options, slots, device), args,
+                                             reference, scale, interpret, warmup, iters)
+                         for name, options in variants.items()}
     if copy_gb_per_s:
       row.update(copy_gb_per_s=copy_gb_per_s,
                  kernel_pct_of_copy=100 * row["kernel_gb_per_s"] / copy_gb_per_s,
                  xla_pct_of_copy=100 * row["xla_gb_per_s"] / copy_gb_per_s)
   return row
+
+
+def _time_variant(options, args, reference, scale, interpret, warmup, iters):
+  """Milliseconds of the kernel with ``options``, None where it fails or its check does."""
+  kernel = jax.jit(lambda *x: decode_hopper.decode_attention(
+      *x, scale=scale, window=None, interpret=interpret, **options))
+  try:
+    o, lse = kernel(*args)
+    if max(relative_error(o, reference[0]), relative_error(lse, reference[1])) > TOLERANCE:
+      return None
+    return 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters)["median_s"]
+  except Exception:  # noqa: BLE001 - a variant that does not compile or run is not timed
+    return None
 
 
 def check(row: dict) -> dict:
@@ -97,4 +135,8 @@ def check(row: dict) -> dict:
     detail += (f"; {row['slots']:,} slots: kernel {row['kernel_ms']:.3f} ms "
                f"({row['kernel_gb_per_s']:.0f} GB/s{share('kernel')}), XLA "
                f"{row['xla_ms']:.3f} ms ({row['xla_gb_per_s']:.0f} GB/s{share('xla')})")
+    timed = {name: ms for name, ms in row.get("variant_ms", {}).items() if ms is not None}
+    if timed:
+      fastest = min(timed, key=timed.get)
+      detail += f"; fastest variant: {fastest}, {timed[fastest]:.3f} ms"
   return {"name": name, "passed": row["passed"], "detail": detail}

@@ -42,13 +42,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import flash_hopper
+from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels.flash_kernels import LOG2E, dot
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 ROWS = flash_hopper.WGMMA_ROWS  # query rows of a CTA: G * T of them are real
 MIN_BLOCK = 64  # v's tile [D, block] is swizzled in tiles of 64 16-bit elements along the slots
-H100_SMS = 132  # default splits fill this many CTAs
+SHARED_MEMORY = 200 * 1024  # of Hopper's 227 KiB per CTA, leaving room for alignment, barriers
+H100_SMS = 132  # SMs of an H100 SXM or H200: default splits fill them, when the GPU does not say
 
 
 def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
@@ -73,21 +75,34 @@ def default_block(c: int, d: int) -> int:
   return min(128, c // MIN_BLOCK * MIN_BLOCK)
 
 
-def default_splits(b: int, kv_heads: int, num_blocks: int) -> int:
-  """Splits per (batch, KV head) that fill an H100's SMs with one CTA each."""
-  return max(1, min(num_blocks, -(-H100_SMS // (b * kv_heads))))
+def default_splits(b: int, kv_heads: int, num_blocks: int, sms: int = H100_SMS) -> int:
+  """Splits per (batch, KV head): as many as ``sms`` SMs run at once, one CTA each (a CTA's
+  shared memory and registers hold an SM). Never more: one CTA past a wave costs a second
+  wave, e.g. 17 splits of 8 KV heads are 136 CTAs on 132 SMs, two waves' time for 3 % more
+  CTAs, where 16 splits (128 CTAs) take one."""
+  return max(1, min(num_blocks, sms // (b * kv_heads)))
+
+
+def default_stages(block: int, d: int) -> int:
+  """Ring slots: as many as fit in shared memory (two to four), so the copies in flight are
+  what the SM's shared memory can hold: four of 64 or 128 slots at head dim 64 and of 64 at
+  128; two of 128 slots at 128."""
+  fixed = ROWS * d * (2 + 4) + ROWS * 8  # q (16-bit) and o (float32); their positions, lse
+  per_slot = 2 * block * d * 2 + block * 4  # k and v (16-bit), the slots' positions
+  return max(2, min(4, (SHARED_MEMORY - fixed) // per_slot))
 
 
 def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
                      window: int | None, layer: int | None = None,
                      num_splits: int | None = None, block: int | None = None,
-                     num_stages: int = 2, interpret: bool = False):
+                     num_stages: int | None = None, interpret: bool = False):
   """One device's partial attention ``(o, lse)`` (module docstring). ``layer``: k and v are
   stacks of layers ``[L, b, Hkv, C, D]`` and ``[L, b, Hkv, D, C]`` and the kernel reads layer
   ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
   first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
-  (batch, KV head) (default: ``default_splits``); ``block``: slots per pipeline step, a multiple
-  of 64 at most C (default: ``default_block``)."""
+  (batch, KV head) (default: ``default_splits`` for the SMs of the GPU it runs on, else an
+  H100's); ``block``: slots per pipeline step, a multiple of 64 at most C (default:
+  ``default_block``); ``num_stages``: ring slots (default: ``default_stages``)."""
   b, kv_heads, g, t, d = q_bKGTD.shape
   if layer is not None:
     if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v_bKDC.shape[0]:
@@ -109,7 +124,9 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
     raise ValueError(f"decode kernel: block {block} must be a multiple of {MIN_BLOCK} in "
                      f"[{MIN_BLOCK}, {c}] (the cache's slots).")
   num_blocks = -(-c // block)
-  num_splits = num_splits or default_splits(b, kv_heads, num_blocks)
+  sms = target_lib.current(arrays=(q_bKGTD,)).core_count or H100_SMS
+  num_splits = num_splits or default_splits(b, kv_heads, num_blocks, sms)
+  num_stages = num_stages or default_stages(block, d)
 
   # Rows g * T + t, padded to ROWS; a padding row's position -1 sees nothing.
   q_bKRD = jnp.pad(q_bKGTD.reshape(b, kv_heads, g * t, d),

@@ -22,16 +22,19 @@ import jax
 from jax.sharding import Mesh
 
 _CAPABILITIES: dict[str, float] = {}  # device kind -> compute capability, of devices seen
+_CORE_COUNTS: dict[str, int] = {}  # device kind -> SMs (GPUs), of devices seen
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
   """The platform (``"gpu"``, ``"cpu"``, ``"tpu"``; an abstract device made for lowering may
   say ``"cuda"``), device kind (e.g. ``"NVIDIA H100 80GB HBM3"``) and, for GPUs, compute
-  capability (9.0 for Hopper; None if unknown)."""
+  capability (9.0 for Hopper) and SM count (``core_count``: 132 for an H100 SXM); None if
+  unknown."""
   platform: str
   device_kind: str
   compute_capability: float | None = None
+  core_count: int | None = None
 
   @property
   def on_gpu(self) -> bool:
@@ -49,8 +52,12 @@ def of_device(device: jax.Device) -> Target:
   capability = getattr(device, "compute_capability", None)
   if capability is not None:
     _CAPABILITIES[device.device_kind] = float(capability)
+  cores = getattr(device, "core_count", None) if device.platform != "cpu" else None
+  if cores is not None:
+    _CORE_COUNTS[device.device_kind] = int(cores)
   return Target(device.platform, device.device_kind,
-                None if capability is None else float(capability))
+                None if capability is None else float(capability),
+                None if cores is None else int(cores))
 
 
 def of_mesh(mesh) -> Target | None:
@@ -61,7 +68,8 @@ def of_mesh(mesh) -> Target | None:
   device = getattr(mesh, "abstract_device", None)
   if device is None:
     return None
-  return Target(device.platform, device.device_kind, _CAPABILITIES.get(device.device_kind))
+  return Target(device.platform, device.device_kind, _CAPABILITIES.get(device.device_kind),
+                _CORE_COUNTS.get(device.device_kind))
 
 
 def current(mesh=None, arrays: Sequence = ()) -> Target:

@@ -99,12 +99,15 @@ def _check(case, dtype, tol, **kernel_options):
 # third empty; batch row 1 sees nothing. "mha-window-f16": G = 1, float16, a window, the default
 # block (128: two blocks, the second from slot 64, its first 64 slots masked as the first
 # block's) and splits (one CTA per SM: here one per block). "d128-two-tokens": a chunk of two
-# new tokens, D = 128, three blocks through the two-slot ring in one split. (Slot counts are
-# multiples of 64, as the kernel takes: ``unsupported_reason``.)
+# new tokens, D = 128, three blocks through a two-slot ring in one split. (Slot counts are
+# multiples of 64, as the kernel takes: ``unsupported_reason``.) "d64-default-ring": ten blocks
+# through the default ring (``default_stages``: four slots at D = 64), which wraps twice.
 CASES = {
     "gqa-empty-split": ((2, 1, 4, 1, 256, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
     "mha-window-f16": ((1, 1, 1, 1, 192, 128, 90), jnp.float16, {}),
-    "d128-two-tokens": ((1, 2, 2, 2, 192, 128, 50), jnp.bfloat16, dict(num_splits=1, block=64)),
+    "d128-two-tokens": ((1, 2, 2, 2, 192, 128, 50), jnp.bfloat16,
+                        dict(num_splits=1, block=64, num_stages=2)),
+    "d64-default-ring": ((1, 1, 4, 1, 640, 64, None), jnp.bfloat16, dict(num_splits=1, block=64)),
 }
 TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # 16-bit probabilities; float32 sums and combine
 
@@ -134,12 +137,14 @@ def test_decode_kernel_refuses_what_it_cannot_take():
                     reason="this JAX's GPU interpret mode has no race detector that models "
                            "TMA's async proxy (jax >= 0.12 has)")
 @pytest.mark.slow
-def test_decode_kernel_has_no_races():
-  """Four blocks through a two-slot ring (it wraps twice) under the race detector."""
+@pytest.mark.parametrize("slots,stages", [(256, 2), (640, None)], ids=["two", "default-four"])
+def test_decode_kernel_has_no_races(slots, stages):
+  """Four blocks through a two-slot ring, and ten through the default four (each wraps twice),
+  under the race detector."""
   try:
     with plgpu.force_gpu_interpret_mode(hopper_interpret.params(detect_races=True)):
-      _check((1, 1, 4, 1, 256, 64, None), jnp.bfloat16, TOL[jnp.bfloat16], num_splits=1,
-             block=64)
+      _check((1, 1, 4, 1, slots, 64, None), jnp.bfloat16, TOL[jnp.bfloat16], num_splits=1,
+             block=64, num_stages=stages)
   finally:
     hopper_interpret.reset_state()
 

@@ -1,6 +1,7 @@
-"""Generation of a mixture-of-experts model compiled for H100s on a machine without a GPU
-(marked ``gpu_compile``, as ``tests/test_gpu_compile.py``): the decode step reads its experts
-from the whole stack, holding no copy of a layer's experts."""
+"""Generation compiled for H100s on a machine without a GPU (marked ``gpu_compile``, as
+``tests/test_gpu_compile.py``): a mixture-of-experts decode step reads its experts from the
+whole stack, holding no copy of a layer's experts; a bfloat16 prefill attends with our Mosaic
+kernel."""
 
 import re
 
@@ -29,3 +30,20 @@ def test_moe_decode_step_hands_the_kernel_the_whole_stack_and_copies_no_layer():
   assert all(re.search(r"bf16\[128,(1024,512|512,1024)\]", line) for line in kernels)
   one_layer_experts = 3 * 32 * 1024 * 512 * 2
   assert compiled.memory_analysis().temp_size_in_bytes < one_layer_experts / 8
+
+
+def test_bfloat16_prefill_runs_the_mosaic_attention_kernel_and_no_triton_one():
+  """Issue 49, item 4: a bfloat16 model's one-pass prefill on H100s (1 x 8, 8,192 tokens,
+  head dim 64) attends with our Mosaic forward kernel on bfloat16 operands, never the Triton
+  kernels (the float32 path generation took before it followed the checkpoint's dtype)."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  config = preset("tiny", hidden_dim=512, num_heads=8, num_kv_heads=8, head_dim=64,
+                  num_layers=2, dtype="bfloat16", param_dtype="bfloat16", remat_policy="none")
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=8192))
+  text = aot_generate.lower_steps(generator, layout, cache)["prefill"].compile().as_text()
+  kernels = [line for line in text.splitlines() if MOSAIC in line]
+  assert kernels and all("bf16[" in line for line in kernels), kernels
+  assert "__gpu$xla.gpu.triton" not in text

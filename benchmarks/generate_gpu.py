@@ -2,7 +2,7 @@
 ``generate`` on the same GPU with the same weights, and beside the hardware's floors.
 
     python -m benchmarks.generate_gpu [--models llama3.2-1b,llama3.1-8b]
-        [--prompts 32768,131072] [--batches 1,8] [--new-tokens 32] [--json PATH]
+        [--prompts 32768,131072] [--batches 1,8] [--new-tokens 32] [--longest] [--json PATH]
     python -m benchmarks.generate_gpu --tiny        # the same on CPU with tiny shapes
 
 Each model preset gets RANDOM weights (bfloat16, seed 0: the speed does not depend on them),
@@ -24,6 +24,14 @@ prompt length P and batch B (random token ids, one length for all rows):
   the prefill's matmul FLOPs (2 * those weights * B * P) / the timed bf16 matmul rate
   (``metrics.measure_peak_flops``) + its attention FLOPs (2 * B * P^2 * heads * head dim per
   layer, causal) / the rate of the attention kernel ``"auto"`` picks, timed at P.
+
+The longest prompt (``--longest``, batch 1): the longest multiple of ``LONGEST_STEP`` tokens
+whose weights and cache take at most ``LONGEST_SHARE`` of the GPU's memory (as its allocator
+reports it; ``--memory-gb`` elsewhere). Its row times decode steps only, on a cache allocated at
+that capacity but not filled (the decode step reads every slot, filled or not: the kernel masks
+empty ones after reading them, so the time is that of a full cache); its prefill is not run (at
+a million tokens it would take minutes), so ``ttft_s`` is empty and ``compute_floor_s`` says
+what it would take at best (attention at the rate timed at 65,536 tokens).
 
 Agreement: before the timings, the first model in float32 on both sides (ours from the same
 checkpoint) generates ``--agreement-tokens`` greedy tokens from ``--agreement-prompt`` random
@@ -50,6 +58,8 @@ from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax import metrics  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
 from ulysses_jax.doctor.timing import copy_bandwidth, time_fn  # noqa: E402
+from ulysses_jax.generate import steps as gen_steps  # noqa: E402
+from ulysses_jax.generate.cache import empty_cache  # noqa: E402
 from ulysses_jax.hf.weights import load_llama, save_llama  # noqa: E402
 from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
@@ -58,8 +68,10 @@ COLUMNS = ["model", "batch", "prompt", "status", "ttft_s", "hf_ttft_s", "compute
            "ttft_vs_floor", "ms_per_token", "hf_ms_per_token", "floor_ms_per_token",
            "ms_vs_floor", "hf_status"]
 TINY = dict(models="tiny-gqa", prompts="64,128", batches="1,2", new_tokens=4,
-            agreement_prompt=16, agreement_tokens=8)
+            agreement_prompt=16, agreement_tokens=8, memory_gb=0.02)
 COPY_BYTES = {"gpu": 1 << 30, "cpu": 1 << 24}
+LONGEST_STEP = 1 << 16  # prompt lengths of the longest-prompt row, a multiple of this
+LONGEST_SHARE = 0.9  # of the GPU's memory for the weights and the cache: the rest for the step
 
 
 def decode_bytes(config, batch: int, prompt: int) -> dict:
@@ -105,6 +117,37 @@ def does_not_fit(config, prompt: int, batch: int, device) -> dict | None:
   if limit is None or needs <= limit:
     return None
   return {"status": f"does not fit: weights + cache {needs / 1e9:.0f} GB > {limit / 1e9:.0f}"}
+
+
+def longest_prompt(config, limit_bytes: int, step: int = LONGEST_STEP) -> int:
+  """The longest prompt (a multiple of ``step``; 0 if none) of one row whose weights (all of
+  them, bf16) and KV cache fit ``LONGEST_SHARE`` of ``limit_bytes``."""
+  weights = 2 * llama.count_params(config)
+  per_token = decode_bytes(config, 1, 1)["kv"]
+  return max(0, int(LONGEST_SHARE * limit_bytes - weights) // per_token // step * step)
+
+
+def decode_only(model, prompt: int, new_tokens: int) -> dict:
+  """ms per token of decode steps over a one-row cache of ``prompt`` slots that is allocated
+  but not filled (the module doc: a decode step reads every slot either way)."""
+  config = model.config
+  layout = gen.plan_cache(model.mesh, batch=1, prompt_len=prompt,
+                          max_new_tokens=new_tokens + 1, kv_heads=config.num_kv_heads,
+                          head_dim=config.head_dim, dtype=config.dtype,
+                          layer_windows=config.layer_windows())
+  generator = gen.Generator(model, layout)
+  # The state prefill would leave, without running it: an empty cache, the row's length, a token.
+  rows = gen_steps.rows_sharding(layout)
+  generator.cache = empty_cache(layout)
+  generator.lengths = jax.device_put(np.full(1, prompt, np.int32), rows)
+  generator.tokens = jax.device_put(np.zeros(1, np.int32), rows)
+  generator.decode()  # compiles
+  times = []
+  for _ in range(new_tokens):
+    start = time.perf_counter()
+    generator.decode()  # fetches the token: blocks
+    times.append(time.perf_counter() - start)
+  return {"ms_per_token": 1e3 * statistics.median(times)}
 
 
 def ours(model, tokens: np.ndarray, new_tokens: int) -> dict:
@@ -171,6 +214,29 @@ def agreement_row(path: str, name: str, vocab: int, prompt: int, new_tokens: int
           **generate_agreement.agreement(got, expected)}
 
 
+def longest_row(name, model, device, args) -> dict:
+  """The decode row at ``longest_prompt`` of ``--memory-gb`` or the GPU's allocator limit."""
+  config = model.config
+  limit = (args.memory_gb * 1e9 if args.memory_gb is not None
+           else (device.memory_stats() or {}).get("bytes_limit"))
+  prompt = longest_prompt(config, limit, step=64 if args.tiny else LONGEST_STEP) if limit else 0
+  row = {"model": name, "batch": 1, "prompt": prompt, "ttft_s": None, "hf_status": "not run",
+         "longest": f"weights + cache <= {LONGEST_SHARE:.0%} of {limit / 1e9:.1f} GB; decode "
+                    "only, cache not filled" if limit else "no memory limit known"}
+  if not prompt:
+    return {**row, "status": "no prompt fits" if limit else "pass --memory-gb"}
+  row.update(vs_transformers.or_out_of_memory(decode_only, model, prompt, args.new_tokens))
+  needs = decode_bytes(config, 1, prompt)
+  flops = prefill_flops(config, 1, prompt)
+  row.update(weights_GB=needs["weights"] / 1e9, kv_read_GB=needs["kv"] / 1e9,
+             floor_ms_per_token=1e3 * (needs["weights"] + needs["kv"]) / args.copy,
+             compute_floor_s=flops["matmul"] / args.matmul_rate
+             + flops["attention"] / attention_rate(config, min(prompt, 1 << 16), device))
+  if row["status"] == "ok":
+    row["ms_vs_floor"] = row["ms_per_token"] / row["floor_ms_per_token"]
+  return row
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="llama3.2-1b,llama3.1-8b")
@@ -180,6 +246,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--agreement-prompt", type=int, default=512)
   parser.add_argument("--agreement-tokens", type=int, default=32)
   parser.add_argument("--no-transformers", action="store_true")
+  parser.add_argument("--longest", action="store_true", help="also a decode row at the longest "
+                      "prompt whose weights and cache fit the GPU (the module doc)")
+  parser.add_argument("--memory-gb", type=float, default=None, help="the memory --longest "
+                      "plans for (default: the GPU allocator's limit)")
   parser.add_argument("--tiny", action="store_true", help="CPU check: " + str(TINY))
   parser.add_argument("--json", default="")
   args = parser.parse_args(argv)
@@ -197,6 +267,7 @@ def main(argv=None) -> dict:
   device = jax.devices()[0]
   copy = copy_bandwidth(device, COPY_BYTES.get(device.platform, COPY_BYTES["cpu"]))
   matmul_rate = metrics.measure_peak_flops("bfloat16")
+  args.copy, args.matmul_rate = copy, matmul_rate
   print(f"{device.device_kind}: copy {copy / 1e9:.0f} GB/s (read + written), bf16 matmul "
         f"{matmul_rate / 1e12:.4g} TFLOP/s; weights random (bf16, seed 0)", flush=True)
   mesh = make_mesh(1, 1, devices=[device])
@@ -246,6 +317,9 @@ def main(argv=None) -> dict:
         row.pop(key, None)
       rows.append(row)
       print({k: row.get(k) for k in COLUMNS}, flush=True)
+    if args.longest:
+      rows.append(longest_row(name, model, device, args))
+      print({k: rows[-1].get(k) for k in COLUMNS}, flush=True)
     del model
   print(f"one {device.device_kind}, bf16, random weights; ttft = time to first token (s); "
         "floors: decode bytes / copy bandwidth, prefill FLOPs / timed matmul and attention "

@@ -45,7 +45,8 @@
 #                 with the winners as rows of flash_attention._MOSAIC_TILES to paste there
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
-#                 transformers' generate and the HBM and compute floors
+#                 transformers' generate and the HBM and compute floors; and each model's
+#                 decode at the longest prompt whose weights and cache fit the GPU
 #   first-contact  a user's path through the real commands for every shipped GPU config cut
 #                 to one GPU (benchmarks/first_contact.py): ulysses-train a few steps, SIGTERM
 #                 and resume, ulysses-evaluate, ulysses-generate, ulysses-export and
@@ -173,7 +174,7 @@ case $stage in
       --json "$out/$stage.json" ;;
   generate)
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
-    run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" \
+    run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" --longest \
       --json "$out/generate_gpu.json" ;;
   first-contact)
     need_gin

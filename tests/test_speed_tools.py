@@ -173,7 +173,11 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
         profile["busy_ms"])
   else:
     written = json.loads((tmp_path / "generate_gpu.json").read_text())
-    assert all(r["status"] == "ok" and r["hf_status"] == "ok" for r in written["rows"])
+    prompts = [r for r in written["rows"] if "longest" not in r]
+    assert all(r["status"] == "ok" and r["hf_status"] == "ok" for r in prompts)
+    longest, = [r for r in written["rows"] if "longest" in r]  # decode only, a 20 MB budget
+    assert longest["status"] == "ok" and longest["prompt"] > 128 and longest["ttft_s"] is None
+    assert longest["weights_GB"] + longest["kv_read_GB"] <= 0.9 * 0.02
     assert all(r["ms_per_token"] > 0 and r["floor_ms_per_token"] > 0 and
                r["compute_floor_s"] > 0 for r in written["rows"])
     assert written["agreement"][0]["identical"] == 1.0  # float32, greedy: the same tokens
@@ -203,3 +207,19 @@ def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
   assert ('("sm90", 64, True): (Tile(192, 128, 16, 2), Tile(192, 64, 16, 3), '
           'Tile(64, 128, 12, 3)),  # S=16384: forward 2.500 ms (table\'s 3.000); '
           'dq 9.000 ms (table\'s 10.000)') in printed
+
+
+def test_the_longest_prompt_fits_its_share_of_the_memory_in_whole_steps():
+  """Llama-3.1-8B on an H200's 139 GiB allocator limit: the weights (16 GB) and 131,072 bytes
+  of cache per token within 90 %, in steps of 65,536 tokens; nothing where the weights alone
+  do not fit."""
+  from benchmarks import generate_gpu
+  from ulysses_jax.models import llama
+  config = llama.preset("llama3.1-8b", dtype="bfloat16", param_dtype="bfloat16")
+  limit = 139 * 2**30
+  prompt = generate_gpu.longest_prompt(config, limit)
+  assert generate_gpu.decode_bytes(config, 1, 1)["kv"] == 131072
+  weights = 2 * llama.count_params(config)
+  assert prompt % 65536 == 0 and 0.9 * limit - 65536 * 131072 < weights + prompt * 131072
+  assert weights + prompt * 131072 <= 0.9 * limit and prompt == 851968
+  assert generate_gpu.longest_prompt(config, weights) == 0

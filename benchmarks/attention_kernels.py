@@ -16,9 +16,9 @@ Hopper kernels of ``ulysses_jax.kernels.flash_hopper`` (forward) and ``flash_hop
 (dq, dk/dv; head dims 64 and 128). A row's bwd column is the backward kernel's.
 
 ``--sweep`` also times our Triton kernels at other block sizes and, on a Hopper GPU, every
-Mosaic tile of ``flash_attention.mosaic_candidates``: rows ``mosaic_forward[...]`` change
+Mosaic tile of ``kernels.mosaic_tiles.candidates``: rows ``mosaic_forward[...]`` change
 the forward's tile, ``mosaic_dq[...]`` / ``mosaic_dkv[...]`` one backward kernel's, the other
-kernels keeping the table's. It ends with the table rows (``flash_attention._MOSAIC_TILES``)
+kernels keeping the table's. It ends with the table rows (``kernels.mosaic_tiles.TABLE``)
 of the fastest tile of each kernel per head dim and mask, to paste there (a row's tiles
 were each timed beside the table's, which is among the candidates). The sweep of one head dim
 and mask at 16K tokens takes about 3 minutes on an H200 (estimate; gpu_session.sh sweep).
@@ -37,9 +37,8 @@ from benchmarks.common import environment, print_table, write_json
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
                                         measure, reference_on_rows, sampled_rows, throughput)
-from ulysses_jax.kernels import flash_hopper_backward
-from ulysses_jax.kernels.flash_attention import (MOSAIC_KERNELS, choose_tiles, flash_attention,
-                                                mosaic_candidates)
+from ulysses_jax.kernels import flash_hopper_backward, mosaic_tiles
+from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 from ulysses_jax.doctor.timing import time_fn
 
 SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
@@ -67,7 +66,7 @@ def implementations(causal, head_dim, *, interpret, sweep):
                             generation="sm90", forward_kernel="mosaic",
                             backward_kernel=backward)
         tiles = [plan.forward, plan.dq, plan.dkv]
-        tiles[MOSAIC_KERNELS.index(kernel)] = tile
+        tiles[mosaic_tiles.KERNELS.index(kernel)] = tile
       return flash_attention(q, k, v, causal=causal, interpret=interpret,
                              forward_kernel="mosaic", backward_kernel=backward,
                              tiles=None if tiles is None else tuple(tiles))
@@ -104,7 +103,7 @@ def implementations(causal, head_dim, *, interpret, sweep):
   if sweep:
     impls.update({f"ours[{bq}x{bk}]": functools.partial(ours, bq, bk) for bq, bk in SWEEP_BLOCKS})
     impls.update({mosaic_name(kernel, tile): functools.partial(ours_mosaic, kernel, tile)
-                  for kernel, tiles in mosaic_candidates(head_dim).items() for tile in tiles})
+                  for kernel, tiles in mosaic_tiles.candidates(head_dim).items() for tile in tiles})
   impls.update(cudnn=cudnn, pallas_triton=pallas_triton, pallas_mgpu=pallas_mgpu, xla=xla,
                xla_chunked=xla_chunked)
   return impls
@@ -129,7 +128,7 @@ def mosaic_times(rows, head_dim):
   a forward tile's forward time, a dq or dk/dv tile's forward+backward time (the other kernels
   are the table's in those rows)."""
   by_name = {mosaic_name(kernel, tile): (kernel, tile)
-             for kernel, tiles in mosaic_candidates(head_dim).items() for tile in tiles}
+             for kernel, tiles in mosaic_tiles.candidates(head_dim).items() for tile in tiles}
   times = {}
   for row in rows:
     if row["D"] != head_dim or row["impl"] not in by_name or row["status"] != "ok":
@@ -151,7 +150,7 @@ def print_mosaic_table(rows, head_dims):
       plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, generation="sm90",
                           forward_kernel="mosaic", backward_kernel=backward)
       chosen, notes = [], []
-      for kernel in MOSAIC_KERNELS if backward == "mosaic" else MOSAIC_KERNELS[:1]:
+      for kernel in mosaic_tiles.KERNELS if backward == "mosaic" else mosaic_tiles.KERNELS[:1]:
         current = getattr(plan, kernel)
         best = min(times.get(kernel, {current: None}).items(),
                    key=lambda item: float("inf") if item[1] is None else item[1])
@@ -187,7 +186,7 @@ def main():
   parser.add_argument("--hidden", type=int, default=2048, help="heads = hidden // D")
   parser.add_argument("--masks", default="causal,full", help="causal, full or both")
   parser.add_argument("--sweep", action="store_true", help=f"also time ours at {SWEEP_BLOCKS} "
-                      "and, on a Hopper GPU, every Mosaic tile of mosaic_candidates")
+                      "and, on a Hopper GPU, every Mosaic tile of mosaic_tiles.candidates")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
   parser.add_argument("--json", default="", help="write the rows here as JSON "
                       "(nothing is written without it)")
@@ -245,7 +244,7 @@ def main():
   print_table([{**r, "status": r["status"][:80]} for r in rows_out], columns)
   mosaic_table = {}
   if args.sweep:
-    print("\nThe fastest Mosaic tiles, as rows of flash_attention._MOSAIC_TILES:")
+    print("\nThe fastest Mosaic tiles, as rows of ulysses_jax/kernels/mosaic_tiles.py's TABLE:")
     mosaic_table = print_mosaic_table(rows_out, map(int, args.head_dims.split(",")))
   if args.json:
     write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,

@@ -21,9 +21,9 @@ from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
-from ulysses_jax.kernels import flash_attention as fa
+from ulysses_jax.kernels import mosaic_tiles
 from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
-                                                flash_attention_backward, mosaic_candidates)
+                                                flash_attention_backward)
 from ulysses_jax.kernels.flash_kernels import Tile
 
 
@@ -71,14 +71,14 @@ def test_mosaic_tile_variants_match_reference(tiles):
 
 @pytest.mark.slow
 def test_every_swept_mosaic_tile_lowers_for_hopper():
-  """Each tile of ``mosaic_candidates`` in its kernel (the others the table's), forward and
+  """Each tile of ``mosaic_tiles.candidates`` in its kernel (the others the table's), forward and
   backward, causal, packed, through Mosaic GPU's lowering, which also checks the CTA's shared
   memory against Hopper's 227 KiB: a sweep on a GPU times only tiles that lower. About 60 s."""
   for head_dim in (64, 128, 256):
     backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
     plan = choose_tiles(1000, head_dim, causal=True, scale=1.0, generation="sm90",
                         forward_kernel="mosaic", backward_kernel=backward)
-    for i, (kernel, tiles) in enumerate(mosaic_candidates(head_dim).items()):
+    for i, (kernel, tiles) in enumerate(mosaic_tiles.candidates(head_dim).items()):
       for tile in tiles:
         chosen = [plan.forward, plan.dq, plan.dkv]
         chosen[i] = tile
@@ -108,11 +108,11 @@ def test_mosaic_tiles_are_checked_before_tracing():
 def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
   """The sweep times the table's own tiles beside the others (its winners never lose to the
   table in the same run), and every row of the table passes the checks a user's tiles do."""
-  for (generation, head_dim, causal), tiles in fa._MOSAIC_TILES.items():
-    candidates = mosaic_candidates(head_dim)
-    for kernel, tile in zip(fa.MOSAIC_KERNELS, tiles):
+  for (generation, head_dim, causal), tiles in mosaic_tiles.TABLE.items():
+    candidates = mosaic_tiles.candidates(head_dim)
+    for kernel, tile in zip(mosaic_tiles.KERNELS, tiles):
       if tile is not None:
-        fa.check_mosaic_tile(kernel, tile, head_dim)
+        mosaic_tiles.check(kernel, tile, head_dim)
         assert tile in candidates[kernel], (generation, head_dim, causal, kernel, tile)
 
 
@@ -301,6 +301,6 @@ def test_three_warpgroup_tiles_pad_to_a_common_multiple_and_keep_their_rows_when
                       backward_kernel="mosaic")
   assert plan.padded_len == 65664 and (plan.forward, plan.dq, plan.dkv) == tiles  # 171 x 384
   # A table row of three warpgroups cut to a short sequence keeps 64 rows per warpgroup.
-  fitted = fa._fit_mosaic(tiles[0], "forward", 32, None, None)
+  fitted = mosaic_tiles.fit(tiles[0], "forward", 32, None, None)
   assert (fitted.block_q, fitted.block_kv) == (192, 64)
-  assert fa._fit_mosaic(tiles[2], "dkv", 32, None, None).block_kv == 192
+  assert mosaic_tiles.fit(tiles[2], "dkv", 32, None, None).block_kv == 192

@@ -187,7 +187,7 @@ def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
   """From timed rows (here written out, as a GPU run would give them): the forward's fastest
   forward time, dq's and dk/dv's fastest forward+backward time, each beside the table's tile's;
   a kernel none of whose tiles ran keeps the table's; failed rows do not count."""
-  candidates = attention_kernels.mosaic_candidates(64)
+  candidates = attention_kernels.mosaic_tiles.candidates(64)
   name = attention_kernels.mosaic_name
   table_forward, table_dq = Tile(128, 128, 12, 3), Tile(128, 64, 12, 3)
   three = Tile(192, 128, 16, 2)

@@ -28,14 +28,13 @@ them: the kernels already return the lse and take its cotangent, so every kernel
 Mosaic, forward and backward) serves models with sinks unchanged.
 """
 
-import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward, flash_kernels, mosaic_tiles
 from ulysses_jax.kernels.variants import check_sliding_window
 from ulysses_jax.kernels.variants import check_sinks, name_kernel_residuals
 from ulysses_jax.kernels.variants import apply_sinks
@@ -65,24 +64,7 @@ _TILES = {
         256: ((64, 32, 8, 2), (32, 32, 4, 2), (32, 32, 8, 2)),
     },
 }
-# The Mosaic kernels (Hopper) per (GPU generation, head dim, causal): the tiles of the forward,
-# dq and dk/dv (None: no Mosaic backward at D = 256). Forward: CTA query rows, keys per slot;
-# dq: CTA query rows, keys per slot; dk/dv: queries per slot, CTA keys. Warps 12: two compute
-# warpgroups (16: three, head dim 64 only). Shared memory (``mosaic_shared_memory``) at most
-# 192 KiB (the forward at D = 256); registers bound the backward's slot width (dk and dv
-# accumulators of 64 keys x D float32, plus two 64 x 64 float32 tiles per warpgroup). These
-# ran on an H200 (2026-11-27, issue 47's profile); `python -m benchmarks.attention_kernels
-# --sweep` times ``mosaic_candidates`` on a GPU and prints these rows for its winners.
-_MOSAIC_TILES = {
-    ("sm90", 64, True): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
-    ("sm90", 64, False): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
-    ("sm90", 128, True): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
-    ("sm90", 128, False): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
-    ("sm90", 256, True): (Tile(128, 64, 12, 2), None, None),
-    ("sm90", 256, False): (Tile(128, 64, 12, 2), None, None),
-}
-_MOSAIC_MIN_ROWS = 2 * flash_hopper.WGMMA_ROWS  # two compute warpgroups
-_SHARED_MEMORY = 227 * 1024  # the most one CTA may allocate on Hopper
+_MOSAIC_MIN_ROWS = 2 * flash_hopper.WGMMA_ROWS  # blocks a caller gives: two compute warpgroups
 KERNELS = ("triton", "mosaic")
 
 
@@ -123,7 +105,7 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
     sinks: None, or ``[Hq]`` float logits, one more softmax column per query head with no value
       (gpt-oss; ``ulysses_jax.kernels.variants``), applied through the lse.
     tiles: the forward, dq and dk/dv kernels' ``Tile``s as given, instead of the table's
-      (``benchmarks.attention_kernels --sweep`` times ``mosaic_candidates`` so); not with
+      (``benchmarks.attention_kernels --sweep`` times ``mosaic_tiles.candidates`` so); not with
       ``block_q`` / ``block_kv``.
 
   Returns:
@@ -235,8 +217,8 @@ def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
 
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default that of the
   devices the call is built for (``target.current``; ``"other"`` in interpret mode). The
-  Mosaic kernels' tiles are the Hopper rows of the table in any case. ``tiles`` (forward, dq,
-  dk/dv) replace the table's as given.
+  Mosaic kernels' tiles are the Hopper rows of ``mosaic_tiles.TABLE`` in any case. ``tiles``
+  (forward, dq, dk/dv) replace the tables' as given.
   """
   if tiles is None:
     if generation is None:
@@ -245,93 +227,19 @@ def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
     cap = max(_MIN_BLOCK, 1 << (seq_len - 1).bit_length())
     tiles = [Tile(min(block_q or bq, cap), min(block_kv or bk, cap), warps, stages)
              for bq, bk, warps, stages in _TILES[generation][max(64, head_dim)]]
-    mosaic = _MOSAIC_TILES[("sm90", head_dim, bool(causal))] if head_dim in (
+    mosaic = mosaic_tiles.TABLE[("sm90", head_dim, bool(causal))] if head_dim in (
         flash_hopper.HEAD_DIMS) else (None,) * 3
     kernels = (forward_kernel, backward_kernel, backward_kernel)
-    tiles = [_fit_mosaic(table_tile, name, cap, block_q, block_kv) if kernel == "mosaic" else tile
-             for tile, table_tile, name, kernel in zip(tiles, mosaic, MOSAIC_KERNELS, kernels)]
+    tiles = [mosaic_tiles.fit(mosaic_tile, name, cap, block_q, block_kv)
+             if kernel == "mosaic" else tile
+             for tile, mosaic_tile, name, kernel in zip(tiles, mosaic, mosaic_tiles.KERNELS,
+                                                        kernels)]
   # Every kernel's grid divides the padded length (blocks are powers of two, or 192 rows).
   step = math.lcm(*(block for tile in tiles for block in (tile.block_q, tile.block_kv)))
   return KernelSpec(causal=bool(causal), scale=float(scale), seq_len=seq_len,
                     padded_len=-(-seq_len // step) * step, interpret=interpret,
                     forward=tiles[0], dq=tiles[1], dkv=tiles[2], forward_kernel=forward_kernel,
                     backward_kernel=backward_kernel, sliding_window=sliding_window)
-
-
-MOSAIC_KERNELS = ("forward", "dq", "dkv")
-
-
-def _owned_and_streamed(kernel):
-  """Which of a Mosaic kernel's blocks its CTA owns (split over its compute warpgroups), and
-  which it streams: dk/dv owns keys, the forward and dq own query rows."""
-  return ("block_kv", "block_q") if kernel == "dkv" else ("block_q", "block_kv")
-
-
-def _fit_mosaic(tile, kernel, cap, block_q, block_kv):
-  """The table's Mosaic ``tile`` for a sequence of at most ``cap`` (a power of two) tokens: no
-  block beyond it, but at least 64 rows per compute warpgroup and 64 streamed. Blocks the
-  caller gives replace the table's, with two compute warpgroups and no ping-pong."""
-  if block_q or block_kv:
-    tile = Tile(block_q or tile.block_q, block_kv or tile.block_kv, 12, tile.num_stages)
-  owned, streamed = _owned_and_streamed(kernel)
-  least = {owned: flash_hopper.WGMMA_ROWS * flash_hopper.compute_warpgroups(tile), streamed: 64}
-  return dataclasses.replace(tile, **{name: max(min(getattr(tile, name), cap), least[name])
-                                      for name in least})
-
-
-def mosaic_shared_memory(kernel, tile, head_dim):
-  """Bytes of shared memory a Mosaic kernel's CTA allocates (16-bit inputs, segment ids): each
-  buffer rounded up to 1 KiB as Mosaic GPU aligns them (its lowering checks the real figure)."""
-  owned, streamed = (getattr(tile, name) for name in _owned_and_streamed(kernel))
-  tiles = {"forward": (1, 2), "dq": (2, 2), "dkv": (2, 2)}[kernel]  # (owned, streamed) [*, D]
-  vectors = {"forward": (2, 1), "dq": (3, 1), "dkv": (1, 3)}[kernel]  # float32 / int32 [*]
-  buffers = ([owned * head_dim * 2] * tiles[0] + [owned * 4] * vectors[0]
-             + [tile.num_stages * streamed * head_dim * 2] * tiles[1]
-             + [tile.num_stages * streamed * 4] * vectors[1])
-  return sum(-(-size // 1024) * 1024 for size in buffers)
-
-
-def check_mosaic_tile(kernel, tile, head_dim):
-  """Raises unless the Mosaic ``kernel`` (``MOSAIC_KERNELS``) can run ``tile`` at ``head_dim``."""
-  warpgroups = flash_hopper.compute_warpgroups(tile)
-  owned, streamed = _owned_and_streamed(kernel)
-  problems = []
-  if tile.num_warps not in (12, 16) or (warpgroups == 3 and head_dim != 64):
-    problems.append(f"num_warps {tile.num_warps}: 12 (two compute warpgroups), or 16 (three) at "
-                    "head dim 64")
-  elif getattr(tile, owned) % (flash_hopper.WGMMA_ROWS * warpgroups):
-    problems.append(f"{owned} {getattr(tile, owned)}: a multiple of "
-                    f"{flash_hopper.WGMMA_ROWS * warpgroups} ({warpgroups} compute warpgroups)")
-  if getattr(tile, streamed) % 64:
-    problems.append(f"{streamed} {getattr(tile, streamed)}: a multiple of 64")
-  if tile.num_stages < 2:
-    problems.append(f"num_stages {tile.num_stages}: at least 2")
-  if tile.pingpong and (kernel != "forward" or warpgroups != 2):
-    problems.append("pingpong: the forward with two compute warpgroups only")
-  if (smem := mosaic_shared_memory(kernel, tile, head_dim)) > _SHARED_MEMORY:
-    problems.append(f"{smem} bytes of shared memory: at most {_SHARED_MEMORY}")
-  if problems:
-    raise ValueError(f"flash_attention: the Mosaic {kernel} kernel cannot run {tile} at head dim "
-                     f"{head_dim}: " + "; ".join(problems) + ". Use mosaic_candidates().")
-
-
-def mosaic_candidates(head_dim):
-  """``{kernel: [Tile]}``: the Mosaic tiles ``benchmarks.attention_kernels --sweep`` times at
-  ``head_dim``: two or three compute warpgroups (FA3's 192-row tile at 64), streamed blocks of
-  64 or 128, two to four slots, the forward with and without ping-pong; those that fit."""
-  warpgroups = (2, 3) if head_dim == 64 else (2,)
-  found = {kernel: [] for kernel in MOSAIC_KERNELS}
-  for kernel in MOSAIC_KERNELS if head_dim in flash_hopper_backward.HEAD_DIMS else ("forward",):
-    owned, streamed = _owned_and_streamed(kernel)
-    for n in warpgroups:
-      for block in (64, 128):
-        for stages in (2, 3, 4):
-          for pingpong in (False, True) if kernel == "forward" and n == 2 else (False,):
-            tile = Tile(**{owned: 64 * n, streamed: block}, num_warps=4 * (n + 1),
-                        num_stages=stages, pingpong=pingpong)
-            if mosaic_shared_memory(kernel, tile, head_dim) <= _SHARED_MEMORY:
-              found[kernel].append(tile)
-  return found
 
 
 def _validate_tiles(tiles, forward_kernel, backward_kernel, head_dim, block_q, block_kv):
@@ -343,9 +251,9 @@ def _validate_tiles(tiles, forward_kernel, backward_kernel, head_dim, block_q, b
     raise ValueError(f"flash_attention: tiles must be three Tiles (forward, dq, dk/dv), got "
                      f"{tiles!r}.")
   kernels = (forward_kernel, backward_kernel, backward_kernel)
-  for name, tile, kernel in zip(MOSAIC_KERNELS, tiles, kernels):
+  for name, tile, kernel in zip(mosaic_tiles.KERNELS, tiles, kernels):
     if kernel == "mosaic":
-      check_mosaic_tile(name, tile, head_dim)
+      mosaic_tiles.check(name, tile, head_dim)
     else:
       _validate_blocks(tile.block_q, tile.block_kv)
 

@@ -1,0 +1,108 @@
+"""The tiles of our Mosaic (Hopper) flash-attention kernels: the table they run by default,
+the checks a tile must pass, and the candidates a GPU sweep times.
+
+A tile (``flash_kernels.Tile``) of a Mosaic kernel (``flash_hopper``,
+``flash_hopper_backward``) says how many rows its CTA owns (query rows in the forward and dq,
+keys in dk/dv), split over two or three compute warpgroups of 64 rows (``num_warps`` 12 or
+16, the copy warpgroup included), how wide a streamed block of the other side is, how many
+blocks the ring holds (``num_stages``) and, for the forward, whether its two compute
+warpgroups take turns on the tensor cores (``pingpong``). ``python -m
+benchmarks.attention_kernels --sweep`` times every ``candidates`` tile on a Hopper GPU beside
+the table's and prints the rows of ``TABLE`` for its winners.
+"""
+
+import dataclasses
+
+from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
+from ulysses_jax.kernels.flash_kernels import Tile
+
+# Per (GPU generation, head dim, causal): the tiles of the forward, dq and dk/dv (None: no
+# Mosaic backward at D = 256). Forward: CTA query rows, keys per slot; dq: CTA query rows, keys
+# per slot; dk/dv: queries per slot, CTA keys. Warps 12: two compute warpgroups (16: three,
+# head dim 64 only). Shared memory (``shared_memory``) at most 192 KiB (the forward at D =
+# 256); registers bound the backward's slot width (dk and dv accumulators of 64 keys x D
+# float32, plus two 64 x 64 float32 tiles per warpgroup). These ran on an H200 (2026-11-27,
+# issue 47's profile); the sweep prints these rows for its winners.
+TABLE = {
+    ("sm90", 64, True): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
+    ("sm90", 64, False): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
+    ("sm90", 128, True): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
+    ("sm90", 128, False): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
+    ("sm90", 256, True): (Tile(128, 64, 12, 2), None, None),
+    ("sm90", 256, False): (Tile(128, 64, 12, 2), None, None),
+}
+SHARED_MEMORY = 227 * 1024  # the most one CTA may allocate on Hopper
+KERNELS = ("forward", "dq", "dkv")
+
+
+def _owned_and_streamed(kernel):
+  """Which of a Mosaic kernel's blocks its CTA owns (split over its compute warpgroups), and
+  which it streams: dk/dv owns keys, the forward and dq own query rows."""
+  return ("block_kv", "block_q") if kernel == "dkv" else ("block_q", "block_kv")
+
+
+def fit(tile, kernel, cap, block_q, block_kv):
+  """The table's Mosaic ``tile`` for a sequence of at most ``cap`` (a power of two) tokens: no
+  block beyond it, but at least 64 rows per compute warpgroup and 64 streamed. Blocks the
+  caller gives replace the table's, with two compute warpgroups and no ping-pong."""
+  if block_q or block_kv:
+    tile = Tile(block_q or tile.block_q, block_kv or tile.block_kv, 12, tile.num_stages)
+  owned, streamed = _owned_and_streamed(kernel)
+  least = {owned: flash_hopper.WGMMA_ROWS * flash_hopper.compute_warpgroups(tile), streamed: 64}
+  return dataclasses.replace(tile, **{name: max(min(getattr(tile, name), cap), least[name])
+                                      for name in least})
+
+
+def shared_memory(kernel, tile, head_dim):
+  """Bytes of shared memory a Mosaic kernel's CTA allocates (16-bit inputs, segment ids): each
+  buffer rounded up to 1 KiB as Mosaic GPU aligns them (its lowering checks the real figure)."""
+  owned, streamed = (getattr(tile, name) for name in _owned_and_streamed(kernel))
+  tiles = {"forward": (1, 2), "dq": (2, 2), "dkv": (2, 2)}[kernel]  # (owned, streamed) [*, D]
+  vectors = {"forward": (2, 1), "dq": (3, 1), "dkv": (1, 3)}[kernel]  # float32 / int32 [*]
+  buffers = ([owned * head_dim * 2] * tiles[0] + [owned * 4] * vectors[0]
+             + [tile.num_stages * streamed * head_dim * 2] * tiles[1]
+             + [tile.num_stages * streamed * 4] * vectors[1])
+  return sum(-(-size // 1024) * 1024 for size in buffers)
+
+
+def check(kernel, tile, head_dim):
+  """Raises unless the Mosaic ``kernel`` (one of ``KERNELS``) can run ``tile`` at ``head_dim``."""
+  warpgroups = flash_hopper.compute_warpgroups(tile)
+  owned, streamed = _owned_and_streamed(kernel)
+  problems = []
+  if tile.num_warps not in (12, 16) or (warpgroups == 3 and head_dim != 64):
+    problems.append(f"num_warps {tile.num_warps}: 12 (two compute warpgroups), or 16 (three) at "
+                    "head dim 64")
+  elif getattr(tile, owned) % (flash_hopper.WGMMA_ROWS * warpgroups):
+    problems.append(f"{owned} {getattr(tile, owned)}: a multiple of "
+                    f"{flash_hopper.WGMMA_ROWS * warpgroups} ({warpgroups} compute warpgroups)")
+  if getattr(tile, streamed) % 64:
+    problems.append(f"{streamed} {getattr(tile, streamed)}: a multiple of 64")
+  if tile.num_stages < 2:
+    problems.append(f"num_stages {tile.num_stages}: at least 2")
+  if tile.pingpong and (kernel != "forward" or warpgroups != 2):
+    problems.append("pingpong: the forward with two compute warpgroups only")
+  if (smem := shared_memory(kernel, tile, head_dim)) > SHARED_MEMORY:
+    problems.append(f"{smem} bytes of shared memory: at most {SHARED_MEMORY}")
+  if problems:
+    raise ValueError(f"flash_attention: the Mosaic {kernel} kernel cannot run {tile} at head dim "
+                     f"{head_dim}: " + "; ".join(problems) + ". Use mosaic_tiles.candidates().")
+
+
+def candidates(head_dim):
+  """``{kernel: [Tile]}``: the Mosaic tiles ``benchmarks.attention_kernels --sweep`` times at
+  ``head_dim``: two or three compute warpgroups (FA3's 192-row tile at 64), streamed blocks of
+  64 or 128, two to four slots, the forward with and without ping-pong; those that fit."""
+  warpgroups = (2, 3) if head_dim == 64 else (2,)
+  found = {kernel: [] for kernel in KERNELS}
+  for kernel in KERNELS if head_dim in flash_hopper_backward.HEAD_DIMS else ("forward",):
+    owned, streamed = _owned_and_streamed(kernel)
+    for n in warpgroups:
+      for block in (64, 128):
+        for stages in (2, 3, 4):
+          for pingpong in (False, True) if kernel == "forward" and n == 2 else (False,):
+            tile = Tile(**{owned: 64 * n, streamed: block}, num_warps=4 * (n + 1),
+                        num_stages=stages, pingpong=pingpong)
+            if shared_memory(kernel, tile, head_dim) <= SHARED_MEMORY:
+              found[kernel].append(tile)
+  return found

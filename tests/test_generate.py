@@ -185,7 +185,7 @@ def test_a_query_that_sees_nothing_gets_zeros_not_nans():
 def test_cache_memory_formula_and_the_decode_step_donates_the_cache(references):
   """The formula equals the cache's shards; the compiled decode step aliases the whole cache
   to its output. (That it holds no copy of it is checked where it matters, in the program
-  compiled for H100s: tests/test_gpu_compile.py. XLA's CPU compiler copies the cache to lay
+  compiled for H100s: tests/test_gpu_compile_models.py. XLA's CPU compiler copies the cache to lay
   it out for its own matrix products.)"""
   model = load_llama(references("llama_gqa").path, make_mesh(2, 4))
   config = model.config

@@ -119,7 +119,7 @@ def test_sums_add_and_bad_arguments_raise():
 def test_bfloat16_head_multiplies_in_bfloat16_and_matches_float32_within_its_rounding():
   """bfloat16 hidden states and head: the loss is that of their float32 copies' product (the
   forward accumulates in float32), and the gradients, whose products take the logit cotangent
-  rounded to bfloat16, match within bfloat16 rounding (test_gpu_compile: no float32 x float32
+  rounded to bfloat16, match within bfloat16 rounding (test_gpu_compile_cli: no float32 x float32
   product in the compiled step)."""
   mesh = mesh_of(2, 4)
   hidden, head, labels = _inputs(4)

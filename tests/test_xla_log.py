@@ -1,7 +1,7 @@
 """XLA's rematerialisation warning and its GPU scheduler's "exceeds the base limit" error,
 written from C++ to file descriptor 2, each become one line of ours; every other line on the
 descriptor passes through unchanged. (The scheduler's line from a real compile for an H100:
-tests/test_gpu_compile.py.)"""
+tests/test_gpu_compile_cli.py.)"""
 
 import logging
 import os

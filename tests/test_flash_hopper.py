@@ -53,13 +53,15 @@ def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segmen
 
 # The tile variants ``benchmarks.attention_kernels --sweep`` times: three compute warpgroups in
 # all three kernels (192 query rows for the forward and dq, 192 keys for dk/dv; the padded length
-# then a multiple of 384), and the forward's ping-pong schedule with 64-key slots. 456 tokens:
-# the last tile is partly padding, every ring refills, packed segments cross tiles. Slow (41 s,
-# 28 s on 2 cores): CI runs them after `make test`; the race detector runs both (newest JAX).
+# then a multiple of 384), and the ping-pong schedule of the forward (64-key slots) and dq. 456
+# tokens: the last tile is partly padding, every ring refills, packed segments cross tiles. Slow
+# (41 s, 28 s on 2 cores): CI runs them after `make test`; the race detector runs both (newest
+# JAX).
 @pytest.mark.slow
 @pytest.mark.parametrize("tiles", [
     (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2)),
-    (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3))],
+    (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3, pingpong=True),
+     Tile(64, 128, 12, 3))],
     ids=["three-warpgroups", "pingpong"])
 def test_mosaic_tile_variants_match_reference(tiles):
   q, k, v, d_out, segment_ids = random_inputs(9, 1, 456, 2, 1, 64, dtype=jnp.bfloat16,
@@ -95,9 +97,10 @@ def test_mosaic_tiles_are_checked_before_tracing():
                      r"num_warps 16: 12 \(two compute warpgroups\), or 16 \(three\) at "
                      r"head dim 64"):
     flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=three)
-  pingpong_dq = (plan.forward, Tile(128, 64, 12, 2, pingpong=True), plan.dkv)
-  with pytest.raises(ValueError, match="pingpong: the forward with two compute warpgroups only"):
-    flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=pingpong_dq)
+  pingpong_dkv = (plan.forward, plan.dq, Tile(64, 128, 12, 2, pingpong=True))
+  with pytest.raises(ValueError, match="pingpong: the forward or dq with two compute warpgroups"):
+    flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic",
+                    tiles=pingpong_dkv)
   too_big = (Tile(128, 128, 12, 4), plan.dq, plan.dkv)
   with pytest.raises(ValueError, match=r"\d+ bytes of shared memory: at most 232448"):
     flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=too_big)

@@ -39,11 +39,11 @@ The price under a causal mask is at most one fully masked block for the first wa
 (none when ``block_kv`` equals the tile's rows, the default for head dims 64 and 128); a window
 adds at most one for the second warpgroup's rows at its lower edge.
 
-With ``Tile.pingpong`` the forward's two compute warpgroups take turns on the tensor cores
-(FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier): a barrier of two arrivals, passed
-twice per key block by each, lets one warpgroup's softmax run while the other's QK^T and PV
-matmuls run. Whether that wins depends on the head dim and GPU: ``benchmarks.attention_kernels
---sweep`` times it.
+With ``Tile.pingpong`` the two compute warpgroups of the forward or dq take turns on the
+tensor cores (FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier; ``PingPong``): a
+barrier of two arrivals, passed twice per key block by each, lets one warpgroup's softmax (dq:
+its probabilities and dS) run while the other's matmuls run. Whether that wins depends on the
+head dim and GPU: ``benchmarks.attention_kernels --sweep`` times it.
 
 Inputs and outputs follow ``flash_kernels.forward`` (padded ``[B, Sp, H, D]`` arrays read in
 place by strided TMA windows; lse ``[B, Hq, Sp]`` natural log, ``-inf`` for a row that sees no
@@ -283,6 +283,46 @@ def plus_a_times_b(acc, a, b_smem, *, interpret):
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
+class PingPong:
+  """Compute warpgroup ``w``'s turns on the tensor cores with the other one (``Tile.pingpong``;
+  module docstring): a barrier of two arrivals that each passes twice per block, once while its
+  first matmul runs (``turn``, given as ``a_times_bt``'s ``while_running``) and once when its
+  elementwise work is done, before its last matmul (``hand_over``). Warpgroup 1 starts one
+  phase late and warpgroup 0 ends one late, so their phases alternate. Without ping-pong every
+  method does nothing."""
+
+  def __init__(self, smem, tile, w):
+    self.barrier, self.w = (smem["schedule"] if tile.pingpong else None), w
+
+  @staticmethod
+  def buffers(tile):
+    """The barrier, for ``with_shared_memory``, where ``tile`` asks for ping-pong."""
+    return dict(schedule=plgpu.Barrier(num_arrivals=2)) if tile.pingpong else {}
+
+  def turn(self):
+    if self.barrier is not None:
+      plgpu.barrier_arrive(self.barrier)
+      plgpu.barrier_wait(self.barrier)
+
+  def hand_over(self, wait_operand=lambda: None):
+    """Lets the other warpgroup's matmuls go first; returns ``wait_operand()`` (e.g. waiting
+    for the last matmul's operand to land), run in between."""
+    if self.barrier is not None:
+      plgpu.barrier_arrive(self.barrier)
+    operand = wait_operand()
+    if self.barrier is not None:
+      plgpu.barrier_wait(self.barrier)
+    return operand
+
+  def start(self):
+    if self.w == 1:
+      self.turn()
+
+  def end(self):
+    if self.w == 0:
+      self.turn()
+
+
 # --- The forward ------------------------------------------------------------------------------
 
 def forward(plan, q, k, v, q_seg, kv_seg):
@@ -329,9 +369,7 @@ def _forward_kernel(*refs, plan, groups, has_segments):
   if has_segments:
     own["q_seg"] = ((rows,), jnp.int32)
   buffers = dict(**own_buffers(own, warpgroups), lse=smem_tile((warpgroups, rows), jnp.float32),
-                 **key_ring(tile, d, dtype, has_segments))
-  if tile.pingpong:
-    buffers["schedule"] = plgpu.Barrier(num_arrivals=2)
+                 **key_ring(tile, d, dtype, has_segments), **PingPong.buffers(tile))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, o=o_ref, lse=lse_ref, q_seg=q_seg_ref,
               kv_seg=kv_seg_ref)
 
@@ -383,11 +421,8 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   q_pos = first_row + scores_tile.iota(0)
   qk_scale = plan.scale * LOG2E
   accumulate = functools.partial(plus_a_times_b, interpret=plan.interpret)
-  # Ping-pong: each warpgroup arrives twice per block (QK^T issued; softmax done), so phases
-  # alternate between the two; the second starts one phase late and the first ends one late.
-  turn = (lambda: (plgpu.barrier_arrive(smem["schedule"]),
-                   plgpu.barrier_wait(smem["schedule"]))) if tile.pingpong else None
-  matmul = functools.partial(a_times_bt, interpret=plan.interpret, while_running=turn)
+  pingpong = PingPong(smem, tile, w)
+  matmul = functools.partial(a_times_bt, interpret=plan.interpret, while_running=pingpong.turn)
 
   def visit(masked, j, carry):
     acc, row_max, denom = carry
@@ -409,11 +444,7 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
     probs = jnp.exp2(scores - scores_tile.per_row(ref_max))
     denom = denom * correction + probs.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-    if tile.pingpong:  # softmax done: let the other warpgroup's matmuls go first
-      plgpu.barrier_arrive(smem["schedule"])
-    v = wait_ready(smem, "v", slot)
-    if tile.pingpong:
-      plgpu.barrier_wait(smem["schedule"])
+    v = pingpong.hand_over(lambda: wait_ready(smem, "v", slot))  # softmax done
     acc = accumulate(acc, probs.astype(own["q"].dtype), v)
     release(smem, "v", slot,
             fence=has_segments or stand_in_reads(plan.interpret, "plus_a_times_b"))
@@ -423,11 +454,9 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   init = (scores_tile.zeros((rows, own["q"].shape[-1])),
           scores_tile.cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
           scores_tile.cast(jnp.zeros((rows,), jnp.float32), row_layout))
-  if tile.pingpong and w == 1:
-    turn()
+  pingpong.start()
   acc, row_max, denom = visit_blocks(ranges, visit, init)
-  if tile.pingpong and w == 0:
-    turn()
+  pingpong.end()
 
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)

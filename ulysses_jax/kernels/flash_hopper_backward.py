@@ -63,7 +63,7 @@ def _dq_kernel(*refs, plan, groups, has_segments):
   if has_segments:
     own["q_seg"] = ((rows,), jnp.int32)
   buffers = dict(**hopper.own_buffers(own, warpgroups),
-                 **hopper.key_ring(tile, d, dtype, has_segments))
+                 **hopper.key_ring(tile, d, dtype, has_segments), **hopper.PingPong.buffers(tile))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
               q_seg=q_seg_ref, kv_seg=kv_seg_ref, dq=dq_ref)
 
@@ -91,11 +91,12 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   qk_scale = plan.scale * LOG2E
   matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
   accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
+  pingpong = hopper.PingPong(smem, tile, w)
 
   def visit(masked, j, dq):
     slot = lax.rem(j - ranges[0], stages)  # the producer's step
     k = hopper.wait_ready(smem, "k", slot)
-    probs = jnp.exp2(matmul(own["q"], k) * qk_scale - lse2)
+    probs = jnp.exp2(matmul(own["q"], k, while_running=pingpong.turn) * qk_scale - lse2)
     kv_seg = scores_tile.cols_of(hopper.wait_ready(smem, "kv_seg", slot)) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
                    causal=masked and plan.causal,
@@ -108,12 +109,15 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
     hopper.release(smem, "v", slot,
                    fence=has_segments or hopper.stand_in_reads(plan.interpret, "a_times_bt"))
     d_scores = probs * (d_probs - delta)
+    pingpong.hand_over()  # dS done
     dq = accumulate(dq, d_scores.astype(k.dtype), k)
     hopper.release(smem, "k", slot, fence=hopper.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dq
 
+  pingpong.start()
   dq = visit_blocks(ranges, visit, scores_tile.zeros((rows, own["q"].shape[-1])))
+  pingpong.end()
   hopper.store_own([(dq * plan.scale, own["q"], gmem["dq"].at[batch, query_rows, head])])
 
 

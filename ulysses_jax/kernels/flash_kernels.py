@@ -40,8 +40,8 @@ class Tile:
   ``flash_hopper_backward``) ``num_warps`` is 12 or 16 (two or three compute warpgroups of 64
   rows and a copy warpgroup) and ``num_stages`` the slots of the streamed side in shared
   memory; the CTA owns ``block_q`` query rows (forward, dq) or ``block_kv`` keys (dk/dv), and
-  streams blocks of the other size. ``pingpong``: the Mosaic forward's two compute warpgroups
-  take turns on the tensor cores (``flash_hopper``)."""
+  streams blocks of the other size. ``pingpong``: the two compute warpgroups of the Mosaic
+  forward or dq take turns on the tensor cores (``flash_hopper.PingPong``)."""
   block_q: int
   block_kv: int
   num_warps: int

@@ -6,7 +6,7 @@ A tile (``flash_kernels.Tile``) of a Mosaic kernel (``flash_hopper``,
 keys in dk/dv), split over two or three compute warpgroups of 64 rows (``num_warps`` 12 or
 16, the copy warpgroup included), how wide a streamed block of the other side is, how many
 blocks the ring holds (``num_stages``) and, for the forward, whether its two compute
-warpgroups take turns on the tensor cores (``pingpong``). ``python -m
+warpgroups take turns on the tensor cores (``pingpong``, the forward and dq). ``python -m
 benchmarks.attention_kernels --sweep`` times every ``candidates`` tile on a Hopper GPU beside
 the table's and prints the rows of ``TABLE`` for its winners.
 """
@@ -80,8 +80,8 @@ def check(kernel, tile, head_dim):
     problems.append(f"{streamed} {getattr(tile, streamed)}: a multiple of 64")
   if tile.num_stages < 2:
     problems.append(f"num_stages {tile.num_stages}: at least 2")
-  if tile.pingpong and (kernel != "forward" or warpgroups != 2):
-    problems.append("pingpong: the forward with two compute warpgroups only")
+  if tile.pingpong and (kernel == "dkv" or warpgroups != 2):
+    problems.append("pingpong: the forward or dq with two compute warpgroups only")
   if (smem := shared_memory(kernel, tile, head_dim)) > SHARED_MEMORY:
     problems.append(f"{smem} bytes of shared memory: at most {SHARED_MEMORY}")
   if problems:
@@ -92,7 +92,8 @@ def check(kernel, tile, head_dim):
 def candidates(head_dim):
   """``{kernel: [Tile]}``: the Mosaic tiles ``benchmarks.attention_kernels --sweep`` times at
   ``head_dim``: two or three compute warpgroups (FA3's 192-row tile at 64), streamed blocks of
-  64 or 128, two to four slots, the forward with and without ping-pong; those that fit."""
+  64 or 128, two to four slots, the forward and dq with and without ping-pong; those that
+  fit."""
   warpgroups = (2, 3) if head_dim == 64 else (2,)
   found = {kernel: [] for kernel in KERNELS}
   for kernel in KERNELS if head_dim in flash_hopper_backward.HEAD_DIMS else ("forward",):
@@ -100,7 +101,7 @@ def candidates(head_dim):
     for n in warpgroups:
       for block in (64, 128):
         for stages in (2, 3, 4):
-          for pingpong in (False, True) if kernel == "forward" and n == 2 else (False,):
+          for pingpong in (False, True) if kernel != "dkv" and n == 2 else (False,):
             tile = Tile(**{owned: 64 * n, streamed: block}, num_warps=4 * (n + 1),
                         num_stages=stages, pingpong=pingpong)
             if shared_memory(kernel, tile, head_dim) <= SHARED_MEMORY:

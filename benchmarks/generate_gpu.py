@@ -53,7 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import common, generate_agreement, vs_transformers  # noqa: E402
+from benchmarks import common, vs_transformers  # noqa: E402
 from ulysses_jax import generate as gen  # noqa: E402
 from ulysses_jax import metrics  # noqa: E402
 from ulysses_jax.attention import backends  # noqa: E402
@@ -202,6 +202,7 @@ def load_transformers(path: str, dtype: str):
 
 def agreement_row(path: str, name: str, vocab: int, prompt: int, new_tokens: int) -> dict:
   """Greedy tokens of ours and transformers in float32 from one random prompt."""
+  from benchmarks import generate_agreement  # imports torch: only where transformers runs
   tokens = np.random.default_rng(1).integers(3, vocab, prompt).tolist()
   model = load_transformers(path, "float32")
   expected = generate_agreement.reference(model, [tokens], new_tokens)

@@ -59,7 +59,7 @@ def _ring_sum(x_TN, *, fence):
       pl.when(wg == 2)(lambda: flash_hopper.produce(
           smem, 2, steps, lambda t: [("x", dict(x=x_gmem.at[t]))]))
     buffers = dict(out=flash_hopper.smem_tile((2, n), jnp.float32),
-                   **flash_hopper.ring_buffers(2, dict(x=((n,), jnp.float32)), ("x",)))
+                   **flash_hopper.ring_buffers(2, dict(x=((n,), jnp.float32)), ("x",), 2))
     flash_hopper.with_shared_memory(buffers, body)
 
   return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((2, n), jnp.float32),

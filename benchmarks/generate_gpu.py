@@ -31,7 +31,7 @@ reports it; ``--memory-gb`` elsewhere). Its row times decode steps only, on a ca
 that capacity but not filled (the decode step reads every slot, filled or not: the kernel masks
 empty ones after reading them, so the time is that of a full cache); its prefill is not run (at
 a million tokens it would take minutes), so ``ttft_s`` is empty and ``compute_floor_s`` says
-what it would take at best (attention at the rate timed at 65,536 tokens).
+what it would take at best (attention at the rate timed for the longest ``--prompts``).
 
 Agreement: before the timings, the first model in float32 on both sides (ours from the same
 checkpoint) generates ``--agreement-tokens`` greedy tokens from ``--agreement-prompt`` random
@@ -215,8 +215,10 @@ def agreement_row(path: str, name: str, vocab: int, prompt: int, new_tokens: int
           **generate_agreement.agreement(got, expected)}
 
 
-def longest_row(name, model, device, args) -> dict:
-  """The decode row at ``longest_prompt`` of ``--memory-gb`` or the GPU's allocator limit."""
+def longest_row(name, model, device, args, attention_rate_: float) -> dict:
+  """The decode row at ``longest_prompt`` of ``--memory-gb`` or the GPU's allocator limit;
+  its prefill's compute floor at ``attention_rate_`` (FLOP/s, timed at the longest prompt of
+  the other rows)."""
   config = model.config
   limit = (args.memory_gb * 1e9 if args.memory_gb is not None
            else (device.memory_stats() or {}).get("bytes_limit"))
@@ -232,7 +234,7 @@ def longest_row(name, model, device, args) -> dict:
   row.update(weights_GB=needs["weights"] / 1e9, kv_read_GB=needs["kv"] / 1e9,
              floor_ms_per_token=1e3 * (needs["weights"] + needs["kv"]) / args.copy,
              compute_floor_s=flops["matmul"] / args.matmul_rate
-             + flops["attention"] / attention_rate(config, min(prompt, 1 << 16), device))
+             + flops["attention"] / attention_rate_)
   if row["status"] == "ok":
     row["ms_vs_floor"] = row["ms_per_token"] / row["floor_ms_per_token"]
   return row
@@ -319,7 +321,7 @@ def main(argv=None) -> dict:
       rows.append(row)
       print({k: row.get(k) for k in COLUMNS}, flush=True)
     if args.longest:
-      rows.append(longest_row(name, model, device, args))
+      rows.append(longest_row(name, model, device, args, rates[max(rates)]))
       print({k: rows[-1].get(k) for k in COLUMNS}, flush=True)
     del model
   print(f"one {device.device_kind}, bf16, random weights; ttft = time to first token (s); "

@@ -40,7 +40,7 @@ The price under a causal mask is at most one fully masked block for the first wa
 adds at most one for the second warpgroup's rows at its lower edge.
 
 With ``Tile.pingpong`` the two compute warpgroups of the forward or dq take turns on the
-tensor cores (FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier; ``PingPong``): a
+tensor cores (FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier; ``pingpong``): a
 barrier of two arrivals, passed twice per key block by each, lets one warpgroup's softmax (dq:
 its probabilities and dS) run while the other's matmuls run. Whether that wins depends on the
 head dim and GPU: ``benchmarks.attention_kernels --sweep`` times it.
@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import hopper_interpret
+from ulysses_jax.kernels.pingpong import PingPong
 from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, dot, kv_block_ranges, visible,
                                                 visit_blocks)
 
@@ -281,46 +282,6 @@ def plus_a_times_b(acc, a, b_smem, *, interpret):
   def accumulate(acc_ref):
     plgpu.wgmma(acc_ref, a, b_smem)
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-
-class PingPong:
-  """Compute warpgroup ``w``'s turns on the tensor cores with the other one (``Tile.pingpong``;
-  module docstring): a barrier of two arrivals that each passes twice per block, once while its
-  first matmul runs (``turn``, given as ``a_times_bt``'s ``while_running``) and once when its
-  elementwise work is done, before its last matmul (``hand_over``). Warpgroup 1 starts one
-  phase late and warpgroup 0 ends one late, so their phases alternate. Without ping-pong every
-  method does nothing."""
-
-  def __init__(self, smem, tile, w):
-    self.barrier, self.w = (smem["schedule"] if tile.pingpong else None), w
-
-  @staticmethod
-  def buffers(tile):
-    """The barrier, for ``with_shared_memory``, where ``tile`` asks for ping-pong."""
-    return dict(schedule=plgpu.Barrier(num_arrivals=2)) if tile.pingpong else {}
-
-  def turn(self):
-    if self.barrier is not None:
-      plgpu.barrier_arrive(self.barrier)
-      plgpu.barrier_wait(self.barrier)
-
-  def hand_over(self, wait_operand=lambda: None):
-    """Lets the other warpgroup's matmuls go first; returns ``wait_operand()`` (e.g. waiting
-    for the last matmul's operand to land), run in between."""
-    if self.barrier is not None:
-      plgpu.barrier_arrive(self.barrier)
-    operand = wait_operand()
-    if self.barrier is not None:
-      plgpu.barrier_wait(self.barrier)
-    return operand
-
-  def start(self):
-    if self.w == 1:
-      self.turn()
-
-  def end(self):
-    if self.w == 0:
-      self.turn()
 
 
 # --- The forward ------------------------------------------------------------------------------

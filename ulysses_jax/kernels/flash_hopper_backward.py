@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import flash_hopper as hopper
+from ulysses_jax.kernels.pingpong import PingPong
 from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, q_block_ranges, visible,
                                                 visit_blocks)
 
@@ -63,7 +64,7 @@ def _dq_kernel(*refs, plan, groups, has_segments):
   if has_segments:
     own["q_seg"] = ((rows,), jnp.int32)
   buffers = dict(**hopper.own_buffers(own, warpgroups),
-                 **hopper.key_ring(tile, d, dtype, has_segments), **hopper.PingPong.buffers(tile))
+                 **hopper.key_ring(tile, d, dtype, has_segments), **PingPong.buffers(tile))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
               q_seg=q_seg_ref, kv_seg=kv_seg_ref, dq=dq_ref)
 
@@ -91,7 +92,7 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   qk_scale = plan.scale * LOG2E
   matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
   accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
-  pingpong = hopper.PingPong(smem, tile, w)
+  pingpong = PingPong(smem, tile, w)
 
   def visit(masked, j, dq):
     slot = lax.rem(j - ranges[0], stages)  # the producer's step

@@ -41,7 +41,7 @@ class Tile:
   rows and a copy warpgroup) and ``num_stages`` the slots of the streamed side in shared
   memory; the CTA owns ``block_q`` query rows (forward, dq) or ``block_kv`` keys (dk/dv), and
   streams blocks of the other size. ``pingpong``: the two compute warpgroups of the Mosaic
-  forward or dq take turns on the tensor cores (``flash_hopper.PingPong``)."""
+  forward or dq take turns on the tensor cores (``pingpong.PingPong``)."""
   block_q: int
   block_kv: int
   num_warps: int

@@ -218,7 +218,7 @@ def choose_tiles(seq_len: int, head_dim: int, *, causal: bool, scale: float,
   ``generation`` is ``"sm90"`` (Hopper and newer) or ``"other"``; by default that of the
   devices the call is built for (``target.current``; ``"other"`` in interpret mode). The
   Mosaic kernels' tiles are the Hopper rows of ``mosaic_tiles.TABLE`` in any case. ``tiles``
-  (forward, dq, dk/dv) replace the tables' as given.
+  (forward, dq, dk/dv) replace the table's as given.
   """
   if tiles is None:
     if generation is None:

@@ -19,9 +19,11 @@ Hopper kernels of ``ulysses_jax.kernels.flash_hopper`` (forward) and ``flash_hop
 Mosaic tile of ``kernels.mosaic_tiles.candidates``: rows ``mosaic_forward[...]`` change
 the forward's tile, ``mosaic_dq[...]`` / ``mosaic_dkv[...]`` one backward kernel's, the other
 kernels keeping the table's. It ends with the table rows (``kernels.mosaic_tiles.TABLE``)
-of the fastest tile of each kernel per head dim and mask, to paste there (a row's tiles
-were each timed beside the table's, which is among the candidates). The sweep of one head dim
-and mask at 16K tokens takes about 3 minutes on an H200 (estimate; gpu_session.sh sweep).
+of the fastest tile of each kernel per head dim and mask (a row's tiles were each timed
+beside the table's, which is among the candidates); ``--write-table`` also writes them into
+``ulysses_jax/kernels/mosaic_tiles.py``, so that the commands after it run them. The sweep of
+one head dim and mask at 16K tokens takes about 3 minutes on an H200 (estimate;
+gpu_session.sh sweep).
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
@@ -166,6 +168,27 @@ def print_mosaic_table(rows, head_dims):
   return table
 
 
+def write_mosaic_table(table, path=mosaic_tiles.__file__):
+  """Replaces the rows of ``TABLE`` in ``path`` (mosaic_tiles.py) by those of ``table``
+  (``print_mosaic_table``'s answer; of several lengths of one row, the longest)."""
+  source = open(path, encoding="utf-8").read()
+  for key, tiles in sorted(table.items(), key=lambda item: int(item[0].split("S=")[1])):
+    generation, head_dim, causal, _ = key.split(",")
+    prefix = f'    ("{generation}", {head_dim}, {causal}): '
+    start = source.index(prefix) + len(prefix)
+    end, depth = start, 0
+    while depth or end == start:  # to the parenthesis closing the row's tuple
+      depth += {"(": 1, ")": -1}.get(source[end], 0)
+      end += 1
+    row = f"({', '.join(tiles)})"
+    if len(prefix) + len(row) + 1 > 100:  # the project's line length
+      row = "(\n" + ",\n".join(" " * 8 + tile for tile in tiles) + ")"
+    source = source[:start] + row + source[end:]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(source)
+  print(f"wrote {len(table)} rows into {path}")
+
+
 def matmul_peak_tflops(size):
   """Best measured bf16 matmul TFLOP/s over square sizes up to ``size``."""
   best = 0.0
@@ -187,10 +210,14 @@ def main():
   parser.add_argument("--masks", default="causal,full", help="causal, full or both")
   parser.add_argument("--sweep", action="store_true", help=f"also time ours at {SWEEP_BLOCKS} "
                       "and, on a Hopper GPU, every Mosaic tile of mosaic_tiles.candidates")
+  parser.add_argument("--write-table", action="store_true", help="with --sweep: write the "
+                      "fastest tiles into ulysses_jax/kernels/mosaic_tiles.py's TABLE")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
   parser.add_argument("--json", default="", help="write the rows here as JSON "
                       "(nothing is written without it)")
   args = parser.parse_args()
+  if args.write_table and not args.sweep:
+    parser.error("--write-table writes the sweep's winners: add --sweep")
   if args.tiny:
     args.seq_lens, args.head_dims, args.tokens, args.hidden = "128,200", "64", 256, 128
   interpret = jax.default_backend() != "gpu"
@@ -234,9 +261,13 @@ def main():
             result = measure(fn, q, k, v, d_out, rows, reference, warmup=warmup, iters=iters)
           row = {"impl": name, "S": seq_len, "D": head_dim, "causal": causal, "B": batch,
                  "H": heads, **result, **throughput(result, flops, peak)}
-          print(f"  {name}: {row['status']}", flush=True)
+          times = "".join(f" {phase} {row[f'{phase}_ms']:.3f} ms" for phase in ("fwd", "fwd_bwd")
+                          if f"{phase}_ms" in row)
+          print(f"  {name}: {row['status']}{times}", flush=True)
           rows_out.append(row)
         del reference
+        if args.json:  # so far: a run stopped later keeps these rows
+          write_json(args.json, rows_out, matmul_peak_tflops=peak, interpret=interpret)
 
   columns = ["impl", "S", "D", "causal", "fwd_ms", "fwd_tflops", "fwd_pct_peak", "fwd_bwd_ms",
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]
@@ -246,6 +277,8 @@ def main():
   if args.sweep:
     print("\nThe fastest Mosaic tiles, as rows of ulysses_jax/kernels/mosaic_tiles.py's TABLE:")
     mosaic_table = print_mosaic_table(rows_out, map(int, args.head_dims.split(",")))
+    if args.write_table and mosaic_table:
+      write_mosaic_table(mosaic_table)
   if args.json:
     write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
                tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,

@@ -213,6 +213,16 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
   env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   python = [sys.executable, "-m"]
   rows = []
+
+  def record(row: Row) -> None:
+    """Keeps ``row`` and prints it at once, with the command and its log's end if it failed
+    (a run stopped later keeps what it printed)."""
+    rows.append(row)
+    print(f"[{'ok' if row.passed else 'FAILED'}] {row.command}: exit {row.exit_code}, "
+          f"{row.seconds:.1f} s; {row.figure}", flush=True)
+    if not row.passed:
+      print(f"{' '.join(row.argv)}\n{row.log[-3000:]}", flush=True)
+
   families = {f for f in map(family_of, configs) if f}
   if families:
     vocab = size.hf_model["vocab_size"]
@@ -221,7 +231,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
     for family in sorted(families):
       start = time.perf_counter()
       write_hf_checkpoint(family, size, os.path.join(out, "hf", family), 2 * size.seq_len)
-      rows.append(Row(f"transformers writes a random {family}", 0,
+      record(Row(f"transformers writes a random {family}", 0,
                       time.perf_counter() - start, "bfloat16", True))
   first = configs[0]
   for config in configs:
@@ -233,19 +243,19 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
       row = run(f"ulysses-train {name} (SIGTERM after step {STOP_AFTER_STEP})",
                 train + flags, env, expect=75, stop_at=rf"step {STOP_AFTER_STEP}/{LONG_STEPS}")
       train_figure(row, workdir)
-      rows.append(row)
+      record(row)
       row = run(f"ulysses-train {name} (resumed)", train + flags, env)
       train_figure(row, workdir)
       resumed = re.search(r"resumed from step (\d+)", row.log)
       row.figure = (f"resumed from step {resumed.group(1)}; " if resumed else
                     "NOT resumed; ") + row.figure
       row.passed = row.passed and bool(resumed)
-      rows.append(row)
+      record(row)
       continue
     flags = [f"--gin_param={p}" for p in cut(config, size, out, 4)]
     row = run(f"ulysses-train {name}", train + flags, env)
     train_figure(row, workdir)
-    rows.append(row)
+    record(row)
 
   workdir = os.path.join(out, "runs", os.path.splitext(os.path.basename(first))[0])
   platform = ["--platform=cpu"] if mode == "cpu" else []
@@ -260,7 +270,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
     report = json.load(open(result, encoding="utf-8"))
     row.figure = (f"loss {report['loss']:.3f} over {report['tokens']} tokens; passkey "
                   f"{report['passkey']['overall']:.2f}")
-  rows.append(row)
+  record(row)
 
   prompt = open(os.path.join(ROOT, "ulysses_jax", "train", "__init__.py"),
                 encoding="utf-8").read()[:size.prompt_len]
@@ -275,14 +285,14 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
       dtype and f"{dtype.group(1)}", speed and f"{speed.group(1)} tokens in {speed.group(2)} s",
       attention and attention.group(1)[:80]) if x)
   row.passed = row.passed and bool(dtype) and dtype.group(1) == "bfloat16"
-  rows.append(row)
+  record(row)
 
   export = os.path.join(out, "export")
   row = run("ulysses-export", [*python, "ulysses_jax.export", f"--workdir={workdir}",
                                f"--out={export}"], env)
   if row.exit_code == 0:
     row.figure = f"{len(os.listdir(export))} files in {export}"
-  rows.append(row)
+  record(row)
 
   result = os.path.join(out, "transformers.json")
   if os.path.isfile(os.path.join(export, "config.json")):
@@ -297,7 +307,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
                   f"top-1 agree {report['top1_agreement']:.3f}, torch on "
                   f"{report['torch_device']}")
     row.passed = report["relative_l2"] <= LOGITS_TOLERANCE
-  rows.append(row)
+  record(row)
 
   result = os.path.join(out, "doctor.json")
   row = run("ulysses-doctor", [*python, "ulysses_jax.doctor", f"--json={result}",
@@ -309,7 +319,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
     untried = sum(c["passed"] is None for c in checks)
     row.figure = f"{passed} of {len(checks)} checks passed ({untried} need a GPU)" + (
         f"; failed: {', '.join(failed)}" if failed else "")
-  rows.append(row)
+  record(row)
   return rows
 
 
@@ -340,10 +350,6 @@ def main(argv=None) -> int:
   with open(os.path.join(args.out, "first_contact.json"), "w", encoding="utf-8") as f:
     json.dump({"mode": args.mode, "seconds": total, "rows": [dataclasses.asdict(r)
                                                              for r in rows]}, f, indent=1)
-  for r in rows:
-    if not r.passed:
-      print(f"--- {r.command}: exit {r.exit_code}\n{' '.join(r.argv)}\n{r.log[-3000:]}",
-            file=sys.stderr)
   return 0 if all(r.passed for r in rows) else 1
 
 

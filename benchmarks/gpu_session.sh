@@ -42,7 +42,9 @@
 #                 Mosaic attention tile of kernels.mosaic_tiles.candidates at 16K tokens
 #                 (two or three compute warpgroups, 64/128-wide streamed blocks, 2-4 slots,
 #                 the forward and dq with and without ping-pong) beside the table's and cuDNN; ends
-#                 with the winners as rows of kernels.mosaic_tiles.TABLE to paste there
+#                 with the winners as rows of kernels.mosaic_tiles.TABLE, written into
+#                 ulysses_jax/kernels/mosaic_tiles.py (the stages after it run them; commit the
+#                 file with the sweep's JSON)
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors; and each model's
@@ -65,7 +67,7 @@ set -uo pipefail
 stage=${1:?"usage: benchmarks/gpu_session.sh STAGE [OUT_DIR]"}
 out=${2:-benchmarks/results/gpu}
 mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 dry=${GPU_SESSION_DRY:-0}
 if [[ $dry == 1 ]]; then  # one CPU device, as one GPU
@@ -81,7 +83,8 @@ failed=()
 
 need_gin() {
   "$python" -c 'import gin, tensorboardX' 2>/dev/null && return
-  "$python" -m pip install --quiet --no-index --find-links .whl --target "$out/site" \
+  # --no-deps: tensorboardX's numpy, packaging and protobuf are on the GPU machine already
+  "$python" -m pip install --quiet --no-index --no-deps --find-links .whl --target "$out/site" \
     gin-config tensorboardX || { echo "gin-config/tensorboardX missing: put their wheels" \
     "in .whl/ (see the top of this script)" >&2; exit 2; }
   export PYTHONPATH="$PYTHONPATH:$out/site"
@@ -170,7 +173,7 @@ case $stage in
       sweep-d64-full) echo 64 full;; *) echo 128 causal,full;; esac)"
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(--seq-lens 16384); fi
     run "$stage" "$python" -m benchmarks.attention_kernels "${sizes[@]}" --head-dims "$head_dim" \
-      --masks "$masks" --sweep --impls 'ours_mosaic,cudnn,mosaic_*' \
+      --masks "$masks" --sweep --write-table --impls 'ours_mosaic,cudnn,mosaic_*' \
       --json "$out/$stage.json" ;;
   generate)
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi

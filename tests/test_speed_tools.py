@@ -209,6 +209,36 @@ def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
           'dq 9.000 ms (table\'s 10.000)') in printed
 
 
+def test_the_sweeps_table_rows_replace_the_tables_own_in_its_source(tmp_path):
+  """``--write-table``: the swept rows replace theirs in a copy of mosaic_tiles.py (a row too
+  long for one line wraps), the longest length's where a row was swept at two; the other rows
+  and the rest of the module stay as they were, and the module still imports."""
+  import importlib.util
+  import shutil
+  path = tmp_path / "mosaic_tiles.py"
+  shutil.copy(attention_kernels.mosaic_tiles.__file__, path)
+  long_row = ["Tile(192, 128, 16, 2, pingpong=True)", "Tile(192, 64, 16, 3, pingpong=True)",
+              "Tile(64, 128, 12, 2)"]
+  attention_kernels.write_mosaic_table({
+      "sm90,64,True,S=65536": long_row,
+      "sm90,64,True,S=16384": ["Tile(64, 64, 12, 2)"] * 3,
+      "sm90,128,False,S=16384": ["Tile(128, 64, 12, 2)", "Tile(64, 64, 12, 2)",
+                                 "Tile(64, 64, 12, 2)"]}, path)
+  spec = importlib.util.spec_from_file_location("swept_tiles", path)
+  swept = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(swept)
+  before = attention_kernels.mosaic_tiles.TABLE
+  assert swept.TABLE[("sm90", 64, True)] == (Tile(192, 128, 16, 2, pingpong=True),
+                                             Tile(192, 64, 16, 3, pingpong=True),
+                                             Tile(64, 128, 12, 2))
+  assert swept.TABLE[("sm90", 128, False)] == (Tile(128, 64, 12, 2), Tile(64, 64, 12, 2),
+                                               Tile(64, 64, 12, 2))
+  assert {k: v for k, v in swept.TABLE.items() if k[1:] not in ((64, True), (128, False))} == {
+      k: v for k, v in before.items() if k[1:] not in ((64, True), (128, False))}
+  assert max(map(len, path.read_text().splitlines())) <= 100
+  assert swept.candidates(64) == attention_kernels.mosaic_tiles.candidates(64)
+
+
 def test_the_longest_prompt_fits_its_share_of_the_memory_in_whole_steps():
   """Llama-3.1-8B on an H200's 139 GiB allocator limit: the weights (16 GB) and 131,072 bytes
   of cache per token within 90 %, in steps of 65,536 tokens; nothing where the weights alone

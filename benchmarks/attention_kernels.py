@@ -16,14 +16,16 @@ Hopper kernels of ``ulysses_jax.kernels.flash_hopper`` (forward) and ``flash_hop
 (dq, dk/dv; head dims 64 and 128). A row's bwd column is the backward kernel's.
 
 ``--sweep`` also times our Triton kernels at other block sizes and, on a Hopper GPU, every
-Mosaic tile of ``kernels.mosaic_tiles.candidates``: rows ``mosaic_forward[...]`` change
-the forward's tile, ``mosaic_dq[...]`` / ``mosaic_dkv[...]`` one backward kernel's, the other
-kernels keeping the table's. It ends with the table rows (``kernels.mosaic_tiles.TABLE``)
-of the fastest tile of each kernel per head dim and mask (a row's tiles were each timed
-beside the table's, which is among the candidates); ``--write-table`` also writes them into
-``ulysses_jax/kernels/mosaic_tiles.py``, so that the commands after it run them. The sweep of
-one head dim and mask at 16K tokens takes about 3 minutes on an H200 (estimate;
-gpu_session.sh sweep).
+Mosaic tile of ``kernels.mosaic_tiles.candidates``: rows ``mosaic_forward[...]`` change the
+forward's tile, ``mosaic_dq[...]`` / ``mosaic_dkv[...]`` one backward kernel's, the other
+kernels keeping the table's (a forward tile's row checks and times the forward alone, a backward
+tile's the gradients and forward+backward). It ends with the table rows
+(``kernels.mosaic_tiles.TABLE``) of the fastest tile of each kernel per head dim and mask (a
+row's tiles were each timed beside the table's, which is among the candidates);
+``--write-table`` also writes them into ``ulysses_jax/kernels/mosaic_tiles.py``, so that the
+commands after it run them. On an H200 a tile took 9-13 s when its row compiled and timed both
+phases (2026-11-27); now each compiles one, so the sweep of one head dim and mask at 16K tokens
+should take about 5 minutes (estimate; gpu_session.sh sweep).
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
@@ -44,6 +46,10 @@ from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 from ulysses_jax.doctor.timing import time_fn
 
 SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
+# The phases a swept Mosaic tile changes, so the only ones its row checks and times (one
+# compile each: a sweep stage fits a GPU command).
+SWEPT_PHASES = {"mosaic_forward": ("forward",), "mosaic_dq": ("backward",),
+                "mosaic_dkv": ("backward",)}
 
 
 def implementations(causal, head_dim, *, interpret, sweep):
@@ -222,8 +228,10 @@ def main():
     args.seq_lens, args.head_dims, args.tokens, args.hidden = "128,200", "64", 256, 128
   interpret = jax.default_backend() != "gpu"
   known = list(implementations(True, 64, interpret=interpret, sweep=args.sweep))
-  patterns = ["*"] if args.impls == "all" else args.impls.split(",")
-  if unknown := [p for p in patterns if not fnmatch.filter(known, p)]:
+  # A tile's name holds brackets, which fnmatch would read as a set: they match themselves.
+  requested = ["*"] if args.impls == "all" else args.impls.split(",")
+  patterns = [p.replace("[", "[[]") for p in requested]
+  if unknown := [r for r, p in zip(requested, patterns) if not fnmatch.filter(known, p)]:
     parser.error(f"unknown --impls {unknown}; choose from {known}")
   warmup, iters = (1, 2) if args.tiny else (2, 10)
 
@@ -258,7 +266,8 @@ def main():
           except Exception as e:  # noqa: BLE001
             result = {"status": f"skipped: {type(e).__name__}: {e}".replace("\n", " ")}
           else:
-            result = measure(fn, q, k, v, d_out, rows, reference, warmup=warmup, iters=iters)
+            result = measure(fn, q, k, v, d_out, rows, reference, warmup=warmup, iters=iters,
+                             phases=SWEPT_PHASES.get(name.split("[")[0], ("forward", "backward")))
           row = {"impl": name, "S": seq_len, "D": head_dim, "causal": causal, "B": batch,
                  "H": heads, **result, **throughput(result, flops, peak)}
           times = "".join(f" {phase} {row[f'{phase}_ms']:.3f} ms" for phase in ("fwd", "fwd_bwd")

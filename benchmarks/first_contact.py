@@ -4,15 +4,15 @@ shapes, which tests/test_benchmarks.py runs).
 
 Every config of ``configs/*.gin`` that includes ``configs/runs/gpu.gin`` is cut to one device
 with ``--gin_param`` (``cut``: 4 layers, which the configs' remat groups divide, ``seq_len``
-tokens, a few steps, a checkpoint every 2) and trained with ``python -m ulysses_jax.train``
-(the kernel self-check, the memory line, the checkpoints); a fine-tuning config starts from a
-random Hugging Face checkpoint of its family that transformers writes (bfloat16). The first
-config's run is stopped by SIGTERM after its second step (exit 75, a checkpoint) and resumed
-by the same command; on it then run ``ulysses-evaluate`` (loss by position, pass-key
-retrieval), ``ulysses-generate`` from a long prompt (in the run's bfloat16, with the attention
-kernels its start-up lines name), ``ulysses-export``, transformers loading the export (on the
-GPU when there is one) with logits equal to ours in float32 (``--compare``),
-and ``ulysses-doctor``.
+tokens, a few steps, a checkpoint every 2, every 10 in the first config's longer run) and
+trained with ``python -m ulysses_jax.train`` (the kernel self-check, the memory line, the
+checkpoints); a fine-tuning config starts from a random Hugging Face checkpoint of its family
+that transformers writes (bfloat16). The first config's run is stopped by SIGTERM after its
+second step (exit 75, a checkpoint) and resumed by the same command; on it then run
+``ulysses-evaluate`` (loss by position, pass-key retrieval), ``ulysses-generate`` from a long
+prompt (in the run's bfloat16, with the attention kernels its start-up lines name),
+``ulysses-export``, transformers loading the export (on the GPU when there is one) with logits
+equal to ours in float32 (``--compare``), and ``ulysses-doctor``.
 
 Prints one table (command, exit code, seconds, the figure that matters) and writes it with
 every command line and log to ``OUT/first_contact.json``; exits 1 unless every row passed.
@@ -82,7 +82,11 @@ FAMILY_FIELDS = {
     "llama": lambda size: {},
 }
 STOP_AFTER_STEP = 2  # the first config's run gets SIGTERM once this step is logged
-LONG_STEPS = 40      # ... out of these (so that it is still training when the signal lands)
+LONG_STEPS = 20      # ... out of these (so that it is still training when the signal lands)
+# Checkpoints every this many steps in the first config's runs: the cut 1B model's state is
+# 9 GB (its 128K-token vocabulary), and saving it every 2 steps held the resumed run on an H200
+# past 2 minutes, at step 22 of 40 (2026-11-27).
+LONG_SAVE_EVERY = 10
 
 
 @dataclasses.dataclass
@@ -125,8 +129,9 @@ def write_hf_checkpoint(family: str, size: Size, directory: str, max_positions: 
   model.save_pretrained(directory)
 
 
-def cut(config: str, size: Size, out: str, steps: int) -> list[str]:
-  """The ``--gin_param`` flags cutting ``config`` to one device and a few steps."""
+def cut(config: str, size: Size, out: str, steps: int, save_every: int = 2) -> list[str]:
+  """The ``--gin_param`` flags cutting ``config`` to one device and a few steps, a checkpoint
+  every ``save_every``."""
   params = [f"TrainConfig.steps = {steps}", "TrainConfig.mesh_data = 1",
             "TrainConfig.mesh_seq = 1", "TrainConfig.mesh_ring = 1", "TrainConfig.accum_steps = 1",
             "TrainConfig.log_every = 1", "TrainConfig.eval_every = 0",
@@ -134,7 +139,7 @@ def cut(config: str, size: Size, out: str, steps: int) -> list[str]:
             "TrainConfig.progress_bar = False",
             f"TrainConfig.compilation_cache = '{os.path.join(out, 'jax_cache')}'",
             f"DataConfig.seq_len = {size.seq_len}", "DataConfig.batch_size = 1",
-            "CheckpointConfig.save_every = 2", *size.platform]
+            f"CheckpointConfig.save_every = {save_every}", *size.platform]
   family = family_of(config)
   if family is None:
     return params + list(size.model)
@@ -239,7 +244,7 @@ def first_contact(out: str, mode: str, configs: list[str]) -> list[Row]:
     workdir = os.path.join(out, "runs", name)
     train = [*python, "ulysses_jax.train", f"--gin_file={config}", f"--workdir={workdir}"]
     if config == first:
-      flags = [f"--gin_param={p}" for p in cut(config, size, out, LONG_STEPS)]
+      flags = [f"--gin_param={p}" for p in cut(config, size, out, LONG_STEPS, LONG_SAVE_EVERY)]
       row = run(f"ulysses-train {name} (SIGTERM after step {STOP_AFTER_STEP})",
                 train + flags, env, expect=75, stop_at=rf"step {STOP_AFTER_STEP}/{LONG_STEPS}")
       train_figure(row, workdir)

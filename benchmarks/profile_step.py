@@ -20,14 +20,17 @@ given a class (``CLASSES``):
 * collectives: NCCL kernels and the HLO collectives; host transfers: host <-> device copies;
 * other fusions: everything else the device runs (elementwise, reductions, copies).
 
-On a GPU the events are the kernels on the device's streams (``/device:GPU:0``). Where
-kernels overlap (two streams), the overlapped time is shared equally among them, so the
-classes add up to the busy time; idle = the span from the first kernel's start to the last
-one's end, less the busy time. On a CPU there are no device streams: the events are the host
-threads running device 0's HLO ops, classed by op ("cpu: classes by op name").
+On a GPU the events are the kernels on the device's streams (``/device:GPU:0``); a kernel whose
+event names no HLO op takes that of the "XLA Ops" line event spanning its start. Where kernels
+overlap (two streams), the overlapped time is shared equally among them, so the classes add up
+to the busy time; idle = the span from the first kernel's start to the last one's end, less the
+busy time. Below the classes: the kernels with the most device time, by name, HLO op and class
+(``TOP_KERNELS``). On a CPU there are no device streams: the events are the host threads running
+device 0's HLO ops, classed by op ("cpu: classes by op name").
 """
 
 import argparse
+import bisect
 import collections
 import gzip
 import json
@@ -45,6 +48,7 @@ CLASSES = ("attention forward", "attention backward", "bf16 GEMMs", "float32 GEM
            "other GEMMs", "other fusions", "collectives", "host transfers")
 IDLE = "idle"
 COLUMNS = ["class", "ms", "share_pct", "launches"]
+TOP_KERNELS = 15  # the longest kernels, named in the table below the classes and in the JSON
 
 # Checked after the backward's: any other fused attention is a forward.
 _ATTENTION_FORWARD = re.compile(r"flash_attention_forward|_forward_kernel|fmha|sdpa|flash_fwd",
@@ -158,6 +162,8 @@ def device_events(trace: dict, device: int = 0) -> tuple[list[dict], str]:
              if key[0] == gpu[0] and not name.startswith(_DERIVED_LINES)}
     streams = {key for key, name in lines.items() if name.startswith("Stream")}
     chosen = [e for e in spans if (e["pid"], e["tid"]) in (streams or lines)]
+    op_lines = {key for key, name in threads.items() if key[0] == gpu[0] and name == "XLA Ops"}
+    _name_hlo_ops(chosen, [e for e in spans if (e["pid"], e["tid"]) in op_lines])
     mode = f"gpu: kernels on the streams of /device:GPU:{device}"
   else:
     chosen = [e for e in spans if "hlo_op" in e.get("args", {})
@@ -165,6 +171,20 @@ def device_events(trace: dict, device: int = 0) -> tuple[list[dict], str]:
               and not e["name"].startswith("end: ")]
     mode = "cpu: classes by op name (host threads running device 0's HLO ops)"
   return _innermost(chosen), mode
+
+
+def _name_hlo_ops(kernels: list[dict], ops: list[dict]) -> None:
+  """Gives each kernel event without an ``hlo_op`` argument the HLO op of the "XLA Ops" line
+  event that spans its start (jax 0.11.2's GPU traces name only the kernel on the stream
+  lines: an H200 profile had every kernel unclassed, 2026-11-27)."""
+  ops = sorted(ops, key=lambda e: e["ts"])
+  starts = [e["ts"] for e in ops]
+  for kernel in kernels:
+    args = kernel.setdefault("args", {})
+    index = bisect.bisect_right(starts, kernel["ts"]) - 1
+    if "hlo_op" not in args and index >= 0 and (
+        kernel["ts"] < ops[index]["ts"] + ops[index]["dur"]):
+      args["hlo_op"] = ops[index]["name"].lstrip("%").split(" = ")[0]
 
 
 def _innermost(events: list[dict]) -> list[dict]:
@@ -199,9 +219,17 @@ def breakdown(events: list[dict], ops: dict) -> dict:
     previous = t
   span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
           if events else 0.0)
+  kernels = collections.defaultdict(lambda: {"ms": 0.0, "launches": 0})
+  for e, c in zip(events, classes):
+    kernel = kernels[e["name"][:100], e.get("args", {}).get("hlo_op", ""), c]
+    kernel["ms"] += e["dur"] / 1e3
+    kernel["launches"] += 1
+  top = sorted(kernels.items(), key=lambda item: -item[1]["ms"])[:TOP_KERNELS]
   return {"ms": {c: t / 1e3 for c, t in time_us.items()},
           "launches": dict(collections.Counter(classes)), "span_ms": span / 1e3,
-          "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
+          "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+          "top_kernels": [{"kernel": name, "hlo_op": op, "class": c, **figures}
+                          for (name, op, c), figures in top]}
 
 
 def read_trace(trace_dir: str) -> dict:
@@ -261,9 +289,12 @@ def main(argv=None) -> dict:
         f"{result['busy_ms']:.1f} ms of {result['span_ms']:.1f} ms "
         f"({100 * result['busy_ms'] / (result['span_ms'] or float('nan')):.1f} %)")
   common.print_table(rows, COLUMNS)
+  print(f"\nthe {TOP_KERNELS} kernels with the most device time (name, HLO op, class):")
+  common.print_table(result["top_kernels"], ["kernel", "hlo_op", "class", "ms", "launches"])
   if args.json:
     common.write_json(args.json, rows, mode=result["mode"], span_ms=result["span_ms"],
                       busy_ms=result["busy_ms"], idle_ms=result["idle_ms"],
+                      top_kernels=result["top_kernels"],
                       step={k: v for k, v in vars(args).items() if k not in ("json",)})
   return result
 

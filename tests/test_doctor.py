@@ -108,3 +108,25 @@ def test_doctor_runs_the_ring_check_on_a_ring_mesh_and_names_a_failing_ring(monk
     for kernel in ("ours mosaic", "ours triton"):
       assert f"ring kernel={kernel} attention={attention} H=4 KV=2" in out
   assert out.rstrip().splitlines()[-1].startswith("FAILED: ring xla chunked full attention")
+
+
+@pytest.mark.parametrize("phases, timed", [(("forward",), {"fwd"}),
+                                           (("backward",), {"fwd_bwd"}),
+                                           (("forward", "backward"), {"fwd", "fwd_bwd"})])
+def test_a_measurement_checks_and_times_only_the_phases_asked_for(phases, timed):
+  """A swept forward tile is timed forward alone, a backward tile forward+backward alone (one
+  compile each); the throughput columns follow what was timed."""
+  import jax
+  q, k, v, d_out = (jax.random.normal(key, (1, 128, 2, 16), jnp.bfloat16)
+                    for key in jax.random.split(jax.random.PRNGKey(0), 4))
+  rows = kernels_lib.sampled_rows(128)
+  reference = kernels_lib.reference_on_rows(q, k, v, d_out, rows, True)
+  fn = kernels_lib.backend_fn("xla", True, 16)
+  result = kernels_lib.measure(fn, q, k, v, d_out, rows, reference, warmup=0, iters=1,
+                               phases=phases)
+  assert result["status"] == "ok" and timed == {"fwd", "fwd_bwd"} & set(result)
+  assert ("err_out" in result) == ("forward" in phases)
+  assert ("err_grad" in result) == ("backward" in phases)
+  columns = kernels_lib.throughput(result, kernels_lib.attention_flops(1, 128, 2, 16, True))
+  assert ("fwd_ms" in columns, "fwd_bwd_ms" in columns) == ("fwd" in timed, "fwd_bwd" in timed)
+  assert ("bwd_tflops" in columns) <= (timed == {"fwd", "fwd_bwd"})

@@ -33,7 +33,7 @@ from ulysses_jax.kernels.flash_kernels import Tile
 # All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
 # backward in the test after this one.
 @pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", [
-    pytest.param(456, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
+    pytest.param(600, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
     pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
     pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
 def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
@@ -156,23 +156,28 @@ def test_mosaic_kernels_skip_the_blocks_outside_the_window():
   dense = lambda q, k, v: dense_attention(q, k, v, causal=True, sliding_window=window,
                                           return_lse=True)
   expected = flash_outputs_and_grads(dense, f32(q), f32(k), f32(v), f32(d_out), d_lse)
-  # Query rows from 384 on (the last 128-row tile) see keys from 321 on: the forward (blocks of
-  # 128 keys) and dq (blocks of 64) must not touch keys before 256.
+  # Query rows from 384 on (the last 128-row tile) see keys from 321 on: the forward and dq
+  # (blocks of 64 or 128 keys) must not touch keys before 256.
   poisoned = lambda x: x.at[:, :256].set(jnp.nan)
   out, lse, dq, _, _ = flash_outputs_and_grads(flash, q, poisoned(k), poisoned(v), d_out, d_lse)
   for name, actual, wanted in (("out", out[:, 384:], expected[0][:, 384:]),
                                ("lse", lse[:, :, 384:], expected[1][:, :, 384:]),
                                ("dq", dq[:, 384:], expected[2][:, 384:])):
     assert relative_error(actual, wanted) < BF16_TOL, name
-  # Keys 0-127 (the first dk/dv CTA) are seen by queries up to 190 only: query blocks of 64
-  # rows from 192 on must not be streamed (0 * NaN in dk's dS^T q). The backward alone, given
-  # the dense output and lse.
+  # The first dk/dv CTA's keys (0-127) are seen by queries up to 190 only: the query blocks
+  # after the one holding row 190 must not be streamed (0 * NaN in dk's dS^T q). The backward
+  # alone, given the dense output and lse.
+  dkv = choose_tiles(512, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic",
+                     backward_kernel="mosaic").dkv
+  keys = dkv.block_kv
+  unseen = -(-(keys + window - 1) // dkv.block_q) * dkv.block_q
+  assert unseen < 512, dkv  # some query block is poisoned
   backward = jax.jit(lambda q: flash_attention_backward(
       q, k, v, expected[0].astype(q.dtype), expected[1], d_out, causal=True,
       sliding_window=window, grad_dtype=q.dtype, kernel="mosaic"))
-  _, dk, dv = backward(q.at[:, 192:].set(jnp.nan))
-  for name, actual, wanted in (("dk", dk[:, :128], expected[3][:, :128]),
-                               ("dv", dv[:, :128], expected[4][:, :128])):
+  _, dk, dv = backward(q.at[:, unseen:].set(jnp.nan))
+  for name, actual, wanted in (("dk", dk[:, :keys], expected[3][:, :keys]),
+                               ("dv", dv[:, :keys], expected[4][:, :keys])):
     assert relative_error(actual, wanted) < BF16_TOL, name
 
 
@@ -284,13 +289,20 @@ def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None):
 
 
 def test_mosaic_plan():
-  plan = choose_tiles(16384, 128, causal=True, scale=1.0, generation="sm90",
-                      forward_kernel="mosaic", backward_kernel="mosaic")
-  assert (plan.forward.block_q, plan.forward.block_kv, plan.forward.num_stages) == (128, 128, 2)
-  assert (plan.dq.block_q, plan.dq.block_kv, plan.dkv.block_q, plan.dkv.block_kv) == (
-      128, 64, 64, 128)
-  short = choose_tiles(20, 64, causal=True, scale=1.0, generation="sm90",
-                       forward_kernel="mosaic", backward_kernel="mosaic")
+  """Long sequences run the table's tiles; three compute warpgroups (192 rows, a 384-token
+  padding step) only from 8,193 tokens on; a short sequence's blocks shrink to it, down to 64
+  rows per compute warpgroup and 64 streamed."""
+  plan = lambda seq_len, head_dim: choose_tiles(seq_len, head_dim, causal=True, scale=1.0,
+                                                generation="sm90", forward_kernel="mosaic",
+                                                backward_kernel="mosaic")
+  long = plan(16384, 128)
+  assert (long.forward, long.dq, long.dkv) == mosaic_tiles.TABLE[("sm90", 128, True)]
+  forward = mosaic_tiles.TABLE[("sm90", 64, True)][0]
+  assert flash_hopper.compute_warpgroups(forward) == 3  # the swept winner at 16K
+  assert plan(65536, 64).forward == forward and plan(65536, 64).padded_len == 65664
+  two = plan(8192, 64)
+  assert (two.forward.block_q, two.forward.num_warps, two.padded_len) == (128, 12, 8192)
+  short = plan(20, 64)
   assert (short.forward.block_q, short.forward.block_kv, short.padded_len) == (128, 64, 128)
   assert (short.dq.block_q, short.dq.block_kv, short.dkv.block_q, short.dkv.block_kv) == (
       128, 64, 64, 128)
@@ -298,12 +310,16 @@ def test_mosaic_plan():
 
 
 
-def test_three_warpgroup_tiles_pad_to_a_common_multiple_and_keep_their_rows_when_short():
+def test_three_warpgroup_tiles_pad_to_a_common_multiple_and_give_way_to_two_when_short():
   tiles = (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2))
   plan = choose_tiles(65536, 64, causal=True, scale=1.0, tiles=tiles, forward_kernel="mosaic",
                       backward_kernel="mosaic")
   assert plan.padded_len == 65664 and (plan.forward, plan.dq, plan.dkv) == tiles  # 171 x 384
-  # A table row of three warpgroups cut to a short sequence keeps 64 rows per warpgroup.
-  fitted = mosaic_tiles.fit(tiles[0], "forward", 32, None, None)
-  assert (fitted.block_q, fitted.block_kv) == (192, 64)
-  assert mosaic_tiles.fit(tiles[2], "dkv", 32, None, None).block_kv == 192
+  # A table row of three warpgroups keeps them from a 16K cap on; below, two warpgroups of 64
+  # rows each own the block (a 384-token padding step would cost a short sequence too much).
+  least = mosaic_tiles.THREE_WARPGROUPS_FROM
+  assert mosaic_tiles.fit(tiles[0], "forward", least, None, None) == tiles[0]
+  assert mosaic_tiles.fit(tiles[2], "dkv", least, None, None) == tiles[2]
+  assert mosaic_tiles.fit(tiles[0], "forward", least // 2, None, None) == Tile(128, 128, 12, 2)
+  assert mosaic_tiles.fit(tiles[2], "dkv", 32, None, None) == Tile(64, 128, 12, 2)
+  assert mosaic_tiles.fit(tiles[0], "forward", 32, None, None) == Tile(128, 64, 12, 2)

@@ -21,10 +21,17 @@ from ulysses_jax.kernels.flash_kernels import Tile
 # per slot; dk/dv: queries per slot, CTA keys. Warps 12: two compute warpgroups (16: three,
 # head dim 64 only). Shared memory (``shared_memory``) at most 192 KiB (the forward at D =
 # 256); registers bound the backward's slot width (dk and dv accumulators of 64 keys x D
-# float32, plus two 64 x 64 float32 tiles per warpgroup). These ran on an H200 (2026-11-27,
-# issue 47's profile); the sweep prints these rows for its winners.
+# float32, plus two 64 x 64 float32 tiles per warpgroup). The sweep
+# (``benchmarks.attention_kernels --sweep --write-table``) writes the rows of its winners here.
+# Causal D = 64: the sweep's winners on an H200 (2026-11-27, 16K tokens, each tile timed beside
+# the previous row's: forward 2.687 vs 3.140 ms, dq 10.082 vs 10.748 and dk/dv 10.108 vs
+# 11.044 ms forward+backward; benchmarks/results/gpu_h200_20261127/). The other rows ran on an
+# H200 in issue 47's profile, unswept.
 TABLE = {
-    ("sm90", 64, True): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
+    ("sm90", 64, True): (
+        Tile(192, 128, 16, 2),
+        Tile(128, 128, 12, 4, pingpong=True),
+        Tile(128, 128, 12, 4)),
     ("sm90", 64, False): (Tile(128, 128, 12, 3), Tile(128, 64, 12, 3), Tile(64, 128, 12, 3)),
     ("sm90", 128, True): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
     ("sm90", 128, False): (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2), Tile(64, 128, 12, 2)),
@@ -32,6 +39,10 @@ TABLE = {
     ("sm90", 256, False): (Tile(128, 64, 12, 2), None, None),
 }
 SHARED_MEMORY = 227 * 1024  # the most one CTA may allocate on Hopper
+# Three compute warpgroups own 192 rows, so the padded length is a multiple of 384: from a
+# sequence cap of 16K tokens (more than 8,192) that pads at most 3 %, less than the forward's
+# 14 % gain (the sweep above); shorter sequences run two warpgroups.
+THREE_WARPGROUPS_FROM = 16384
 KERNELS = ("forward", "dq", "dkv")
 
 
@@ -43,11 +54,15 @@ def _owned_and_streamed(kernel):
 
 def fit(tile, kernel, cap, block_q, block_kv):
   """The table's Mosaic ``tile`` for a sequence of at most ``cap`` (a power of two) tokens: no
-  block beyond it, but at least 64 rows per compute warpgroup and 64 streamed. Blocks the
-  caller gives replace the table's, with two compute warpgroups and no ping-pong."""
+  block beyond it, but at least 64 rows per compute warpgroup and 64 streamed; two compute
+  warpgroups (128 owned rows) where three would pad a sequence shorter than
+  ``THREE_WARPGROUPS_FROM`` too much. Blocks the caller gives replace the table's, with two
+  compute warpgroups and no ping-pong."""
+  owned, streamed = _owned_and_streamed(kernel)
   if block_q or block_kv:
     tile = Tile(block_q or tile.block_q, block_kv or tile.block_kv, 12, tile.num_stages)
-  owned, streamed = _owned_and_streamed(kernel)
+  elif flash_hopper.compute_warpgroups(tile) == 3 and cap < THREE_WARPGROUPS_FROM:
+    tile = dataclasses.replace(tile, num_warps=12, **{owned: 2 * flash_hopper.WGMMA_ROWS})
   least = {owned: flash_hopper.WGMMA_ROWS * flash_hopper.compute_warpgroups(tile), streamed: 64}
   return dataclasses.replace(tile, **{name: max(min(getattr(tile, name), cap), least[name])
                                       for name in least})

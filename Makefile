@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile \
-	newest-jax-venv test-newest-jax machine-jax-venv test-machine-jax doctor ci-times docs \
+	newest-jax-venv test-newest-jax test-machine-jax doctor ci-times docs \
 	docs-serve
 
 $(STAMP): pyproject.toml
@@ -102,25 +102,15 @@ test-newest-jax: $(NEWEST_STAMP)
 # The JAX of the GPU machines we measure on (jax 0.11.2 with a CUDA 13 plugin; here its CUDA 12
 # one, compile-only): its XLA compiled our step unlike 0.10 and 0.12 (it ran attention's forward
 # twice per layer until kernels.variants put optimization barriers in, 2026-11-27), so the
-# quick gpu_compile suite runs on it too. Pinned on purpose: this is a test environment.
+# quick gpu_compile suite and that step's check run on it too (scripts/test_other_jax.sh, in
+# .venv-jax0.11.2). Pinned on purpose: this is a test environment.
 MACHINE_JAX := 0.11.2
-MACHINE_VENV := .venv-jax$(MACHINE_JAX)
-MACHINE_PY := $(MACHINE_VENV)/bin/python
-MACHINE_STAMP := $(MACHINE_VENV)/.installed
+OTHER_JAX := scripts/test_other_jax.sh $(NEWEST_PYTHON) $(MACHINE_JAX)
 
-$(MACHINE_STAMP): pyproject.toml
-	test -x $(MACHINE_PY) || $(NEWEST_PYTHON) -m venv $(MACHINE_VENV)
-	$(MACHINE_PY) -m pip install -q --upgrade pip
-	$(MACHINE_PY) -m pip install -q -e '.[dev]' 'jax[cuda12-local]==$(MACHINE_JAX)'
-	touch $(MACHINE_STAMP)
-
-machine-jax-venv: $(MACHINE_STAMP)
-
-test-machine-jax: $(MACHINE_STAMP)
-	$(MACHINE_PY) -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
-	JAX_PLATFORMS=cpu ULYSSES_QUICK_TEST_LIMIT_S=45 $(MACHINE_PY) $(PYTEST) -m "gpu_compile and not slow" \
-	  --durations=10 --junitxml=runs/ci/machine_jax_gpu_compile.xml
-	JAX_PLATFORMS=cpu $(MACHINE_PY) $(PYTEST) --junitxml=runs/ci/machine_jax_forward_once.xml \
+test-machine-jax:
+	ULYSSES_QUICK_TEST_LIMIT_S=45 $(OTHER_JAX) -n $(TEST_WORKERS) -p no:cacheprovider \
+	  -m "gpu_compile and not slow" --durations=10 --junitxml=runs/ci/machine_jax_gpu_compile.xml
+	$(OTHER_JAX) -p no:cacheprovider --junitxml=runs/ci/machine_jax_forward_once.xml \
 	  tests/test_gpu_compile_cli.py::test_llama1b_64k_on_one_gpu_runs_attention_forward_once_and_no_float32_gemm
 
 # The first command on a GPU machine: kernels against the reference, their speed, one step

@@ -4,8 +4,9 @@
 #
 #   scripts/test_other_jax.sh python3.12 0.11.2 [pytest args...]
 #
-# The environment goes to .venv-jax<VERSION> (made once, ignored by git). torch, transformers and
-# tokenizers are left out, so the tests that need them skip.
+# The environment goes to .venv-jax<VERSION> (made once, ignored by git), with JAX's CUDA plugin
+# (compile-only here: JAX_PLATFORMS=cpu), so the gpu_compile tests run too. torch, transformers
+# and tokenizers are left out, so the tests that need them skip.
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 PYTHON JAX_VERSION [pytest args...]" >&2
@@ -19,8 +20,9 @@ venv=.venv-jax$version
 if [[ ! -f $venv/.installed ]]; then
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q "jax==$version" -e '.[dev]'
+  "$venv/bin/python" -m pip install -q "jax[cuda12-local]==$version" -e '.[dev]'
   touch "$venv/.installed"
 fi
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
 "$venv/bin/python" -c 'import sys, jax; print("python", sys.version.split()[0], "jax", jax.__version__)'
 "$venv/bin/python" -m pytest -q "$@"

@@ -40,7 +40,7 @@ def name_kernel_residuals(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, ja
   attention's custom_vjp forward rule returns the tagged pair as its output and keeps it as
   its residuals, so that saving the names saves what the backward reads.
 
-  The optimization barrier keeps XLA's GPU compiler (jax 0.11.2) from running the kernel
+  The optimization barriers keep XLA's GPU compiler (jax 0.11.2) from running the kernel
   twice: its dynamic-slice fusion copied the kernel's custom call into a fusion that writes the
   saved pair straight into the layer scan's stack, beside the original call for the output,
   so each layer ran attention's forward twice (step 4.57 s on an H200, 2026-11-27)."""

@@ -255,6 +255,23 @@ def test_cost_counts_ops_per_launch_and_loop_trips():
   assert ops["q"].flops == 0
 
 
+def test_cost_counts_a_kernel_inside_a_fusion():
+  """XLA's dynamic-slice fusion wraps a kernel's custom call with the update of a stacked
+  buffer (jax 0.11.2 did so to a copy of the attention forward): its FLOPs count."""
+  call = ('custom-call(%q, %q, %q), custom_call_target="mosaic_gpu_v2", '
+          'metadata={op_name="jit(f)/flash_attention_forward_causal/pallas_call"}')
+  hlo = _HLO.replace("%body (state", f"""%wrapped (q: bf16[1,256,4,64]) -> bf16[1,256,4,64] {{
+  %q = bf16[1,256,4,64]{{3,2,1,0}} parameter(0)
+  ROOT %inner = bf16[1,256,4,64]{{3,2,1,0}} {call}
+}}
+
+%body (state""").replace(
+      "  %a2a =", "  %dsf = bf16[1,256,4,64]{3,2,1,0} fusion(%q), kind=kCustom, "
+      "calls=%wrapped\n  %a2a =")
+  ops = {op.name: op for op in aot.cost.operations(hlo)}
+  assert ops["dsf"].flops == ops["att"].flops == 4 * 1 * 4 * 256 * 256 * 64 * 0.5
+
+
 def test_cost_reads_a_windowed_kernel_also_as_the_outermost_transformed_call():
   hlo = _HLO.replace('op_name="jit(f)/flash_attention_forward_causal/pallas_call"',
                      'op_name="jit(f)/jvp(flash_attention_forward_causal_window64)/pallas_call"')

@@ -9,7 +9,8 @@ and counts a while loop's body once however often it runs. This walk does neithe
   conditionals (the branch with the most FLOPs, then bytes: one branch runs, and which is
   known only at run time) and calls. A fusion is one operation.
 * FLOPs of an operation: 2 x (output elements) x (contracted elements) for each ``dot`` in it
-  (inside a fusion's computation too) and for cuBLAS GEMM custom calls; 2·R·K·N for the
+  (inside a fusion's computation too, as are the custom calls below) and for cuBLAS GEMM
+  custom calls; 2·R·K·N for the
   experts' grouped matmul kernels (R rows of K by N weights; ``kernels.grouped_matmul``); for
   our flash
   attention kernels, 4 (forward), 6 (dq) and 8 (dk/dv) x B x Hq x Sq x Skv x D, halved when
@@ -137,13 +138,16 @@ def _grouped_flops(instruction, shapes) -> float:
 
 
 def _flops(computation, computations) -> float:
-  """Dot FLOPs of a fused computation (nested fusions included)."""
+  """FLOPs of a fused computation's dots and custom calls (nested fusions included): XLA's
+  dynamic-slice fusion wraps a kernel's call (jax 0.11.2 copied the attention forward so)."""
   instructions = computations.get(computation, [])
   shapes = {i["name"]: i["shape"] for i in instructions}
   total = 0.0
   for i in instructions:
     if i["op"] == "dot":
       total += _dot_flops(i, shapes)
+    elif i["op"] == "custom-call":
+      total += _custom_call_flops(i, shapes)
     for callee in re.findall(r"\bcalls=%([\w.\-]+)", i["attrs"]):
       total += _flops(callee, computations)
   return total

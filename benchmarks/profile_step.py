@@ -21,7 +21,11 @@ given a class (``CLASSES``):
 * other fusions: everything else the device runs (elementwise, reductions, copies).
 
 On a GPU the events are the kernels on the device's streams (``/device:GPU:0``); a kernel whose
-event names no HLO op takes that of the "XLA Ops" line event spanning its start. Where kernels
+event names no HLO op takes that of the "XLA Ops" line event spanning its start. The command
+runs the step without CUDA graphs (``NO_COMMAND_BUFFERS``): XLA's command buffers put every
+kernel of a captured stretch under one ``command_buffer_N`` op on that line (jax 0.11.2 on an
+H200, 2026-11-27: all kernels, our attention's too, fell to "other"), which would leave the
+classes unknown; a step's launches cost little beside its kernels at long context. Where kernels
 overlap (two streams), the overlapped time is shared equally among them, so the classes add up
 to the busy time; idle = the span from the first kernel's start to the last one's end, less the
 busy time. Below the classes: the kernels with the most device time, by name, HLO op and class
@@ -48,6 +52,7 @@ CLASSES = ("attention forward", "attention backward", "bf16 GEMMs", "float32 GEM
            "other GEMMs", "other fusions", "collectives", "host transfers")
 IDLE = "idle"
 COLUMNS = ["class", "ms", "share_pct", "launches"]
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 TOP_KERNELS = 15  # the longest kernels, named in the table below the classes and in the JSON
 
 # Checked after the backward's: any other fused attention is a forward.
@@ -300,4 +305,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+  # Before JAX starts its backend (the module doc: the classes need each kernel's own HLO op).
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()
   main()

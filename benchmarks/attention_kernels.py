@@ -253,10 +253,14 @@ def main():
                         for key in keys)
       rows = sampled_rows(seq_len)
       for causal in [{"causal": True, "full": False}[mask] for mask in args.masks.split(",")]:
-        plan = choose_tiles(seq_len, head_dim, causal=causal, scale=head_dim ** -0.5,
-                            interpret=interpret)
-        print(f"\nB={batch} S={seq_len} H={heads} D={head_dim} causal={causal}; ours: "
-              f"fwd {plan.forward}, dq {plan.dq}, dkv {plan.dkv}", flush=True)
+        plans = {"ours (Triton)": choose_tiles(seq_len, head_dim, causal=causal, scale=1.0,
+                                               interpret=interpret)}
+        if head_dim in flash_hopper_backward.HEAD_DIMS:
+          plans["ours_mosaic"] = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0,
+                                              forward_kernel="mosaic", backward_kernel="mosaic")
+        print(f"\nB={batch} S={seq_len} H={heads} D={head_dim} causal={causal}; " + "; ".join(
+            f"{name}: fwd {plan.forward}, dq {plan.dq}, dkv {plan.dkv}"
+            for name, plan in plans.items()), flush=True)
         reference = reference_on_rows(q, k, v, d_out, rows, causal)
         flops = attention_flops(batch, seq_len, heads, head_dim, causal)
         impls = implementations(causal, head_dim, interpret=interpret, sweep=args.sweep)

@@ -6,7 +6,8 @@
     python -m benchmarks.generate_gpu --tiny        # the same on CPU with tiny shapes
 
 Each model preset gets RANDOM weights (bfloat16, seed 0: the speed does not depend on them),
-written once as a Hugging Face checkpoint that transformers loads (``hf.save_llama``). Per
+written once as a Hugging Face checkpoint that transformers loads (``hf.save_llama``; not
+with ``--no-transformers``). Each printed row starts with the seconds since the start. Per
 prompt length P and batch B (random token ids, one length for all rows):
 
 * ours: ``generate.Generator`` on one device (the weights replicated, ``PARAM_RULES``), bf16
@@ -240,6 +241,22 @@ def longest_row(name, model, device, args, attention_rate_: float) -> dict:
   return row
 
 
+_START = time.perf_counter()
+
+
+def log(message) -> None:
+  """Prints ``message`` after the seconds since the start (where a stage's minutes go)."""
+  print(f"[{time.perf_counter() - _START:.0f} s] {message}", flush=True)
+
+
+def held_gb(device) -> str:
+  """The GB JAX's allocator holds on ``device`` now (and at its peak), or "?" unknown."""
+  stats = device.memory_stats() or {}
+  if "bytes_in_use" not in stats:
+    return "?"
+  return f"{stats['bytes_in_use'] / 1e9:.1f} (peak {stats.get('peak_bytes_in_use', 0) / 1e9:.1f})"
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--models", default="llama3.2-1b,llama3.1-8b")
@@ -271,8 +288,8 @@ def main(argv=None) -> dict:
   copy = copy_bandwidth(device, COPY_BYTES.get(device.platform, COPY_BYTES["cpu"]))
   matmul_rate = metrics.measure_peak_flops("bfloat16")
   args.copy, args.matmul_rate = copy, matmul_rate
-  print(f"{device.device_kind}: copy {copy / 1e9:.0f} GB/s (read + written), bf16 matmul "
-        f"{matmul_rate / 1e12:.4g} TFLOP/s; weights random (bf16, seed 0)", flush=True)
+  log(f"{device.device_kind}: copy {copy / 1e9:.0f} GB/s (read + written), bf16 matmul "
+      f"{matmul_rate / 1e12:.4g} TFLOP/s; weights random (bf16, seed 0)")
   mesh = make_mesh(1, 1, devices=[device])
   rows, agreement = [], []
   for name in models:
@@ -280,11 +297,12 @@ def main(argv=None) -> dict:
                           remat_policy="none")
     with tempfile.TemporaryDirectory() as path:
       model = llama.init_llama(config, mesh, rules=gen.PARAM_RULES)
-      save_llama(model, path)
+      if not args.no_transformers:
+        save_llama(model, path)
       if not args.no_transformers and name == models[0]:
         agreement.append(agreement_row(path, name, config.vocab_size, args.agreement_prompt,
                                        args.agreement_tokens))
-        print(agreement[-1], flush=True)
+        log(agreement[-1])
       rng = np.random.default_rng(0)
       prompts = {case: rng.integers(3, config.vocab_size, (case[1], case[0]), dtype=np.int32)
                  for case in cases}
@@ -292,6 +310,9 @@ def main(argv=None) -> dict:
                  if (why := does_not_fit(config, *case, device)) is not None}
       hf = dict(too_big)
       if not args.no_transformers:
+        # Whether JAX's allocator left transformers room (an H200 run, 2026-11-27, found 138 of
+        # 140 GiB in use when transformers ran out of memory at its first 32K prompt).
+        log(f"{name}: transformers' cases; JAX holds {held_gb(device)} GB")
         hf_model = load_transformers(path, "bfloat16")
         hf.update({case: vs_transformers.or_out_of_memory(theirs, hf_model, prompts[case],
                                                           args.new_tokens)
@@ -319,10 +340,10 @@ def main(argv=None) -> dict:
       for key in ("losses", "times", "peak_GiB"):
         row.pop(key, None)
       rows.append(row)
-      print({k: row.get(k) for k in COLUMNS}, flush=True)
+      log({k: row.get(k) for k in COLUMNS})
     if args.longest:
       rows.append(longest_row(name, model, device, args, rates[max(rates)]))
-      print({k: rows[-1].get(k) for k in COLUMNS}, flush=True)
+      log({k: rows[-1].get(k) for k in COLUMNS})
     del model
   print(f"one {device.device_kind}, bf16, random weights; ttft = time to first token (s); "
         "floors: decode bytes / copy bandwidth, prefill FLOPs / timed matmul and attention "

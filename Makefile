@@ -66,9 +66,12 @@ $(GPU_STAMP): pyproject.toml
 
 gpu-compile-venv: $(GPU_STAMP)
 
-# The tests marked gpu_compile: compiled for H100 clusters, no GPU needed.
+# The quick tests marked gpu_compile: compiled for H100 clusters, no GPU needed. The slow ones
+# run on the newest JAX (test-newest-jax), the one GPU users install, and not again here, for
+# CI's time; all of them here: make test-gpu-compile GPU_COMPILE_TESTS=gpu_compile.
+GPU_COMPILE_TESTS ?= gpu_compile and not slow
 test-gpu-compile: $(GPU_STAMP)
-	JAX_PLATFORMS=cpu $(GPU_PY) $(PYTEST) -m gpu_compile --durations=10 \
+	JAX_PLATFORMS=cpu $(GPU_PY) $(PYTEST) -m "$(GPU_COMPILE_TESTS)" --durations=10 \
 	  --junitxml=runs/ci/gpu_compile.xml
 
 # The newest JAX the package index serves, on Python 3.12: what GPU users install. A third

@@ -2,12 +2,14 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from ulysses_jax.attention import ring
 from ulysses_jax.cli import doctor as doctor_cli
 from ulysses_jax.doctor import kernels as kernels_lib
+from ulysses_jax.doctor import timing
 from ulysses_jax.kernel_check import cases
 
 
@@ -130,3 +132,15 @@ def test_a_measurement_checks_and_times_only_the_phases_asked_for(phases, timed)
   columns = kernels_lib.throughput(result, kernels_lib.attention_flops(1, 128, 2, 16, True))
   assert ("fwd_ms" in columns, "fwd_bwd_ms" in columns) == ("fwd" in timed, "fwd_bwd" in timed)
   assert ("bwd_tflops" in columns) <= (timed == {"fwd", "fwd_bwd"})
+
+
+def test_a_burst_sample_dispatches_its_calls_back_to_back_and_divides_by_them():
+  calls = []
+
+  def program(x):
+    calls.append(x)
+    return x + 1
+  result = timing.time_fn(program, jnp.ones(4), warmup=1, iters=2, burst=3)
+  assert len(calls) == 1 + 2 * 3 and result["burst"] == 3
+  assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"]
+  assert timing.copy_bandwidth(jax.devices()[0], 1 << 20, warmup=1, iters=2, burst=2) > 0

@@ -4,9 +4,11 @@ One device's partial attention of a decode step as ``decode_backend="auto"`` run
 Llama-3.1-8B's group (4 query heads per KV head, head dim 128, bfloat16) over ``slots`` cache
 slots at shuffled positions, a tenth of them empty. The kernel and XLA's path
 (``generate.attention.partial_attention``, fused as on GPUs) are each compared with the same
-computation in float32, then timed (median of ``iters`` calls after ``warmup``), with the HBM
-bandwidth each reached reading k and v: the measurement that the compiled comparison behind
-``auto``'s choice (``benchmarks/decode_compiled.py``) predicts. ``decode_rows`` does this over
+computation in float32, then timed (median of ``iters`` samples after ``warmup``, each
+``BURST`` calls dispatched back to back: the device's time per call, not the host's dispatch
+of a program that runs for microseconds), with the HBM bandwidth each reached reading k and
+v: the measurement that the compiled comparison behind ``auto``'s choice
+(``benchmarks/decode_compiled.py``) predicts. ``decode_rows`` does this over
 ``SLOT_COUNTS`` (8K to 1M slots: a device's share of the cache shrinks as the mesh grows) and
 states each bandwidth as a share of a device-to-device copy timed on the same device
 (``doctor.timing.copy_bandwidth``, bytes read and written counted): what the memory can give.
@@ -27,6 +29,7 @@ SLOTS = 1 << 20
 SLOT_COUNTS = (1 << 13, 1 << 15, 1 << 17, SLOTS)
 COPY_BYTES = 1 << 30
 GROUP, HEAD_DIM = 4, 128
+BURST = 10  # calls per timed sample (``timing.time_fn``)
 # Options of ``decode_hopper.decode_attention`` timed beside its defaults (128-slot blocks, two
 # ring slots at head dim 128, one CTA per SM): finer blocks with the deeper ring they allow, the
 # same blocks through two slots only, and twice the CTAs (two waves).
@@ -95,8 +98,10 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
       f"relative error {errors['kernel']:.2e} > {TOLERANCE} (XLA's: {errors['xla']:.2e})")
   if row["passed"]:
     cache_gb = 2 * slots * HEAD_DIM * 2 / 1e9  # k and v, bfloat16
-    row["kernel_ms"] = 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters)["median_s"]
-    row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters)["median_s"]
+    row["kernel_ms"] = 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters,
+                                     burst=BURST)["median_s"]
+    row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters,
+                                  burst=BURST)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
     row["variant_ms"] = {name: _time_variant(_kernel_options(options, slots, device), args,
@@ -117,7 +122,7 @@ def _time_variant(options, args, reference, scale, interpret, warmup, iters):
     o, lse = kernel(*args)
     if max(relative_error(o, reference[0]), relative_error(lse, reference[1])) > TOLERANCE:
       return None
-    return 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters)["median_s"]
+    return 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters, burst=BURST)["median_s"]
   except Exception:  # noqa: BLE001 - a variant that does not compile or run is not timed
     return None
 

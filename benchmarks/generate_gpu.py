@@ -128,20 +128,27 @@ def longest_prompt(config, limit_bytes: int, step: int = LONGEST_STEP) -> int:
   return max(0, int(LONGEST_SHARE * limit_bytes - weights) // per_token // step * step)
 
 
-def decode_only(model, prompt: int, new_tokens: int) -> dict:
-  """ms per token of decode steps over a one-row cache of ``prompt`` slots that is allocated
-  but not filled (the module doc: a decode step reads every slot either way)."""
+def unfilled_generator(model, prompt: int, new_tokens: int, batch: int = 1):
+  """A ``gen.Generator`` ready to decode ``new_tokens`` steps over ``batch`` rows of a cache of
+  ``prompt`` slots, allocated but not filled: the state prefill would leave, without running
+  it (the module doc: a decode step reads every slot either way)."""
   config = model.config
-  layout = gen.plan_cache(model.mesh, batch=1, prompt_len=prompt,
+  layout = gen.plan_cache(model.mesh, batch=batch, prompt_len=prompt,
                           max_new_tokens=new_tokens + 1, kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, dtype=config.dtype,
                           layer_windows=config.layer_windows())
   generator = gen.Generator(model, layout)
-  # The state prefill would leave, without running it: an empty cache, the row's length, a token.
   rows = gen_steps.rows_sharding(layout)
   generator.cache = empty_cache(layout)
-  generator.lengths = jax.device_put(np.full(1, prompt, np.int32), rows)
-  generator.tokens = jax.device_put(np.zeros(1, np.int32), rows)
+  generator.lengths = jax.device_put(np.full(batch, prompt, np.int32), rows)
+  generator.tokens = jax.device_put(np.zeros(batch, np.int32), rows)
+  return generator
+
+
+def decode_only(model, prompt: int, new_tokens: int) -> dict:
+  """ms per token of decode steps over a one-row cache of ``prompt`` slots that is allocated
+  but not filled (``unfilled_generator``)."""
+  generator = unfilled_generator(model, prompt, new_tokens)
   generator.decode()  # compiles
   times = []
   for _ in range(new_tokens):

@@ -151,6 +151,21 @@ def test_profile_of_a_tiny_step_adds_up_to_the_device_time(tmp_path):
   assert [r["class"] for r in rows][:len(profile_step.CLASSES)] == list(profile_step.CLASSES)
 
 
+def test_profile_of_tiny_decode_steps_adds_up_per_step(tmp_path):
+  from benchmarks import profile_decode
+  result = profile_decode.main(["--preset", "tiny-gqa", "--prompt", "128", "--steps", "2",
+                                "--json", str(tmp_path / "decode.json")])
+  assert result["steps"] == 2 and result["events"] > 0
+  assert sum(result["ms"].values()) == pytest.approx(result["busy_ms"], rel=1e-9)
+  assert result["busy_ms"] + result["idle_ms"] == pytest.approx(result["span_ms"])
+  rows = {r["class"]: r for r in json.loads((tmp_path / "decode.json").read_text())["rows"]}
+  assert rows["busy (device)"]["ms_per_step"] == pytest.approx(result["busy_ms"] / 2)
+  # The device's span lies inside the timed steps: busy + idle per step <= the wall per step.
+  assert (rows["busy (device)"]["ms_per_step"] + rows["idle (device)"]["ms_per_step"]
+          <= rows["wall (host)"]["ms_per_step"] * 1.001)
+  assert rows["bf16 GEMMs"]["launches_per_step"] > 0
+
+
 def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
   torch = pytest.importorskip("torch")
   from benchmarks import vs_transformers
@@ -168,6 +183,15 @@ def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
   row = vs_transformers.side_columns("torch", vs_transformers.or_out_of_memory(torch_oom), 8)
   assert row["torch_status"] == "OOM" and row["torch_step_s"] != row["torch_step_s"]  # NaN
   assert vs_transformers.step_text(row, "torch") == "OOM"
+
+
+def test_gpu_session_profile_decode_stage_runs_on_tiny_shapes(tmp_path):
+  env = {**os.environ, "GPU_SESSION_DRY": "1", "PYTHON": sys.executable}
+  done = subprocess.run(["bash", "benchmarks/gpu_session.sh", "profile-decode", str(tmp_path)],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  rows = json.loads((tmp_path / "profile_decode_128.json").read_text())["rows"]
+  assert rows[-1]["class"] == "wall (host)" and rows[-1]["ms_per_step"] > 0
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_cases import BF16_TOL, output_and_grads, random_inputs, relative_error
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper, flash_kernels, hopper_interpret
+from ulysses_jax.kernels import flash_hopper, flash_kernels, hopper_interpret, wgmma_forms
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 from ulysses_jax.kernels.flash_kernels import Tile
 
@@ -58,7 +58,7 @@ def _ring_sum(x_TN, *, fence):
         pl.when(wg == w)(lambda w=w: consume(w))
       pl.when(wg == 2)(lambda: flash_hopper.produce(
           smem, 2, steps, lambda t: [("x", dict(x=x_gmem.at[t]))]))
-    buffers = dict(out=flash_hopper.smem_tile((2, n), jnp.float32),
+    buffers = dict(out=wgmma_forms.smem_tile((2, n), jnp.float32),
                    **flash_hopper.ring_buffers(2, dict(x=((n,), jnp.float32)), ("x",), 2))
     flash_hopper.with_shared_memory(buffers, body)
 

@@ -43,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import flash_hopper
 from ulysses_jax.kernels import target as target_lib
+from ulysses_jax.kernels import wgmma_forms
 from ulysses_jax.kernels.flash_kernels import LOG2E, dot
 
 HEAD_DIMS = (64, 128)
@@ -167,10 +168,10 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
             blocks_per_split, num_blocks, num_stages, interpret, layer):
   d, dtype = q_ref.shape[-1], q_ref.dtype
   buffers = dict(
-      q=flash_hopper.smem_tile((1, ROWS, d), dtype),
-      q_pos=flash_hopper.smem_tile((1, ROWS), jnp.int32),
-      own_ready=plgpu.Barrier(num_barriers=2), o=flash_hopper.smem_tile((ROWS, d), jnp.float32),
-      lse=flash_hopper.smem_tile((ROWS,), jnp.float32),
+      q=wgmma_forms.smem_tile((1, ROWS, d), dtype),
+      q_pos=wgmma_forms.smem_tile((1, ROWS), jnp.int32),
+      own_ready=plgpu.Barrier(num_barriers=2), o=wgmma_forms.smem_tile((ROWS, d), jnp.float32),
+      lse=wgmma_forms.smem_tile((ROWS,), jnp.float32),
       **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype), v=((d, block), dtype),
                                                    k_pos=((block,), jnp.int32)),
                                   ("k", "v"), consumers=1))
@@ -192,7 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
       plgpu.set_max_registers(232, action="increase")
       own = flash_hopper.load_own(smem, 0, dict(q=q_ref.at[batch, head],
                                                 q_pos=q_pos_ref.at[batch]))
-      tile = flash_hopper.TileLayout((ROWS, block), interpret=interpret)
+      tile = wgmma_forms.TileLayout((ROWS, block), interpret=interpret)
       q_pos = tile.rows_of(own["q_pos"])
       qk_scale = scale * LOG2E
 
@@ -200,10 +201,10 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
         acc, row_max, denom = carry
         j = first + step
         slot = lax.rem(step, num_stages)
-        scores = flash_hopper.a_times_bt(own["q"], flash_hopper.wait_ready(smem, "k", slot),
+        scores = wgmma_forms.a_times_bt(own["q"], flash_hopper.wait_ready(smem, "k", slot),
                                          interpret=interpret) * qk_scale
         flash_hopper.release(smem, "k", slot,
-                             fence=flash_hopper.stand_in_reads(interpret, "a_times_bt"))
+                             fence=wgmma_forms.stand_in_reads(interpret, "a_times_bt"))
         k_pos = tile.cols_of(flash_hopper.wait_ready(smem, "k_pos", slot))
         distance = q_pos - k_pos
         # Slots before the block's nominal start belong to the block before (the last block
@@ -249,7 +250,7 @@ def _plus_a_times_bt(acc, a, b_smem, *, interpret):
   """``acc + a @ b.T``: wgmma reads ``a`` ``[m, k]`` from registers and ``b`` ``[n, k]`` from
   shared memory, transposed; in interpret mode a plain dot (``flash_hopper``: no JAX version's
   interpreter runs a register-A wgmma)."""
-  if flash_hopper.stand_in("plus_a_times_b", interpret):
+  if wgmma_forms.stand_in("plus_a_times_b", interpret):
     return acc + dot(a, b_smem[...], 1, 1)
 
   def accumulate(acc_ref):

@@ -29,7 +29,7 @@ and SM): at most 13 % of a step if nothing hid it, far less as only the fencing 
 while the other's wgmma keeps the tensor cores busy. Not yet measured on a GPU. In interpret
 mode a stand-in matmul reads through the generic proxy, so its slots are fenced there too.
 What of all this GPU interpret mode executes on the CPU, and what is only lowered:
-``hopper_interpret``.
+``hopper_interpret``; the matmul forms and their stand-ins: ``wgmma_forms``.
 
 The forward: one CTA computes ``Tile.block_q`` query rows of one (batch, query head) with an
 online softmax, against the key blocks visible to some row of the tile
@@ -61,8 +61,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import hopper_interpret
 from ulysses_jax.kernels.pingpong import PingPong
-from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, dot, kv_block_ranges, visible,
+from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, kv_block_ranges, visible,
                                                 visit_blocks)
+from ulysses_jax.kernels.wgmma_forms import (TileLayout, a_times_bt, plus_a_times_b, smem_tile,
+                                             stand_in_reads)
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -70,8 +72,6 @@ WGMMA_ROWS = 64  # one warpgroup's wgmma covers 64 rows: a compute warpgroup's s
 # Registers per thread of (a compute warpgroup, the copy warpgroup), by compute warpgroups: the
 # SM's 65,536 over (n + 1) x 128 threads, the copy warpgroup needing few (FA3's split).
 REGISTERS = {2: (232, 40), 3: (160, 32)}
-# 128-byte swizzle over tiles of 64 16-bit elements: a layout wgmma reads without bank conflicts.
-SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 # --- Shared by the forward and the backward kernels -----------------------------------------
@@ -101,12 +101,6 @@ def launch(kernel, out_type, grid, plan, tile):
 def interpret_params():
   """The parameters of GPU interpret mode that every kernel here runs under."""
   return hopper_interpret.params()
-
-
-def smem_tile(shape, dtype):
-  """A shared-memory buffer; 2-D (or stacked 2-D) 16-bit tiles get wgmma's swizzled layout."""
-  swizzled = len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2
-  return plgpu.SMEM(shape, dtype, transforms=SMEM_TRANSFORMS if swizzled else ())
 
 
 def own_buffers(operands, warpgroups):
@@ -192,96 +186,6 @@ def store_own(pairs):
   for _, buffer, window in pairs:
     plgpu.copy_smem_to_gmem(buffer, window)
   plgpu.wait_smem_to_gmem(0)
-
-
-# --- The register-level forms, and their interpret-mode stand-ins ---------------------------
-
-@functools.cache
-def interpreter_runs(form):
-  """Whether the installed JAX's GPU interpret mode runs ``form`` (``"layout_cast"``,
-  ``"a_times_bt"`` or ``"plus_a_times_b"``) as built for hardware, with the right result."""
-  compute, expected = {
-      "layout_cast": (lambda a, b: plgpu.layout_cast(a[...].astype(jnp.float32),
-                                                     plgpu.Layout.WGMMA), lambda a, b: a),
-      "a_times_bt": (lambda a, b: a_times_bt(a, b, interpret=False), lambda a, b: a @ b.T),
-      "plus_a_times_b": (
-          lambda a, b: plus_a_times_b(jnp.ones((64, 64), jnp.float32), a[...], b,
-                                      interpret=False), lambda a, b: 1 + a @ b),
-  }[form]
-  return hopper_interpret.runs_correctly(compute, expected, smem_tile)
-
-
-def stand_in(form, interpret):
-  """Whether ``form`` runs as its stand-in: in interpret mode, if the interpreter cannot run it."""
-  return interpret and not interpreter_runs(form)
-
-
-def stand_in_reads(interpret, *forms):
-  """Whether one of the matmul ``forms`` reads its shared-memory operands through the generic
-  proxy: only their stand-ins do (wgmma reads through the async proxy)."""
-  return any(stand_in(form, interpret) for form in forms)
-
-
-class TileLayout:
-  """Register values of a ``[rows, cols]`` tile in wgmma's accumulator layout (or, where GPU
-  interpret mode cannot cast layouts, plain arrays)."""
-
-  def __init__(self, shape, *, interpret):
-    self.shape, self.plain = shape, stand_in("layout_cast", interpret)
-
-  def cast(self, x, layout):
-    return x if self.plain else plgpu.layout_cast(x, layout)
-
-  def zeros(self, shape=None):
-    return self.cast(jnp.zeros(shape or self.shape, jnp.float32), plgpu.Layout.WGMMA)
-
-  def iota(self, dim):
-    return self.cast(lax.broadcasted_iota(jnp.int32, self.shape, dim), plgpu.Layout.WGMMA)
-
-  def per_row(self, vector):
-    """A ``[rows]`` vector in the tile's row layout, broadcast along the columns."""
-    return lax.broadcast_in_dim(vector, self.shape, [0])
-
-  def rows_of(self, vector_ref):
-    """A ``[rows]`` shared-memory vector, one value per row of the tile."""
-    return self.per_row(self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(1)))
-
-  def cols_of(self, vector_ref):
-    """A ``[cols]`` shared-memory vector, one value per column of the tile."""
-    vector = self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(0))
-    return lax.broadcast_in_dim(vector, self.shape, [1])
-
-
-# Where GPU interpret mode cannot run a wgmma form (JAX 0.10: the transposed B operand; all
-# versions so far: the register A operand with an initialised accumulator), it is a plain dot of
-# the same shared-memory tiles; everything around it (TMA, barriers, masks, softmax) is shared.
-
-def a_times_bt(a_smem, b_smem, *, interpret, while_running=None):
-  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``; runs
-  ``while_running()`` after issuing the (asynchronous) wgmma, before reading its result."""
-  if stand_in("a_times_bt", interpret):
-    product = dot(a_smem[...], b_smem[...], 1, 1)
-    if while_running is not None:
-      while_running()
-    return product
-
-  def product(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
-    if while_running is not None:
-      while_running()
-    return acc_ref[...]
-  return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
-
-
-def plus_a_times_b(acc, a, b_smem, *, interpret):
-  """``acc + a @ b``: wgmma reads ``a`` ``[m, k]`` from registers, ``b`` ``[k, n]`` from shared
-  memory, and accumulates into ``acc`` in place."""
-  if stand_in("plus_a_times_b", interpret):
-    return acc + dot(a, b_smem[...], 1, 0)
-
-  def accumulate(acc_ref):
-    plgpu.wgmma(acc_ref, a, b_smem)
-  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
 # --- The forward ------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import flash_hopper as hopper
+from ulysses_jax.kernels import wgmma_forms
 from ulysses_jax.kernels.pingpong import PingPong
 from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, q_block_ranges, visible,
                                                 visit_blocks)
@@ -85,13 +86,13 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   if has_segments:
     windows["q_seg"] = gmem["q_seg"].at[batch, query_rows]
   own = hopper.load_own(smem, w, windows)
-  scores_tile = hopper.TileLayout((rows, block_kv), interpret=plan.interpret)
+  scores_tile = wgmma_forms.TileLayout((rows, block_kv), interpret=plan.interpret)
   lse2, delta = scores_tile.rows_of(own["lse2"]), scores_tile.rows_of(own["delta"])
   q_seg = scores_tile.rows_of(own["q_seg"]) if has_segments else None
   q_pos = first_row + scores_tile.iota(0)
   qk_scale = plan.scale * LOG2E
-  matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
-  accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
+  matmul = functools.partial(wgmma_forms.a_times_bt, interpret=plan.interpret)
+  accumulate = functools.partial(wgmma_forms.plus_a_times_b, interpret=plan.interpret)
   pingpong = PingPong(smem, tile, w)
 
   def visit(masked, j, dq):
@@ -108,11 +109,11 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
     d_probs = matmul(own["do"], hopper.wait_ready(smem, "v", slot))
     # On hardware only wgmma reads K, and V too without segment ids: no fence (``flash_hopper``).
     hopper.release(smem, "v", slot,
-                   fence=has_segments or hopper.stand_in_reads(plan.interpret, "a_times_bt"))
+                   fence=has_segments or wgmma_forms.stand_in_reads(plan.interpret, "a_times_bt"))
     d_scores = probs * (d_probs - delta)
     pingpong.hand_over()  # dS done
     dq = accumulate(dq, d_scores.astype(k.dtype), k)
-    hopper.release(smem, "k", slot, fence=hopper.stand_in_reads(
+    hopper.release(smem, "k", slot, fence=wgmma_forms.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dq
 
@@ -200,12 +201,12 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
   if has_segments:
     windows["kv_seg"] = gmem["kv_seg"].at[batch, key_rows]
   own = hopper.load_own(smem, w, windows)
-  scores_tile = hopper.TileLayout((keys, block_q), interpret=plan.interpret)
+  scores_tile = wgmma_forms.TileLayout((keys, block_q), interpret=plan.interpret)
   kv_pos = first_key + scores_tile.iota(0)
   kv_seg = scores_tile.rows_of(own["kv_seg"]) if has_segments else None
   qk_scale = plan.scale * LOG2E
-  matmul = functools.partial(hopper.a_times_bt, interpret=plan.interpret)
-  accumulate = functools.partial(hopper.plus_a_times_b, interpret=plan.interpret)
+  matmul = functools.partial(wgmma_forms.a_times_bt, interpret=plan.interpret)
+  accumulate = functools.partial(wgmma_forms.plus_a_times_b, interpret=plan.interpret)
 
   lo, end = ranges[0], ranges[3]
 
@@ -229,7 +230,7 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
     d_scores_t = probs_t * (d_probs_t - delta)
     dk = accumulate(dk, d_scores_t.astype(q.dtype), q)
     # On hardware only wgmma reads q: no fence (``flash_hopper``).
-    hopper.release(smem, "q", slot, fence=hopper.stand_in_reads(
+    hopper.release(smem, "q", slot, fence=wgmma_forms.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))
     return dk, dv
 

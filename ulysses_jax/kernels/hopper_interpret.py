@@ -4,7 +4,7 @@ the installed JAX's interpreter executes, and its race detector.
 GPU interpret mode simulates on the CPU the warpgroups, shared memory, mbarriers and TMA copies
 of a Mosaic GPU kernel. Of our kernels it executes the TMA windows, the ring's barrier protocol,
 the proxy fences, masks, softmax and stores, plus each register-level form of the hardware path
-that the installed JAX's interpreter runs correctly (``flash_hopper.interpreter_runs``, probed
+that the installed JAX's interpreter runs correctly (``wgmma_forms.interpreter_runs``, probed
 once per process: on jax 0.12 ``a_times_bt``'s wgmma and the ``layout_cast``s; on jax 0.10
 none). A form it cannot run is replaced in interpret mode by a plain dot (or, for a layout cast,
 nothing) over the same shared-memory tiles and is only lowered

@@ -8,7 +8,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 class PingPong:
   """Compute warpgroup ``w``'s turns on the tensor cores with the other one (``Tile.pingpong``):
   a barrier of two arrivals that each passes twice per block, once while its first matmul runs
-  (``turn``, given as ``flash_hopper.a_times_bt``'s ``while_running``) and once when its
+  (``turn``, given as ``wgmma_forms.a_times_bt``'s ``while_running``) and once when its
   elementwise work is done, before its last matmul (``hand_over``). Warpgroup 1 starts one
   phase late and warpgroup 0 ends one late, so their phases alternate. Without ping-pong every
   method does nothing."""

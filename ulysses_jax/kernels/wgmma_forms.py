@@ -1,0 +1,112 @@
+"""The register-level forms of the Mosaic (Hopper) attention kernels (``flash_hopper``,
+``flash_hopper_backward``, ``decode_hopper``): wgmma matmuls from shared-memory tiles and
+registers, the accumulator layout of their results, and the plain stand-ins that GPU interpret
+mode runs where it cannot run a form as built for hardware (``interpreter_runs``)."""
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ulysses_jax.kernels import hopper_interpret
+from ulysses_jax.kernels.flash_kernels import dot
+
+# 128-byte swizzle over tiles of 64 16-bit elements: a layout wgmma reads without bank conflicts.
+SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def smem_tile(shape, dtype):
+  """A shared-memory buffer; 2-D (or stacked 2-D) 16-bit tiles get wgmma's swizzled layout."""
+  swizzled = len(shape) >= 2 and jnp.dtype(dtype).itemsize == 2
+  return plgpu.SMEM(shape, dtype, transforms=SMEM_TRANSFORMS if swizzled else ())
+
+
+@functools.cache
+def interpreter_runs(form):
+  """Whether the installed JAX's GPU interpret mode runs ``form`` (``"layout_cast"``,
+  ``"a_times_bt"`` or ``"plus_a_times_b"``) as built for hardware, with the right result."""
+  compute, expected = {
+      "layout_cast": (lambda a, b: plgpu.layout_cast(a[...].astype(jnp.float32),
+                                                     plgpu.Layout.WGMMA), lambda a, b: a),
+      "a_times_bt": (lambda a, b: a_times_bt(a, b, interpret=False), lambda a, b: a @ b.T),
+      "plus_a_times_b": (
+          lambda a, b: plus_a_times_b(jnp.ones((64, 64), jnp.float32), a[...], b,
+                                      interpret=False), lambda a, b: 1 + a @ b),
+  }[form]
+  return hopper_interpret.runs_correctly(compute, expected, smem_tile)
+
+
+def stand_in(form, interpret):
+  """Whether ``form`` runs as its stand-in: in interpret mode, if the interpreter cannot run it."""
+  return interpret and not interpreter_runs(form)
+
+
+def stand_in_reads(interpret, *forms):
+  """Whether one of the matmul ``forms`` reads its shared-memory operands through the generic
+  proxy: only their stand-ins do (wgmma reads through the async proxy)."""
+  return any(stand_in(form, interpret) for form in forms)
+
+
+class TileLayout:
+  """Register values of a ``[rows, cols]`` tile in wgmma's accumulator layout (or, where GPU
+  interpret mode cannot cast layouts, plain arrays)."""
+
+  def __init__(self, shape, *, interpret):
+    self.shape, self.plain = shape, stand_in("layout_cast", interpret)
+
+  def cast(self, x, layout):
+    return x if self.plain else plgpu.layout_cast(x, layout)
+
+  def zeros(self, shape=None):
+    return self.cast(jnp.zeros(shape or self.shape, jnp.float32), plgpu.Layout.WGMMA)
+
+  def iota(self, dim):
+    return self.cast(lax.broadcasted_iota(jnp.int32, self.shape, dim), plgpu.Layout.WGMMA)
+
+  def per_row(self, vector):
+    """A ``[rows]`` vector in the tile's row layout, broadcast along the columns."""
+    return lax.broadcast_in_dim(vector, self.shape, [0])
+
+  def rows_of(self, vector_ref):
+    """A ``[rows]`` shared-memory vector, one value per row of the tile."""
+    return self.per_row(self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(1)))
+
+  def cols_of(self, vector_ref):
+    """A ``[cols]`` shared-memory vector, one value per column of the tile."""
+    vector = self.cast(vector_ref[...], plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(vector, self.shape, [1])
+
+
+# Where GPU interpret mode cannot run a wgmma form (JAX 0.10: the transposed B operand; all
+# versions so far: the register A operand with an initialised accumulator), it is a plain dot of
+# the same shared-memory tiles; everything around it (TMA, barriers, masks, softmax) is shared.
+
+
+def a_times_bt(a_smem, b_smem, *, interpret, while_running=None):
+  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``; runs
+  ``while_running()`` after issuing the (asynchronous) wgmma, before reading its result."""
+  if stand_in("a_times_bt", interpret):
+    product = dot(a_smem[...], b_smem[...], 1, 1)
+    if while_running is not None:
+      while_running()
+    return product
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+    if while_running is not None:
+      while_running()
+    return acc_ref[...]
+  return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+def plus_a_times_b(acc, a, b_smem, *, interpret):
+  """``acc + a @ b``: wgmma reads ``a`` ``[m, k]`` from registers, ``b`` ``[k, n]`` from shared
+  memory, and accumulates into ``acc`` in place."""
+  if stand_in("plus_a_times_b", interpret):
+    return acc + dot(a, b_smem[...], 1, 0)
+
+  def accumulate(acc_ref):
+    plgpu.wgmma(acc_ref, a, b_smem)
+  return pl.run_state(accumulate)(plgpu.ACC.init(acc))

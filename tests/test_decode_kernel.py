@@ -260,7 +260,7 @@ def test_doctor_decode_check_runs_the_kernel_interpreted():
   """What the doctor runs on a Hopper GPU (the kernel and XLA's path against float32, then
   timed), on a 256-slot cache with the kernel interpreted. About 10 s on jax 0.10."""
   row, = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
-                                   interpret=True, copy_bytes=1 << 20,
+                                   burst=1, interpret=True, copy_bytes=1 << 20,
                                    variants={"2 waves": dict(waves=2)})
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
   assert row["variant_ms"]["2 waves"] > 0

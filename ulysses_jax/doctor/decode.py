@@ -50,15 +50,16 @@ def _inputs(device, slots):
 
 
 def decode_rows(device, *, slot_counts=SLOT_COUNTS, warmup: int = 2, iters: int = 10,
-                interpret: bool = False, copy_bytes: int = COPY_BYTES,
+                burst: int = BURST, interpret: bool = False, copy_bytes: int = COPY_BYTES,
                 variants=VARIANTS) -> list[dict]:
   """``decode_row`` at each of ``slot_counts`` with the copy bandwidth of ``device`` timed
   once (``copy_bytes`` each way); one row saying why where the kernel cannot run."""
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return [decode_row(device)]
-  copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters)
-  return [decode_row(device, slots=slots, warmup=warmup, iters=iters, interpret=interpret,
-                     copy_gb_per_s=copy / 1e9, variants=variants) for slots in slot_counts]
+  copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters, burst=burst)
+  return [decode_row(device, slots=slots, warmup=warmup, iters=iters, burst=burst,
+                     interpret=interpret, copy_gb_per_s=copy / 1e9, variants=variants)
+          for slots in slot_counts]
 
 
 def _kernel_options(options, slots, device):
@@ -73,8 +74,8 @@ def _kernel_options(options, slots, device):
 
 
 def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
-               interpret: bool = False, copy_gb_per_s: float | None = None,
-               variants=VARIANTS) -> dict:
+               burst: int = BURST, interpret: bool = False,
+               copy_gb_per_s: float | None = None, variants=VARIANTS) -> dict:
   """The kernel's check and timing beside XLA's on ``device`` (``passed`` None where it cannot
   run: not a Hopper GPU), and each of ``variants`` timed (ms, None where it failed).
   ``interpret``: the kernel in GPU interpret mode (tests, on a CPU). With ``copy_gb_per_s``
@@ -98,14 +99,13 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
       f"relative error {errors['kernel']:.2e} > {TOLERANCE} (XLA's: {errors['xla']:.2e})")
   if row["passed"]:
     cache_gb = 2 * slots * HEAD_DIM * 2 / 1e9  # k and v, bfloat16
-    row["kernel_ms"] = 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters,
-                                     burst=BURST)["median_s"]
-    row["xla_ms"] = 1e3 * time_fn(xla, *args, warmup=warmup, iters=iters,
-                                  burst=BURST)["median_s"]
+    timing = dict(warmup=warmup, iters=iters, burst=burst)
+    row["kernel_ms"] = 1e3 * time_fn(kernel, *args, **timing)["median_s"]
+    row["xla_ms"] = 1e3 * time_fn(xla, *args, **timing)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
     row["variant_ms"] = {name: _time_variant(_kernel_options(options, slots, device), args,
-                                             reference, scale, interpret, warmup, iters)
+                                             reference, scale, interpret, timing)
                          for name, options in variants.items()}
     if copy_gb_per_s:
       row.update(copy_gb_per_s=copy_gb_per_s,
@@ -114,7 +114,7 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
   return row
 
 
-def _time_variant(options, args, reference, scale, interpret, warmup, iters):
+def _time_variant(options, args, reference, scale, interpret, timing):
   """Milliseconds of the kernel with ``options``, None where it fails or its check does."""
   kernel = jax.jit(lambda *x: decode_hopper.decode_attention(
       *x, scale=scale, window=None, interpret=interpret, **options))
@@ -122,7 +122,7 @@ def _time_variant(options, args, reference, scale, interpret, warmup, iters):
     o, lse = kernel(*args)
     if max(relative_error(o, reference[0]), relative_error(lse, reference[1])) > TOLERANCE:
       return None
-    return 1e3 * time_fn(kernel, *args, warmup=warmup, iters=iters, burst=BURST)["median_s"]
+    return 1e3 * time_fn(kernel, *args, **timing)["median_s"]
   except Exception:  # noqa: BLE001 - a variant that does not compile or run is not timed
     return None
 

@@ -117,18 +117,21 @@ def implementations(causal, head_dim, *, interpret, sweep):
   return impls
 
 
+SCHEDULES = ("pingpong", "overlap")  # the Tile fields beside the blocks, warps and stages
+
+
 def mosaic_name(kernel, tile):
   """The row of a swept Mosaic tile: ``mosaic_<kernel>[<block_q>x<block_kv>-<warps>w-
-  <stages>st(-pingpong)]`` (no commas: ``--impls`` takes a list of them)."""
-  pingpong = "-pingpong" if tile.pingpong else ""
+  <stages>st(-pingpong)(-overlap)]`` (no commas: ``--impls`` takes a list of them)."""
+  schedule = "".join(f"-{name}" for name in SCHEDULES if getattr(tile, name))
   return (f"mosaic_{kernel}[{tile.block_q}x{tile.block_kv}-{tile.num_warps}w-"
-          f"{tile.num_stages}st{pingpong}]")
+          f"{tile.num_stages}st{schedule}]")
 
 
 def tile_source(tile):
   """A ``Tile`` as the table in ``flash_attention`` writes it."""
-  pingpong = ", pingpong=True" if tile.pingpong else ""
-  return f"Tile({tile.block_q}, {tile.block_kv}, {tile.num_warps}, {tile.num_stages}{pingpong})"
+  schedule = "".join(f", {name}=True" for name in SCHEDULES if getattr(tile, name))
+  return f"Tile({tile.block_q}, {tile.block_kv}, {tile.num_warps}, {tile.num_stages}{schedule})"
 
 
 def mosaic_times(rows, head_dim):

@@ -41,8 +41,9 @@
 #   sweep-d64-causal, sweep-d64-full, sweep-d128  (each about 5 minutes, an estimate) every
 #                 Mosaic attention tile of kernels.mosaic_tiles.candidates at 16K tokens
 #                 (two or three compute warpgroups, 64/128-wide streamed blocks, 2-4 slots,
-#                 the forward and dq with and without ping-pong) beside the table's and cuDNN; ends
-#                 with the winners as rows of kernels.mosaic_tiles.TABLE, written into
+#                 the forward and dq with and without ping-pong, the forward with its
+#                 intra-warpgroup overlap) beside the table's and cuDNN; ends with the
+#                 winners as rows of kernels.mosaic_tiles.TABLE, written into
 #                 ulysses_jax/kernels/mosaic_tiles.py (the stages after it run them; commit the
 #                 file with the sweep's JSON)
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B

@@ -71,6 +71,42 @@ def test_mosaic_tile_variants_match_reference(tiles):
                                 tiles=tiles, interpret=True)
 
 
+# The forward's intra-warpgroup overlap (``Tile.overlap``), the forward alone (its backward
+# kernels are unchanged): block j's softmax beside block j - 1's P·V, the first block's QKᵀ and
+# the last block's P·V on their own. 456 tokens: several key blocks per tile, the last tile
+# partly padding, packed segments crossing tiles; two and three compute warpgroups, causal and
+# full. Where the interpreter cannot run wgmma with a register operand (every JAX so far) the
+# two matmuls are stand-ins run one after the other; the hardware form is lowered below. Slow
+# (16-19 s each on a quiet core); the race detector runs both forms too (newest JAX).
+@pytest.mark.slow
+@pytest.mark.parametrize("tile,causal", [
+    (Tile(128, 64, 12, 2, overlap=True), True), (Tile(192, 128, 16, 2, overlap=True), False)],
+    ids=["two-warpgroups-causal", "three-warpgroups-full"])
+def test_mosaic_forward_overlap_matches_reference(tile, causal):
+  q, k, v, _, segment_ids = random_inputs(9, 1, 456, 2, 1, 64, dtype=jnp.bfloat16,
+                                          num_segments=4)
+  plan = choose_tiles(456, 64, causal=causal, scale=1.0, interpret=True, forward_kernel="mosaic",
+                      backward_kernel="mosaic")
+  out, lse = jax.jit(lambda q, k, v: flash_attention(
+      q, k, v, causal=causal, segment_ids=segment_ids, return_lse=True, interpret=True,
+      forward_kernel="mosaic", backward_kernel="mosaic", tiles=(tile, plan.dq, plan.dkv)))(q, k, v)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  want_out, want_lse = dense_attention(*f32, causal=causal, q_segment_ids=segment_ids,
+                                       kv_segment_ids=segment_ids, return_lse=True)
+  assert relative_error(out, want_out) < BF16_TOL
+  np.testing.assert_allclose(lse, want_lse, rtol=BF16_TOL, atol=BF16_TOL)
+
+
+def test_overlap_is_a_forward_schedule_without_pingpong():
+  q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+  plan = choose_tiles(256, 64, causal=True, scale=1.0, generation="sm90", forward_kernel="mosaic",
+                      backward_kernel="mosaic")
+  for tiles in ((Tile(128, 64, 12, 2, pingpong=True, overlap=True), plan.dq, plan.dkv),
+                (plan.forward, Tile(128, 64, 12, 2, overlap=True), plan.dkv)):
+    with pytest.raises(ValueError, match="overlap: the forward only, without pingpong"):
+      flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=tiles)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_swept_mosaic_tile_lowers_for_hopper(head_dim):

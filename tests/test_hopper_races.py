@@ -96,6 +96,15 @@ CASES = [pytest.param(1050, True, (2, 1), 64, True, None, None, id="causal-gqa-d
                       id="three-warpgroups-causal-gqa-d64-packed"),
          pytest.param(800, True, (2, 1), 64, True, None, PINGPONG,
                       id="pingpong-causal-gqa-d64-packed")]
+# The forward's intra-warpgroup overlap (its slots freed one block later: K after block j's
+# QKᵀ, V after its P·V in step j + 1), two compute warpgroups causal and three with the full
+# mask; the forward alone (the backward kernels are those of the cases above).
+OVERLAP = [pytest.param(800, True, (2, 1), 64, True, None,
+                        (Tile(128, 64, 12, 2, overlap=True), *PINGPONG[1:]),
+                        id="overlap-causal-gqa-d64-packed"),
+           pytest.param(900, False, (2, 1), 64, True, None,
+                        (Tile(192, 128, 16, 2, overlap=True), *THREE_WARPGROUPS[1:]),
+                        id="overlap-three-warpgroups-full-gqa-d64-packed")]
 
 
 def _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window, tiles):
@@ -146,7 +155,7 @@ def _assert_close(name, actual, expected):
   assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles", CASES)
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles", CASES + OVERLAP)
 def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, window, tiles):
   q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window,
                                              tiles)

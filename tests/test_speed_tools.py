@@ -244,6 +244,8 @@ def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
                                for kernel, table in (("forward", table_forward),
                                                      ("dq", table_dq)))
   failed = next(t for t in candidates["forward"] if t not in (table_forward, faster_forward))
+  names = [name(kernel, t) for kernel, tiles in candidates.items() for t in tiles]
+  assert len(set(names)) == len(names) and "mosaic_forward[128x64-12w-2st-overlap]" in names
   row = lambda impl, **times: dict(impl=impl, S=16384, D=64, causal=True, status="ok", **times)
   rows = [row(name("forward", table_forward), fwd_ms=3.0, fwd_bwd_ms=10.0),
           row(name("forward", faster_forward), fwd_ms=2.5, fwd_bwd_ms=9.6),
@@ -267,7 +269,7 @@ def test_the_sweeps_table_rows_replace_the_tables_own_in_its_source(tmp_path):
   import shutil
   path = tmp_path / "mosaic_tiles.py"
   shutil.copy(attention_kernels.mosaic_tiles.__file__, path)
-  long_row = ["Tile(192, 128, 16, 2, pingpong=True)", "Tile(192, 64, 16, 3, pingpong=True)",
+  long_row = ["Tile(192, 128, 16, 2, overlap=True)", "Tile(192, 64, 16, 3, pingpong=True)",
               "Tile(64, 128, 12, 2)"]
   attention_kernels.write_mosaic_table({
       "sm90,64,True,S=65536": long_row,
@@ -278,7 +280,7 @@ def test_the_sweeps_table_rows_replace_the_tables_own_in_its_source(tmp_path):
   swept = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(swept)
   before = attention_kernels.mosaic_tiles.TABLE
-  assert swept.TABLE[("sm90", 64, True)] == (Tile(192, 128, 16, 2, pingpong=True),
+  assert swept.TABLE[("sm90", 64, True)] == (Tile(192, 128, 16, 2, overlap=True),
                                              Tile(192, 64, 16, 3, pingpong=True),
                                              Tile(64, 128, 12, 2))
   assert swept.TABLE[("sm90", 128, False)] == (Tile(128, 64, 12, 2), Tile(64, 64, 12, 2),

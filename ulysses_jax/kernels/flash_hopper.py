@@ -43,7 +43,13 @@ With ``Tile.pingpong`` the two compute warpgroups of the forward or dq take turn
 tensor cores (FA3's ping-pong; JAX's ``attention_mgpu`` schedule barrier; ``pingpong``): a
 barrier of two arrivals, passed twice per key block by each, lets one warpgroup's softmax (dq:
 its probabilities and dS) run while the other's matmuls run. Whether that wins depends on the
-head dim and GPU: ``benchmarks.attention_kernels --sweep`` times it.
+head dim and GPU: ``benchmarks.attention_kernels --sweep`` times it. With ``Tile.overlap``
+(the forward, without ping-pong or a sliding window) each compute warpgroup overlaps within
+itself (FA3's intra-warpgroup pipelining): it issues block j's QKᵀ and block j - 1's P·V
+together, waits for the first only, and runs block j's softmax while the second runs
+(``wgmma_forms.overlapped``); the first block's QKᵀ and the last block's P·V run alone. Its
+probabilities wait in registers for one block, so its registers hold a scores tile, a
+probabilities tile and the output accumulator at once.
 
 Inputs and outputs follow ``flash_kernels.forward`` (padded ``[B, Sp, H, D]`` arrays read in
 place by strided TMA windows; lse ``[B, Hq, Sp]`` natural log, ``-inf`` for a row that sees no
@@ -63,8 +69,8 @@ from ulysses_jax.kernels import hopper_interpret
 from ulysses_jax.kernels.pingpong import PingPong
 from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, kv_block_ranges, visible,
                                                 visit_blocks)
-from ulysses_jax.kernels.wgmma_forms import (TileLayout, a_times_bt, plus_a_times_b, smem_tile,
-                                             stand_in_reads)
+from ulysses_jax.kernels.wgmma_forms import (TileLayout, a_times_bt, overlapped, plus_a_times_b,
+                                             smem_tile, stand_in_reads)
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -288,14 +294,17 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   accumulate = functools.partial(plus_a_times_b, interpret=plan.interpret)
   pingpong = PingPong(smem, tile, w)
   matmul = functools.partial(a_times_bt, interpret=plan.interpret, while_running=pingpong.turn)
+  # On hardware only wgmma reads K, and V too without segment ids: no fence (module docstring).
+  k_fence = stand_in_reads(plan.interpret, "a_times_bt")
+  v_fence = has_segments or stand_in_reads(plan.interpret, "plus_a_times_b")
 
-  def visit(masked, j, carry):
-    acc, row_max, denom = carry
-    slot = lax.rem(j - ranges[0], stages)  # the producer's step
-    scores = matmul(own["q"], wait_ready(smem, "k", slot)) * qk_scale
-    # On hardware only wgmma reads K, and V too without segment ids: no fence (module docstring).
-    release(smem, "k", slot, fence=stand_in_reads(plan.interpret, "a_times_bt"))
-    kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", slot)) if has_segments else None
+  def step(j):
+    return lax.rem(j - ranges[0], stages)  # the producer's step, and its slot
+
+  def softmax(masked, j, scores, row_max, denom):
+    """Block ``j``'s probabilities (16-bit), the correction of the rows' earlier sums, and the
+    rows' new max and denominator."""
+    kv_seg = scores_tile.cols_of(wait_ready(smem, "kv_seg", step(j))) if has_segments else None
     mask = visible(q_pos, j * block_kv + scores_tile.iota(1), q_seg, kv_seg,
                    causal=masked and plan.causal,
                    kv_len=plan.seq_len if masked and plan.ragged else None,
@@ -307,21 +316,58 @@ def _forward_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
     ref_max = new_max if mask is None else jnp.where(new_max == -jnp.inf, 0.0, new_max)
     correction = jnp.exp2(row_max - ref_max)
     probs = jnp.exp2(scores - scores_tile.per_row(ref_max))
-    denom = denom * correction + probs.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-    v = pingpong.hand_over(lambda: wait_ready(smem, "v", slot))  # softmax done
-    acc = accumulate(acc, probs.astype(own["q"].dtype), v)
-    release(smem, "v", slot,
-            fence=has_segments or stand_in_reads(plan.interpret, "plus_a_times_b"))
-    return acc, new_max, denom
+    return (probs.astype(own["q"].dtype), correction, new_max,
+            denom * correction + probs.sum(axis=1))
+
+  def rescale(acc, correction):
+    return acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+
+  def visit(masked, j, carry):
+    acc, row_max, denom = carry
+    scores = matmul(own["q"], wait_ready(smem, "k", step(j))) * qk_scale
+    release(smem, "k", step(j), fence=k_fence)
+    probs, correction, row_max, denom = softmax(masked, j, scores, row_max, denom)
+    acc = rescale(acc, correction)
+    v = pingpong.hand_over(lambda: wait_ready(smem, "v", step(j)))  # softmax done
+    acc = accumulate(acc, probs, v)
+    release(smem, "v", step(j), fence=v_fence)
+    return acc, row_max, denom
+
+  def visit_overlapped(masked, j, carry):
+    """Block ``j``'s softmax while block ``j - 1``'s probabilities meet its values."""
+    acc, row_max, denom, probs = carry
+
+    def softmax_of(scores):
+      release(smem, "k", step(j), fence=k_fence)
+      return softmax(masked, j, scores * qk_scale, row_max, denom)
+    acc, (probs, correction, row_max, denom) = overlapped(
+        own["q"], wait_ready(smem, "k", step(j)), acc, probs,
+        wait_ready(smem, "v", step(j - 1)), softmax_of, interpret=plan.interpret)
+    release(smem, "v", step(j - 1), fence=v_fence)
+    return rescale(acc, correction), row_max, denom, probs
 
   row_layout = plgpu.Layout.WGMMA.reduce(1)
   init = (scores_tile.zeros((rows, own["q"].shape[-1])),
           scores_tile.cast(jnp.full((rows,), -jnp.inf, jnp.float32), row_layout),
           scores_tile.cast(jnp.zeros((rows,), jnp.float32), row_layout))
-  pingpong.start()
-  acc, row_max, denom = visit_blocks(ranges, visit, init)
-  pingpong.end()
+  if tile.overlap and plan.sliding_window is None:
+    # The first block alone, then each later one overlapped with its predecessor's P·V, then
+    # the last P·V. Without a window every tile sees a key block (ranges[0] < ranges[3]).
+    first, plain_from, n_plain, n_visible = ranges
+    acc, row_max, denom = init
+    scores = a_times_bt(own["q"], wait_ready(smem, "k", 0), interpret=plan.interpret)
+    release(smem, "k", 0, fence=k_fence)
+    probs, _, row_max, denom = softmax(True, first, scores * qk_scale, row_max, denom)
+    later = (first + 1, *(jnp.maximum(end, first + 1) for end in (plain_from, n_plain)),
+             n_visible)
+    acc, row_max, denom, probs = visit_blocks(later, visit_overlapped,
+                                              (acc, row_max, denom, probs))
+    acc = accumulate(acc, probs, wait_ready(smem, "v", step(n_visible - 1)))
+    release(smem, "v", step(n_visible - 1), fence=v_fence)
+  else:
+    pingpong.start()
+    acc, row_max, denom = visit_blocks(ranges, visit, init)
+    pingpong.end()
 
   empty = denom == 0.0
   denom = jnp.where(empty, 1.0, denom)

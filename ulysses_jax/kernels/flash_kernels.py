@@ -41,12 +41,15 @@ class Tile:
   rows and a copy warpgroup) and ``num_stages`` the slots of the streamed side in shared
   memory; the CTA owns ``block_q`` query rows (forward, dq) or ``block_kv`` keys (dk/dv), and
   streams blocks of the other size. ``pingpong``: the two compute warpgroups of the Mosaic
-  forward or dq take turns on the tensor cores (``pingpong.PingPong``)."""
+  forward or dq take turns on the tensor cores (``pingpong.PingPong``). ``overlap``: each
+  compute warpgroup of the Mosaic forward runs a block's softmax while its own P·V matmul of
+  the block before runs (``wgmma_forms.overlapped``)."""
   block_q: int
   block_kv: int
   num_warps: int
   num_stages: int
   pingpong: bool = False
+  overlap: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

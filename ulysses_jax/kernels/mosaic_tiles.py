@@ -5,8 +5,9 @@ A tile (``flash_kernels.Tile``) of a Mosaic kernel (``flash_hopper``,
 ``flash_hopper_backward``) says how many rows its CTA owns (query rows in the forward and dq,
 keys in dk/dv), split over two or three compute warpgroups of 64 rows (``num_warps`` 12 or
 16, the copy warpgroup included), how wide a streamed block of the other side is, how many
-blocks the ring holds (``num_stages``) and, for the forward, whether its two compute
-warpgroups take turns on the tensor cores (``pingpong``, the forward and dq). ``python -m
+blocks the ring holds (``num_stages``) and its schedule: whether its two compute warpgroups
+take turns on the tensor cores (``pingpong``, the forward and dq), or each overlaps a block's
+softmax with its own matmul of the block before (``overlap``, the forward). ``python -m
 benchmarks.attention_kernels --sweep`` times every ``candidates`` tile on a Hopper GPU beside
 the table's and prints the rows of ``TABLE`` for its winners.
 """
@@ -97,6 +98,8 @@ def check(kernel, tile, head_dim):
     problems.append(f"num_stages {tile.num_stages}: at least 2")
   if tile.pingpong and (kernel == "dkv" or warpgroups != 2):
     problems.append("pingpong: the forward or dq with two compute warpgroups only")
+  if tile.overlap and (kernel != "forward" or tile.pingpong):
+    problems.append("overlap: the forward only, without pingpong")
   if (smem := shared_memory(kernel, tile, head_dim)) > SHARED_MEMORY:
     problems.append(f"{smem} bytes of shared memory: at most {SHARED_MEMORY}")
   if problems:
@@ -104,11 +107,21 @@ def check(kernel, tile, head_dim):
                      f"{head_dim}: " + "; ".join(problems) + ". Use mosaic_tiles.candidates().")
 
 
+def _schedules(kernel, warpgroups):
+  """The schedules a sweep tries for ``kernel``: plain; ping-pong (the forward and dq, two
+  compute warpgroups); the forward's intra-warpgroup overlap."""
+  schedules = [{}]
+  if kernel != "dkv" and warpgroups == 2:
+    schedules.append({"pingpong": True})
+  if kernel == "forward":
+    schedules.append({"overlap": True})
+  return schedules
+
+
 def candidates(head_dim):
   """``{kernel: [Tile]}``: the Mosaic tiles ``benchmarks.attention_kernels --sweep`` times at
   ``head_dim``: two or three compute warpgroups (FA3's 192-row tile at 64), streamed blocks of
-  64 or 128, two to four slots, the forward and dq with and without ping-pong; those that
-  fit."""
+  64 or 128, two to four slots, each of ``_schedules``; those that fit."""
   warpgroups = (2, 3) if head_dim == 64 else (2,)
   found = {kernel: [] for kernel in KERNELS}
   for kernel in KERNELS if head_dim in flash_hopper_backward.HEAD_DIMS else ("forward",):
@@ -116,9 +129,9 @@ def candidates(head_dim):
     for n in warpgroups:
       for block in (64, 128):
         for stages in (2, 3, 4):
-          for pingpong in (False, True) if kernel != "dkv" and n == 2 else (False,):
+          for schedule in _schedules(kernel, n):
             tile = Tile(**{owned: 64 * n, streamed: block}, num_warps=4 * (n + 1),
-                        num_stages=stages, pingpong=pingpong)
+                        num_stages=stages, **schedule)
             if shared_memory(kernel, tile, head_dim) <= SHARED_MEMORY:
               found[kernel].append(tile)
   return found

@@ -110,3 +110,22 @@ def plus_a_times_b(acc, a, b_smem, *, interpret):
   def accumulate(acc_ref):
     plgpu.wgmma(acc_ref, a, b_smem)
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def overlapped(q_smem, k_smem, acc, probs, v_smem, then, *, interpret):
+  """FA3's intra-warpgroup overlap: issues ``scores = q @ k.T``, then ``acc + probs @ v``,
+  waits for the first only and runs ``then(scores)`` while the second runs on the tensor
+  cores; returns ``(acc + probs @ v, then(scores))``. Stand-ins run them one after the other."""
+  if stand_in("a_times_bt", interpret) or stand_in("plus_a_times_b", interpret):
+    result = then(a_times_bt(q_smem, k_smem, interpret=interpret))
+    return plus_a_times_b(acc, probs, v_smem, interpret=interpret), result
+
+  def issue(scores_ref, acc_ref):
+    acc_ref[...] = acc
+    plgpu.wgmma(scores_ref, q_smem, k_smem.transpose((1, 0)))
+    plgpu.wgmma(acc_ref, probs, v_smem)
+    # wgmma groups complete in order: one left in flight is the P·V issued second.
+    result = then(plgpu.wgmma_accumulator_load(scores_ref, wait_n=1))
+    return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0), result
+  return pl.run_scoped(issue, plgpu.ACC((q_smem.shape[0], k_smem.shape[0]), jnp.float32),
+                       plgpu.ACC(acc.shape, jnp.float32))

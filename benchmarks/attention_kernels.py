@@ -179,11 +179,15 @@ def print_mosaic_table(rows, head_dims):
 
 def write_mosaic_table(table, path=mosaic_tiles.__file__):
   """Replaces the rows of ``TABLE`` in ``path`` (mosaic_tiles.py) by those of ``table``
-  (``print_mosaic_table``'s answer; of several lengths of one row, the longest)."""
+  (``print_mosaic_table``'s answer; of several lengths of one row, the longest). Only rows
+  the table has: a new one is a decision for its author."""
   source = open(path, encoding="utf-8").read()
   for key, tiles in sorted(table.items(), key=lambda item: int(item[0].split("S=")[1])):
     generation, head_dim, causal, _ = key.split(",")
     prefix = f'    ("{generation}", {head_dim}, {causal}): '
+    if prefix not in source:
+      raise ValueError(f"{path} has no TABLE row {prefix.strip()} to replace with the sweep's "
+                       f"{key}; add the row by hand (the sweep printed it above)")
     start = source.index(prefix) + len(prefix)
     end, depth = start, 0
     while depth or end == start:  # to the parenthesis closing the row's tuple
@@ -199,11 +203,13 @@ def write_mosaic_table(table, path=mosaic_tiles.__file__):
 
 
 def matmul_peak_tflops(size):
-  """Best measured bf16 matmul TFLOP/s over square sizes up to ``size``."""
+  """Best measured bf16 matmul TFLOP/s over square sizes up to ``size``, ten calls dispatched
+  back to back per sample (one at a time, an H200 read 615 TFLOP/s where
+  ``metrics.measure_peak_flops`` read 815: each sample held the host's dispatch)."""
   best = 0.0
   for n in (size // 2, size):
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-    timing = time_fn(jax.jit(jnp.matmul), a, a, warmup=2, iters=10)
+    timing = time_fn(jax.jit(jnp.matmul), a, a, warmup=2, iters=10, burst=10)
     best = max(best, 2 * n ** 3 / timing["median_s"] / 1e12)
   return best
 

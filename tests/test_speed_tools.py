@@ -289,6 +289,8 @@ def test_the_sweeps_table_rows_replace_the_tables_own_in_its_source(tmp_path):
       k: v for k, v in before.items() if k[1:] not in ((64, True), (128, False))}
   assert max(map(len, path.read_text().splitlines())) <= 100
   assert swept.candidates(64) == attention_kernels.mosaic_tiles.candidates(64)
+  with pytest.raises(ValueError, match=r'no TABLE row \("sm100", 64, True\): to replace'):
+    attention_kernels.write_mosaic_table({"sm100,64,True,S=16384": long_row}, path)
 
 
 def test_the_longest_prompt_fits_its_share_of_the_memory_in_whole_steps():

@@ -166,6 +166,24 @@ def test_profile_of_tiny_decode_steps_adds_up_per_step(tmp_path):
   assert rows["bf16 GEMMs"]["launches_per_step"] > 0
 
 
+def test_transformers_generate_falls_back_to_the_dynamic_cache_where_static_runs_out(
+    monkeypatch):
+  torch = pytest.importorskip("torch")
+  from benchmarks import generate_gpu
+  tried = []
+
+  def theirs(model, tokens, new_tokens, cache="static"):
+    tried.append(cache)
+    if cache == "static":
+      raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")
+    return {"hf_ttft_s": 1.0, "hf_ms_per_token": 2.0, "hf_cache": cache}
+  monkeypatch.setattr(generate_gpu, "theirs", theirs)
+  result = generate_gpu.theirs_static_else_dynamic(None, None, 4)
+  assert tried == ["static", "dynamic"]
+  assert result == {"status": "ok", "hf_ttft_s": 1.0, "hf_ms_per_token": 2.0,
+                    "hf_cache": "dynamic"}
+
+
 def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
   torch = pytest.importorskip("torch")
   from benchmarks import vs_transformers

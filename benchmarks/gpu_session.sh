@@ -35,7 +35,8 @@
 #                 training step at 65,536 tokens with the shipped GPU settings
 #                 (configs/runs/gpu.gin): MFU against the measured and the datasheet peak,
 #                 and the same step recomputing attention's forward (--no-keep-attention);
-#                 the profile of that step by class (benchmarks/profile_step.py); and
+#                 the profile of that step by class (benchmarks/profile_step.py), and of
+#                 the step at 16K; and
 #                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
 #                 marked OOM)
 #   sweep-d64-causal, sweep-d64-full, sweep-d128  (each about 5 minutes, an estimate) every
@@ -151,17 +152,19 @@ case $stage in
       --seq-lens 4096,8192,16384 --find-max --json "$out/vs_transformers.json" \
       --plot "$out/vs_transformers.png" ;;
   speed)
-    # One compilation cache: the profile reuses the timed step's program.
+    # One compilation cache: the recomputing step and later runs reuse what they can.
     export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache_speed}
     if [[ $dry == 1 ]]; then
-      kernel_sizes=(--tiny); step=(--preset tiny --seq-len 256); peers=(--preset tiny-gqa
+      kernel_sizes=(--tiny); preset=tiny; lens=(256); peers=(--preset tiny-gqa
         --seq-lens 64,128)
     else
+      # The profile at 16K too: the length of the 1.4x goal against transformers.
       kernel_sizes=(--head-dims 64,128 --seq-lens 16384,65536)
-      step=(--preset llama3.2-1b --seq-len 65536)
+      preset=llama3.2-1b; lens=(65536 16384)
       peers=(--preset llama3.2-1b --seq-lens 16384,32768,65536)
     fi
-    step+=(--run-settings configs/runs/gpu.gin)
+    settings=(--run-settings configs/runs/gpu.gin)
+    step=(--preset "$preset" --seq-len "${lens[0]}" "${settings[@]}")
     run speed_kernels "$python" -m benchmarks.attention_kernels "${kernel_sizes[@]}" \
       --impls ours_mosaic,cudnn --json "$out/speed_kernels.json"
     run speed_train_step "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
@@ -169,8 +172,10 @@ case $stage in
     # The same step recomputing attention's forward in the backward, beside it (the ratio).
     run speed_train_step_recompute "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --no-keep-attention --json "$out/speed_train_step_recompute.json"
-    run speed_profile "$python" -m benchmarks.profile_step "${step[@]}" \
-      --json "$out/speed_profile.json"
+    for len in "${lens[@]}"; do
+      run "speed_profile_$len" "$python" -m benchmarks.profile_step --preset "$preset" \
+        --seq-len "$len" "${settings[@]}" --json "$out/speed_profile_$len.json"
+    done
     run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
       --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json" ;;
   sweep-d64-causal|sweep-d64-full|sweep-d128)

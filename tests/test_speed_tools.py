@@ -214,7 +214,8 @@ def test_gpu_session_profile_decode_stage_runs_on_tiny_shapes(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, files", [
-    ("speed", ["speed_kernels", "speed_train_step", "speed_profile", "speed_vs_transformers"]),
+    ("speed", ["speed_kernels", "speed_train_step", "speed_profile_256",
+               "speed_vs_transformers"]),
     ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"])])
 def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
   """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
@@ -235,7 +236,7 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
     step, = json.loads((tmp_path / "speed_train_step.json").read_text())["rows"]
     assert step["MFU"] > 0 and step["dtype"] == "bfloat16" and step["mlp_chunk"] == 8192
     assert step["MFU_datasheet"] is None  # no datasheet figure for a CPU
-    profile = json.loads((tmp_path / "speed_profile.json").read_text())
+    profile = json.loads((tmp_path / "speed_profile_256.json").read_text())
     assert sum(r["ms"] for r in profile["rows"][:len(profile_step.CLASSES)]) == pytest.approx(
         profile["busy_ms"])
   else:

@@ -7,14 +7,15 @@ Compiled, not run: nothing here measures a GPU.
         [--json PATH]
 
 For each backend it reports the compiled program's memory per device (arguments, temporaries,
-aliased outputs), the Mosaic GPU kernels in it, and how many times each fusion that reads one
-layer's k or v reads it: a fusion whose iteration space broadcasts the cache layer ``[C, D]``
-to ``[G, C, D]`` (one pass per query head of the group) reads it G times, from HBM, as a
-layer's cache (256 MiB at 1M tokens) is far beyond the L2 cache (50 MiB) and the g axis is the
-outer one; the kernel's TMA copies read every block once. From those reads, the predicted time
-per token (a lower bound, as ``aot.generate``'s): the bytes read at the H100's HBM bandwidth.
-``--max_new_tokens 129`` gives 1,048,576 + 128 slots per device, a multiple of 64, as the
-kernel's v tiles need (``plan_cache`` rounds 128 new tokens to the same).
+aliased outputs), the Mosaic GPU kernels in it, the kernels a step launches
+(``entry_launches``), and how many times each fusion that reads one layer's k or v reads it: a
+fusion whose iteration space broadcasts the cache layer ``[C, D]`` to ``[G, C, D]`` (one pass
+per query head of the group) reads it G times, from HBM, as a layer's cache (256 MiB at 1M
+tokens) is far beyond the L2 cache (50 MiB) and the g axis is the outer one; the kernel's TMA
+copies read every block once. From those reads, the predicted time per token (a lower bound, as
+``aot.generate``'s): the bytes read at the H100's HBM bandwidth. ``--max_new_tokens 129`` gives
+1,048,576 + 128 slots per device, a multiple of 64, as the kernel's v tiles need (``plan_cache``
+rounds 128 new tokens to the same).
 """
 
 import argparse
@@ -63,6 +64,14 @@ def cache_reads(hlo_text: str, layer_elements: int) -> list[int]:
   return reads
 
 
+def entry_launches(hlo_text: str) -> int:
+  """Kernels the entry computation launches: its fusions and custom calls (a GPU runs each
+  as at least one kernel, each with its own launch and tail, however small its work)."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return len(re.findall(r" (?:fusion|custom-call)\(", entry))
+
+
 def compile_decode(config, setup, gpu: str = "h100") -> dict:
   spec = gpu_spec(gpu)
   mesh = make_mesh(setup.mesh_data, setup.mesh_seq, setup.mesh_ring,
@@ -92,7 +101,8 @@ def compile_decode(config, setup, gpu: str = "h100") -> dict:
       "arguments_gib": memory.argument_size_in_bytes / GIB,
       "temporaries_gib": memory.temp_size_in_bytes / GIB,
       "aliased_gib": memory.alias_size_in_bytes / GIB, "cache_gib": cache_bytes / GIB,
-      "mosaic_kernels": kernels, "cache_reads_of_fusions": sorted(set(reads)),
+      "mosaic_kernels": kernels, "kernels_per_step": entry_launches(text),
+      "cache_reads_of_fusions": sorted(set(reads)),
       "fusions_broadcasting_a_cache_layer": len(reads),
       "predicted_bytes_read_gib": read_bytes / GIB,
       "predicted_ms_per_token": read_bytes / spec.memory_bandwidth * 1e3,
@@ -122,11 +132,12 @@ def main():
     rows.append(compile_decode(config, setup))
   print(f"{args.preset} ({config.num_layers} layers), {args.prompt_len:,} prompt tokens, "
         f"{args.mesh_seq} H100s, jax {jax.__version__}: COMPILED, NOT RUN; times PREDICTED")
-  print("| backend | temporaries GiB | kernels | reads of a cache layer per fusion | "
-        "predicted bytes read GiB | predicted ms/token |")
-  print("|---|---|---|---|---|---|")
+  print("| backend | temporaries GiB | Mosaic kernels | kernels per step | reads of a cache "
+        "layer per fusion | predicted bytes read GiB | predicted ms/token |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['decode_backend']} | {r['temporaries_gib']:.3f} | {r['mosaic_kernels']} | "
+          f"{r['kernels_per_step']} | "
           f"{r['cache_reads_of_fusions'] or '-'} | {r['predicted_bytes_read_gib']:.2f} | "
           f"{r['predicted_ms_per_token']:.2f} |")
   if args.json:

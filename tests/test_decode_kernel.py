@@ -303,3 +303,25 @@ def test_cache_reads_counts_a_layer_broadcast_over_the_heads():
 """
   assert cache_reads(hlo, 96 * 8) == [4]
   assert cache_reads(hlo, 97 * 8) == []
+
+
+def test_entry_launches_counts_the_entry_computations_fusions_and_custom_calls():
+  """A fusion called inside another computation is not a launch of the entry's."""
+  from benchmarks.decode_compiled import entry_launches
+  hlo = """%fused_inner (p: f32[4]) -> f32[4] {
+  ROOT %n = f32[4]{0} negate(%p)
+}
+
+%fused_outer (p: f32[4]) -> f32[4] {
+  ROOT %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fused_inner
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %f.1 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_outer
+  %k = f32[4]{0} custom-call(%f.1), custom_call_target="mosaic_gpu_v2"
+  ROOT %f.2 = f32[4]{0} fusion(%k), kind=kLoop, calls=%fused_inner
+}
+"""
+  assert entry_launches(hlo) == 3
+

@@ -192,10 +192,10 @@ def test_flash_attention_under_jit_compiles_its_kernel_for_the_inputs_gpus():
       lower()
 
 
-# The two tests that compile this layout (50-66 s on CI's 2 cores) are slow: CI runs them on
-# the newest JAX only (the Makefile's test-gpu-compile).
-@pytest.fixture(scope="module")
-def ring_layout_row():
+# One test compiles this layout (50-66 s on CI's 2 cores; two tests sharing a fixture compiled
+# it once per pytest worker): slow, and CI runs it on the newest JAX only (the Makefile's
+# test-gpu-compile).
+def _ring_layout_row():
   """Llama-3.1-8B on 4x1x8 at 256K tokens per GPU, far below an H100's capacity, compiled as is
   and under memory pressure (``aot.report.UNDER_PRESSURE``), beside the planner's figures."""
   from benchmarks import plan_vs_compiler
@@ -204,21 +204,18 @@ def ring_layout_row():
 
 
 @pytest.mark.slow
-def test_xla_drops_buffers_it_could_do_without_under_memory_pressure(ring_layout_row):
+def test_under_memory_pressure_xla_drops_buffers_to_the_footprint_the_planner_predicts():
   """XLA keeps buffers it could do without (jax 0.10.2: 21.52 GiB per GPU compiled as is) and
-  drops them when told memory is short (17.57); jax 0.12.0.1 keeps fewer to begin with."""
-  row = ring_layout_row
+  drops them when told memory is short (17.57); jax 0.12.0.1 keeps fewer to begin with. The
+  planner predicts the footprint under pressure within 10 % (18.7 GiB predicted; 17.57 compiled
+  by jax 0.10.2, +6.4 %; 17.13 by jax 0.12.0.1, +9.2 %); jax 0.11.2, the GPU machines', reaches
+  16.95: +10.3 %, over, so there the check is of the lower bound only (noticed, not fixed)."""
+  row = _ring_layout_row()
   gap_gib = 2 if jax.__version_info__ < (0, 11) else 0.5
   assert row["under_pressure_gib"] < row["compiled_device_gib"] - gap_gib
   assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01)
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(jax.__version_info__[:2] == (0, 11), strict=True, reason=(
-    "jax 0.11.2's XLA reaches 16.95 GiB under pressure: the planner's 18.7 is 10.3 % over"))
-def test_the_planner_predicts_the_footprint_xla_reaches_under_memory_pressure(ring_layout_row):
-  """The planner predicts the footprint under pressure, within 10 % (18.7 GiB predicted;
-  17.57 compiled by jax 0.10.2, +6.4 %; 17.13 by jax 0.12.0.1, +9.2 %; jax 0.11.2, the GPU
-  machines', 16.95: +10.3 %, over)."""
-  assert ring_layout_row["plan_device_gib"] == pytest.approx(
-      ring_layout_row["under_pressure_gib"], rel=0.1)
+  if jax.__version_info__[:2] == (0, 11):
+    assert row["under_pressure_gib"] * 1.1 < row["plan_device_gib"] < row[
+        "under_pressure_gib"] * 1.2, "jax 0.11.2 changed: the planner is within 10 % again?"
+  else:
+    assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)

@@ -3,6 +3,7 @@
 whole stack, holding no copy of a layer's experts; a bfloat16 prefill attends with our Mosaic
 kernel."""
 
+import math
 import re
 
 import pytest
@@ -47,3 +48,22 @@ def test_bfloat16_prefill_runs_the_mosaic_attention_kernel_and_no_triton_one():
   kernels = [line for line in text.splitlines() if MOSAIC in line]
   assert kernels and all("bf16[" in line for line in kernels), kernels
   assert "__gpu$xla.gpu.triton" not in text
+
+
+def test_one_sequence_decode_step_writes_no_projection_sized_product():
+  """Batch 1, one token: the q/k/v and o projections (``layers.contract``) compile for an H100
+  to GEMMs; no kernel writes a multiply's product as large as a projection's kernel, as XLA's
+  multiply-and-reduce form of a one-row dot does (Llama-3.2-1B's q and o: 8 MiB a layer each,
+  before ``contract`` gave the dot a second row)."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  config = preset("llama3.2-1b", num_layers=2, dtype="bfloat16", param_dtype="bfloat16",
+                  remat_policy="none", attn_head_chunks=1)
+  mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=1024, max_new_tokens=64))
+  text = aot_generate.lower_steps(generator, layout, cache)["decode"].compile().as_text()
+  products = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(
+      r"%\w*multiply\w* = \w+\[([\d,]*)\]\S* fusion\(", text)]
+  q_kernel = config.hidden_dim * config.num_heads * config.head_dim
+  assert products and max(products) < q_kernel / 64, (products, q_kernel)

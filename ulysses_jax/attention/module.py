@@ -33,7 +33,7 @@ from ulysses_jax.attention import backends
 from ulysses_jax.attention.common import check_head_chunks
 from ulysses_jax.attention.hybrid import ulysses_attention
 from ulysses_jax.kernels.variants import check_sliding_window
-from ulysses_jax.layers import Dense, RMSNorm, param
+from ulysses_jax.layers import Dense, RMSNorm, contract, param
 
 # Names of activations that remat policies can save or offload (models.llama.REMAT_POLICIES).
 QKV = "qkv"
@@ -221,7 +221,7 @@ class UlyssesAttention(nnx.Module):
     x_BSE = x_BSE.astype(self.q_proj.dtype)
 
     def project(kind):
-      y = jnp.tensordot(x_BSE, kernels[kind], axes=1)
+      y = contract(x_BSE, kernels[kind], 1)
       bias = kernels[kind + "_bias"]
       return self._constrain(y if bias is None else y + bias)
 
@@ -241,7 +241,7 @@ class UlyssesAttention(nnx.Module):
                              sinks=sinks)
 
   def _output(self, out_BSHD, kernels):
-    y_BSE = jnp.tensordot(out_BSHD, kernels["o_proj"], axes=2)
+    y_BSE = contract(out_BSHD, kernels["o_proj"], 2)
     return sharding.constrain(y_BSE, ("act_batch", "act_seq", "act_embed"), self.mesh,
                               self.rules)
 

@@ -146,9 +146,9 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=flash_hopper.interpret_params() if interpret else None,
   )(q_bKRD, k_bKCD, v_bKDC, q_pos_bR, k_pos_bC.astype(jnp.int32))
-  o, lse = combine_splits(o_split, lse_split)
-  return (o[:, :, :g * t].reshape(b, kv_heads, g, t, d),
-          lse[:, :, :g * t].reshape(b, kv_heads, g, t))
+  # Only the g * T real rows are combined (the kernel computes ROWS).
+  o, lse = combine_splits(o_split[:, :, :, :g * t], lse_split[..., :g * t])
+  return o.reshape(b, kv_heads, g, t, d), lse.reshape(b, kv_heads, g, t)
 
 
 def combine_splits(o_bKSRD, lse_bKSR):

@@ -203,13 +203,26 @@ def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
   assert vs_transformers.step_text(row, "torch") == "OOM"
 
 
-def test_gpu_session_profile_decode_stage_runs_on_tiny_shapes(tmp_path):
-  env = {**os.environ, "GPU_SESSION_DRY": "1", "PYTHON": sys.executable}
-  done = subprocess.run(["bash", "benchmarks/gpu_session.sh", "profile-decode", str(tmp_path)],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def test_gpu_call_runs_stages_under_their_limits_and_packs_each(tmp_path):
+  """``benchmarks/gpu_call.sh`` as a device call runs it (GPU_SESSION_DRY=1, tiny shapes): the
+  profile-decode stage, then speed with a 1-second limit, which ends it (exit 124) and still
+  packs what it wrote; each stage one archive, beside env.txt and calls.txt."""
+  import tarfile
+  env = {**os.environ, "GPU_SESSION_DRY": "1", "PYTHON": sys.executable, "OUT": str(tmp_path)}
+  call = ["bash", "benchmarks/gpu_call.sh"]
+  done = subprocess.run(call + ["profile-decode:250", "speed:1"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  rows = json.loads((tmp_path / "profile_decode_128.json").read_text())["rows"]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "calls.txt", "env.txt", "profile-decode.tgz", "speed.tgz"]
+  calls = (tmp_path / "calls.txt").read_text().splitlines()
+  assert [line.split(" in ")[0] for line in calls] == ["profile-decode exit 0", "speed exit 124"]
+  assert "jax " in (tmp_path / "env.txt").read_text()
+  with tarfile.open(tmp_path / "profile-decode.tgz") as packed:
+    rows = json.load(packed.extractfile("profile-decode/profile_decode_128.json"))["rows"]
   assert rows[-1]["class"] == "wall (host)" and rows[-1]["ms_per_step"] > 0
+  bad = subprocess.run(call + ["speed"], cwd=REPO, env=env, capture_output=True, text=True)
+  assert bad.returncode == 2 and "'speed': expected STAGE:SECONDS" in bad.stderr
 
 
 @pytest.mark.slow

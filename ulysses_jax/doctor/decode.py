@@ -32,10 +32,11 @@ GROUP, HEAD_DIM = 4, 128
 BURST = 10  # calls per timed sample (``timing.time_fn``)
 # Options of ``decode_hopper.decode_attention`` timed beside its defaults (128-slot blocks, two
 # ring slots at head dim 128, one CTA per SM): finer blocks with the deeper ring they allow, the
-# same blocks through two slots only, and twice the CTAs (two waves).
+# same blocks through two slots only, twice the CTAs (two waves), and two compute warpgroups
+# taking the blocks in turn (64-slot blocks, two slots: what fits at head dim 128).
 VARIANTS = {"64-slot blocks": dict(block=64), "64-slot blocks, 2 slots": dict(block=64,
                                                                               num_stages=2),
-            "2 waves": dict(waves=2)}
+            "2 waves": dict(waves=2), "2 compute warpgroups": dict(consumers=2)}
 
 
 def _inputs(device, slots):
@@ -67,7 +68,8 @@ def _kernel_options(options, slots, device):
   options = dict(options)
   waves = options.pop("waves", 1)
   if waves > 1:
-    block = options.get("block") or decode_hopper.default_block(slots, HEAD_DIM)
+    block = options.get("block") or decode_hopper.default_block(
+        slots, HEAD_DIM, options.get("consumers", 1))
     sms = target_lib.of_device(device).core_count or decode_hopper.H100_SMS
     options["num_splits"] = waves * decode_hopper.default_splits(1, 1, -(-slots // block), sms)
   return options

@@ -17,10 +17,13 @@ block's nominal start are masked, so none counts twice), and split s takes block
 ``[s * n, (s + 1) * n)`` (n = ceil(blocks / splits); the last splits may get none: their
 state stays neutral). One compute warpgroup runs the online softmax over its blocks with wgmma
 (``q @ k.T`` from shared memory; ``probs @ v`` with the probabilities from registers and v's
-tile read transposed); a second warpgroup streams K, V and the positions through a ring of
-``num_stages`` slots (``flash_hopper.produce``). Each split writes its partial output and
-lse in float32; the splits combine in float32 outside the kernel, as the devices do across
-the mesh (``generate.attention.combine``).
+tile read transposed); another streams K, V and the positions through a ring of
+``num_stages`` slots (``flash_hopper.produce``). With ``consumers=2`` two compute warpgroups
+take the split's blocks in turn, each with its own online softmax and partial, so that one's
+softmax overlaps the other's matmuls and twice the copies can be in flight (a variant the
+doctor times; not yet measured on a GPU). Each split (each warpgroup of it) writes its partial
+output and lse in float32; the partials combine in float32 outside the kernel, as the devices
+do across the mesh (``generate.attention.combine``).
 
 A decode step is bound by reading the cache; the 64-row wgmma wastes compute (G * T of 64
 rows are real) that the memory traffic hides: 64 rows x 2 flops per cache element against
@@ -70,10 +73,12 @@ def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
   return None
 
 
-def default_block(c: int, d: int) -> int:
-  """Slots per block: 128 (64 when the cache holds fewer), in multiples of ``MIN_BLOCK``."""
-  del d  # both head dims fit two stages of 128-slot K and V tiles in shared memory
-  return min(128, c // MIN_BLOCK * MIN_BLOCK)
+def default_block(c: int, d: int, consumers: int = 1) -> int:
+  """Slots per block: 128 (64 when the cache holds fewer, or at head dim 128 with two
+  consumer warpgroups, whose own q and o buffers leave no room for two 128-slot slots), in
+  multiples of ``MIN_BLOCK``."""
+  widest = 64 if consumers > 1 and d > 64 else 128
+  return min(widest, c // MIN_BLOCK * MIN_BLOCK)
 
 
 def default_splits(b: int, kv_heads: int, num_blocks: int, sms: int = H100_SMS) -> int:
@@ -84,26 +89,39 @@ def default_splits(b: int, kv_heads: int, num_blocks: int, sms: int = H100_SMS) 
   return max(1, min(num_blocks, sms // (b * kv_heads)))
 
 
-def default_stages(block: int, d: int) -> int:
-  """Ring slots: as many as fit in shared memory (two to four), so the copies in flight are
-  what the SM's shared memory can hold: four of 64 or 128 slots at head dim 64 and of 64 at
-  128; two of 128 slots at 128."""
-  fixed = ROWS * d * (2 + 4) + ROWS * 8  # q (16-bit) and o (float32); their positions, lse
-  per_slot = 2 * block * d * 2 + block * 4  # k and v (16-bit), the slots' positions
-  return max(2, min(4, (SHARED_MEMORY - fixed) // per_slot))
+def default_stages(block: int, d: int, consumers: int = 1) -> int:
+  """Ring slots: as many as fit in shared memory (two to four; a multiple of ``consumers``,
+  see ``decode_attention``), so the copies in flight are what the SM's shared memory can
+  hold: four of 64 or 128 slots at head dim 64 and of 64 at 128; two of 128 slots at 128."""
+  stages = min(4, (SHARED_MEMORY - _fixed_bytes(d, consumers)) // _slot_bytes(block, d))
+  return max(2, stages // consumers * consumers)
+
+
+def _fixed_bytes(d, consumers):
+  """Each consumer warpgroup's own q (16-bit) and o (float32), their positions and lse."""
+  return consumers * (ROWS * d * (2 + 4) + ROWS * 8)
+
+
+def _slot_bytes(block, d):
+  return 2 * block * d * 2 + block * 4  # k and v (16-bit), the slots' positions
 
 
 def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
                      window: int | None, layer: int | None = None,
                      num_splits: int | None = None, block: int | None = None,
-                     num_stages: int | None = None, interpret: bool = False):
+                     num_stages: int | None = None, consumers: int = 1,
+                     interpret: bool = False):
   """One device's partial attention ``(o, lse)`` (module docstring). ``layer``: k and v are
   stacks of layers ``[L, b, Hkv, C, D]`` and ``[L, b, Hkv, D, C]`` and the kernel reads layer
   ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
   first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
   (batch, KV head) (default: ``default_splits`` for the SMs of the GPU it runs on, else an
   H100's); ``block``: slots per pipeline step, a multiple of 64 at most C (default:
-  ``default_block``); ``num_stages``: ring slots (default: ``default_stages``)."""
+  ``default_block``); ``num_stages``: ring slots (default: ``default_stages``); ``consumers``:
+  compute warpgroups of a CTA, 1 or 2, taking its blocks in turn, each its own partial (as if
+  a split of its own), so that one's softmax runs while the other's matmuls and copies do. A
+  warpgroup must see every phase of the barriers of the slots it reads, so with two each slot
+  serves one of them: ``num_stages`` must be even."""
   b, kv_heads, g, t, d = q_bKGTD.shape
   if layer is not None:
     if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v_bKDC.shape[0]:
@@ -120,14 +138,24 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
   if k_shape != (b, kv_heads, c, d) or v_shape != (b, kv_heads, d, c):
     raise ValueError(f"decode kernel: a layer's k must be [b, Hkv, C, D] = {(b, kv_heads, c, d)}"
                      f" and v [b, Hkv, D, C]; got {k_shape} and {v_shape}.")
-  block = block or default_block(c, d)
+  if consumers not in (1, 2):
+    raise ValueError(f"decode kernel: consumers {consumers}: 1 or 2 compute warpgroups.")
+  block = block or default_block(c, d, consumers)
   if block % MIN_BLOCK or not MIN_BLOCK <= block <= c:
     raise ValueError(f"decode kernel: block {block} must be a multiple of {MIN_BLOCK} in "
                      f"[{MIN_BLOCK}, {c}] (the cache's slots).")
   num_blocks = -(-c // block)
   sms = target_lib.current(arrays=(q_bKGTD,)).core_count or H100_SMS
   num_splits = num_splits or default_splits(b, kv_heads, num_blocks, sms)
-  num_stages = num_stages or default_stages(block, d)
+  num_stages = num_stages or default_stages(block, d, consumers)
+  if num_stages % consumers:
+    raise ValueError(f"decode kernel: num_stages {num_stages} must be a multiple of consumers "
+                     f"{consumers} (each ring slot serves one warpgroup).")
+  shared = _fixed_bytes(d, consumers) + num_stages * _slot_bytes(block, d)
+  if shared > SHARED_MEMORY:
+    raise ValueError(f"decode kernel: {consumers} consumer warpgroup(s) and {num_stages} slots "
+                     f"of {block} slots at head dim {d} need {shared // 1024} KiB of shared "
+                     f"memory, over {SHARED_MEMORY // 1024}; use fewer slots or a smaller block.")
 
   # Rows g * T + t, padded to ROWS; a padding row's position -1 sees nothing.
   q_bKRD = jnp.pad(q_bKGTD.reshape(b, kv_heads, g * t, d),
@@ -136,13 +164,15 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
                      constant_values=-1)
   kernel = functools.partial(_kernel, scale=scale, window=window, block=block,
                              blocks_per_split=-(-num_blocks // num_splits),
-                             num_blocks=num_blocks, num_stages=num_stages, interpret=interpret,
+                             num_blocks=num_blocks, num_stages=num_stages,
+                             consumers=consumers, interpret=interpret,
                              layer=() if layer is None else (layer,))
+  partials = num_splits * consumers
   o_split, lse_split = plgpu.kernel(
-      kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS, d), jnp.float32),
-                        jax.ShapeDtypeStruct((b, kv_heads, num_splits, ROWS), jnp.float32)),
+      kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, partials, ROWS, d), jnp.float32),
+                        jax.ShapeDtypeStruct((b, kv_heads, partials, ROWS), jnp.float32)),
       grid=(num_splits, b, kv_heads), grid_names=("split", "batch", "kv_head"),
-      num_threads=2, thread_name="wg",
+      num_threads=consumers + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=flash_hopper.interpret_params() if interpret else None,
   )(q_bKRD, k_bKCD, v_bKDC, q_pos_bR, k_pos_bC.astype(jnp.int32))
@@ -165,13 +195,15 @@ def combine_splits(o_bKSRD, lse_bKSR):
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale, window, block,
-            blocks_per_split, num_blocks, num_stages, interpret, layer):
+            blocks_per_split, num_blocks, num_stages, consumers, interpret, layer):
   d, dtype = q_ref.shape[-1], q_ref.dtype
+  # Each slot is read by one consumer warpgroup (step t by warpgroup t % consumers): one
+  # arrival frees it.
   buffers = dict(
-      q=wgmma_forms.smem_tile((1, ROWS, d), dtype),
-      q_pos=wgmma_forms.smem_tile((1, ROWS), jnp.int32),
-      own_ready=plgpu.Barrier(num_barriers=2), o=wgmma_forms.smem_tile((ROWS, d), jnp.float32),
-      lse=wgmma_forms.smem_tile((ROWS,), jnp.float32),
+      **flash_hopper.own_buffers(dict(q=((ROWS, d), dtype), q_pos=((ROWS,), jnp.int32)),
+                                 consumers),
+      o=wgmma_forms.smem_tile((consumers, ROWS, d), jnp.float32),
+      lse=wgmma_forms.smem_tile((consumers, ROWS), jnp.float32),
       **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype), v=((d, block), dtype),
                                                    k_pos=((block,), jnp.int32)),
                                   ("k", "v"), consumers=1))
@@ -189,16 +221,17 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
               ("v", dict(v=v_ref.at[(*layer, batch, head, slice(None), slots)],
                          k_pos=k_pos_ref.at[batch, slots]))]
 
-    def compute():
-      plgpu.set_max_registers(232, action="increase")
-      own = flash_hopper.load_own(smem, 0, dict(q=q_ref.at[batch, head],
+    def compute(w):
+      plgpu.set_max_registers(flash_hopper.REGISTERS[2][0], action="increase")
+      own = flash_hopper.load_own(smem, w, dict(q=q_ref.at[batch, head],
                                                 q_pos=q_pos_ref.at[batch]))
       tile = wgmma_forms.TileLayout((ROWS, block), interpret=interpret)
       q_pos = tile.rows_of(own["q_pos"])
       qk_scale = scale * LOG2E
 
-      def visit(step, carry):
+      def visit(i, carry):
         acc, row_max, denom = carry
+        step = w + i * consumers
         j = first + step
         slot = lax.rem(step, num_stages)
         scores = wgmma_forms.a_times_bt(own["q"], flash_hopper.wait_ready(smem, "k", slot),
@@ -230,17 +263,21 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
       init = (tile.zeros((ROWS, d)),
               tile.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
               tile.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-      acc, row_max, denom = lax.fori_loop(0, num_steps, visit, init)
+      acc, row_max, denom = lax.fori_loop(0, (num_steps + consumers - 1 - w) // consumers,
+                                          visit, init)
       empty = denom == 0.0
       denom = jnp.where(empty, 1.0, denom)
       lse = jnp.where(empty, -jnp.inf, row_max / LOG2E + jnp.log(denom))
+      partial = split * consumers + w
       flash_hopper.store_own([
-          (acc / lax.broadcast_in_dim(denom, acc.shape, [0]), smem["o"],
-           o_ref.at[batch, head, split]),
-          (lse, smem["lse"], lse_ref.at[batch, head, split])])
+          (acc / lax.broadcast_in_dim(denom, acc.shape, [0]), smem["o"].at[w],
+           o_ref.at[batch, head, partial]),
+          (lse, smem["lse"].at[w], lse_ref.at[batch, head, partial])])
 
-    pl.when(lax.axis_index("wg") == 0)(compute)
-    pl.when(lax.axis_index("wg") == 1)(functools.partial(
+    wg = lax.axis_index("wg")
+    for w in range(consumers):
+      pl.when(wg == w)(functools.partial(compute, w))
+    pl.when(wg == consumers)(functools.partial(
         flash_hopper.produce, smem, num_stages, num_steps, groups_of_step))
 
   flash_hopper.with_shared_memory(buffers, body)

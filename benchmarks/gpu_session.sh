@@ -51,6 +51,9 @@
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors; and each model's
 #                 decode at the longest prompt whose weights and cache fit the GPU
+#   doctor        python -m ulysses_jax.doctor: the kernels against the dense reference and
+#                 their speed beside cuDNN, the decode kernel over 8K to 1M slots beside the
+#                 copy bandwidth with its variants (docs/get-started/first-gpu-run.md)
 #   profile-decode  (about 2 minutes, an estimate) where a decode step's time goes
 #                 (benchmarks/profile_decode.py): Llama-3.2-1B, one row of 32K and of 128K
 #                 cache slots (an H200 measured 1.7 ms a token above the HBM floor at both)
@@ -60,8 +63,8 @@
 #                 transformers loading the export, ulysses-doctor; ends with one table.
 #                 FIRST_CONTACT_MODE=cpu runs it on the CPU with tiny shapes (the test does);
 #                 FIRST_CONTACT_CONFIGS=a.gin,b.gin chooses the configs (default: all).
-# GPU_SESSION_DRY=1 runs the speed, sweep, generate and profile-decode stages on the CPU with
-# tiny shapes (a check of the commands, tests/test_speed_tools.py); PYTHON names the
+# GPU_SESSION_DRY=1 runs the speed, sweep, generate, doctor and profile-decode stages on the
+# CPU with tiny shapes (a check of the commands, tests/test_speed_tools.py); PYTHON names the
 # interpreter (default python3).
 # Each stage writes JSON, PNG and a log per command into OUT_DIR; copy them into
 # benchmarks/results/ and record the tables in RESULTS.md next to the command that made them.
@@ -189,6 +192,8 @@ case $stage in
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
     run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" --longest \
       --json "$out/generate_gpu.json" ;;
+  doctor)
+    run doctor "$python" -m ulysses_jax.doctor --json "$out/doctor.json" ;;
   profile-decode)
     if [[ $dry == 1 ]]; then prompts=(128); model=(--preset tiny-gqa --steps 2); else
       prompts=(32768 131072); model=(); fi
@@ -203,7 +208,7 @@ case $stage in
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
       "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, sweep-d64-causal," \
-      "sweep-d64-full, sweep-d128, generate, profile-decode or" \
+      "sweep-d64-full, sweep-d128, generate, doctor, profile-decode or" \
       "first-contact" >&2
     exit 2 ;;
 esac

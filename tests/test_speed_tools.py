@@ -229,7 +229,7 @@ def test_gpu_call_runs_stages_under_their_limits_and_packs_each(tmp_path):
 @pytest.mark.parametrize("stage, files", [
     ("speed", ["speed_kernels", "speed_train_step", "speed_profile_256",
                "speed_vs_transformers"]),
-    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"])])
+    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"]), ("doctor", [])])
 def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
   """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
   (GPU_SESSION_DRY=1): a typo costs no GPU time. About 2 minutes each on 2 busy cores."""
@@ -245,6 +245,9 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
     written = json.loads((tmp_path / "sweep-d128.json").read_text())
     assert any(r["impl"].startswith("mosaic_dkv[") and "Hopper GPU" in r["status"]
                for r in written["rows"])
+  elif stage == "doctor":  # on the CPU: the XLA kernel rows and the step; the rest say why not
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["passed"] and report["environment"] and report["checks"]
   elif stage == "speed":
     step, = json.loads((tmp_path / "speed_train_step.json").read_text())["rows"]
     assert step["MFU"] > 0 and step["dtype"] == "bfloat16" and step["mlp_chunk"] == 8192

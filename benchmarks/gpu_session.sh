@@ -38,7 +38,8 @@
 #                 the profile of that step by class (benchmarks/profile_step.py), and of
 #                 the step at 16K; and
 #                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
-#                 marked OOM)
+#                 marked OOM). It runs issue 47's goals first: the step, vs transformers, then
+#                 the kernel table, the recomputing step and the profiles.
 #   sweep-d64-causal, sweep-d64-full, sweep-d128  (each about 5 minutes, an estimate) every
 #                 Mosaic attention tile of kernels.mosaic_tiles.candidates at 16K tokens
 #                 (two or three compute warpgroups, 64/128-wide streamed blocks, 2-4 slots,
@@ -168,19 +169,21 @@ case $stage in
     fi
     settings=(--run-settings configs/runs/gpu.gin)
     step=(--preset "$preset" --seq-len "${lens[0]}" "${settings[@]}")
-    run speed_kernels "$python" -m benchmarks.attention_kernels "${kernel_sizes[@]}" \
-      --impls ours_mosaic,cudnn --json "$out/speed_kernels.json"
+    # Issue 47's goals first (the step's TFLOP/s, the ratio to transformers), so that a call cut
+    # short by its limit has them.
     run speed_train_step "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --json "$out/speed_train_step.json"
+    run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
+      --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json"
+    run speed_kernels "$python" -m benchmarks.attention_kernels "${kernel_sizes[@]}" \
+      --impls ours_mosaic,cudnn --json "$out/speed_kernels.json"
     # The same step recomputing attention's forward in the backward, beside it (the ratio).
     run speed_train_step_recompute "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --no-keep-attention --json "$out/speed_train_step_recompute.json"
     for len in "${lens[@]}"; do
       run "speed_profile_$len" "$python" -m benchmarks.profile_step --preset "$preset" \
         --seq-len "$len" "${settings[@]}" --json "$out/speed_profile_$len.json"
-    done
-    run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
-      --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json" ;;
+    done ;;
   sweep-d64-causal|sweep-d64-full|sweep-d128)
     read -r head_dim masks <<<"$(case $stage in sweep-d64-causal) echo 64 causal;;
       sweep-d64-full) echo 64 full;; *) echo 128 causal,full;; esac)"

@@ -149,6 +149,9 @@ def test_two_consumers_default_to_an_even_ring_that_fits():
     block = decode_hopper.default_block(1 << 20, d, consumers=2)
     stages = decode_hopper.default_stages(block, d, consumers=2)
     assert stages % 2 == 0 and (block, stages) == ((128, 4) if d == 64 else (64, 2))
+  # The doctor's variant: two warpgroups, with the waves option resolved to splits.
+  options = decode_doctor._kernel_options(dict(consumers=2, waves=2), 1 << 20, jax.devices()[0])
+  assert options == dict(consumers=2, num_splits=2 * 132)
 
 
 @pytest.mark.skipif(not hopper_interpret.has_proxy_aware_race_detector(),
@@ -282,17 +285,16 @@ def test_doctor_decode_check_runs_the_kernel_interpreted():
   timed), on a 256-slot cache with the kernel interpreted. About 10 s on jax 0.10."""
   row, = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
                                    burst=1, interpret=True, copy_bytes=1 << 20,
-                                   variants={"2 waves": dict(waves=2),
-                                             "2 compute warpgroups": dict(consumers=2)})
+                                   variants={"2 waves": dict(waves=2)})
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
-  assert row["variant_ms"]["2 waves"] > 0 and row["variant_ms"]["2 compute warpgroups"] > 0
+  assert row["variant_ms"]["2 waves"] > 0
   assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["copy_gb_per_s"] > 0
   assert row["kernel_pct_of_copy"] == pytest.approx(
       100 * row["kernel_gb_per_s"] / row["copy_gb_per_s"])
   check = decode_doctor.check(row)
   assert check["name"] == "decode kernel vs XLA, 256 slots"
   assert "256 slots: kernel" in check["detail"] and "% of the copy's" in check["detail"]
-  assert "fastest variant: " in check["detail"]
+  assert "fastest variant: 2 waves" in check["detail"]
 
 
 def test_default_splits_fill_one_wave_of_the_gpus_sms_and_the_ring_what_fits():

@@ -50,20 +50,23 @@ def test_bfloat16_prefill_runs_the_mosaic_attention_kernel_and_no_triton_one():
   assert "__gpu$xla.gpu.triton" not in text
 
 
-def test_one_sequence_decode_step_writes_no_projection_sized_product():
-  """Batch 1, one token: the q/k/v and o projections (``layers.contract``) compile for an H100
+# Llama-3.2-1B (its q and o kernels, 4M elements); a Qwen3-0.6B-sized MLP (1024 x 3072).
+@pytest.mark.parametrize("overrides", [{}, dict(hidden_dim=1024, mlp_dim=3072, num_heads=16)],
+                         ids=["llama1b", "small-mlp"])
+def test_one_sequence_decode_step_writes_no_projection_sized_product(overrides):
+  """Batch 1, one token: the projections and the MLP (``layers.contract``) compile for an H100
   to GEMMs; no kernel writes a multiply's product as large as a projection's kernel, as XLA's
-  multiply-and-reduce form of a one-row dot does (Llama-3.2-1B's q and o: 8 MiB a layer each,
-  before ``contract`` gave the dot a second row)."""
+  multiply-and-reduce form of a one-row dot with a kernel under 10M elements does (Llama-3.2-1B's
+  q and o: 8 MiB a layer each, before ``contract`` gave the dot a second row)."""
   from ulysses_jax.aot import generate as aot_generate
   from ulysses_jax.models.config import preset
   config = preset("llama3.2-1b", num_layers=2, dtype="bfloat16", param_dtype="bfloat16",
-                  remat_policy="none", attn_head_chunks=1)
+                  remat_policy="none", attn_head_chunks=1, **overrides)
   mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
   generator, layout, cache = aot_generate.abstract_generator(
       config, mesh, aot_generate.GenerationSetup(prompt_len=1024, max_new_tokens=64))
   text = aot_generate.lower_steps(generator, layout, cache)["decode"].compile().as_text()
   products = [math.prod(int(d) for d in dims.split(",") if d) for dims in re.findall(
       r"%\w*multiply\w* = \w+\[([\d,]*)\]\S* fusion\(", text)]
-  q_kernel = config.hidden_dim * config.num_heads * config.head_dim
-  assert products and max(products) < q_kernel / 64, (products, q_kernel)
+  smallest_kernel = config.hidden_dim * config.num_kv_heads * config.head_dim  # k's
+  assert max(products, default=0) < smallest_kernel / 64, (products, smallest_kernel)

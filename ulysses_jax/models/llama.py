@@ -35,7 +35,7 @@ from ulysses_jax import sharding
 from ulysses_jax.attention.module import ATTN_OUT, QKV, UlyssesAttention
 from ulysses_jax.attention.common import PAD_SEGMENT
 from ulysses_jax.kernels.variants import KERNEL_RESIDUALS
-from ulysses_jax.layers import Dense, RMSNorm, param
+from ulysses_jax.layers import Dense, RMSNorm, contract, param
 from ulysses_jax.mesh import make_mesh, sequence_shards
 from ulysses_jax.models.config import (  # noqa: F401  (public here too)
     PRESETS, REMAT_POLICIES, LlamaConfig, MoeConfig, preset)
@@ -106,7 +106,8 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 def _gated_mlp(activation, x_BSE, gate_EF, up_EF, down_FE):
-  return activation(x_BSE @ gate_EF) * (x_BSE @ up_EF) @ down_FE
+  hidden_BSF = activation(contract(x_BSE, gate_EF, 1)) * contract(x_BSE, up_EF, 1)
+  return contract(hidden_BSF, down_FE, 1)
 
 
 class MLP(nnx.Module):

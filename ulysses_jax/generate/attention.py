@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ulysses_jax.generate.cache import CacheLayout
+from ulysses_jax.generate.cache import (  # noqa: F401  (DECODE_BACKENDS: public here too)
+    DECODE_BACKENDS, CacheLayout, decode_kernel_chosen)
 from ulysses_jax.kernels import decode_hopper, target
 from ulysses_jax.mesh import DATA
 
-DECODE_BACKENDS = ("auto", "xla", "mosaic")
 
 # Slots per step of a device's loop when queries times slots would make big score blocks
 # (chunked prefill); a decode step (one query per row) scores all its slots at once.
@@ -39,13 +39,14 @@ BLOCK_SLOTS = 512
 MAX_SCORES = 1 << 22  # query x slot scores per head group beyond which slots are looped
 
 
-def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
-                      window: int | None, fused: bool = False):
+def partial_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
+                      window: int | None, fused: bool = False, v_layout: str = "DC"):
   """One device's partial attention: ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
   ``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot here. The
   cache's layout (heads first; k's D and v's slots last) makes both products batched matrix
-  products over (row, head) contracting the cache's last axis. ``fused``: a decode step's
-  products as fused products-and-sums (``_scores``), for XLA's GPU compiler."""
+  products over (row, head) contracting the cache's last axis; v may also be laid out like k
+  (``v_layout="CD"``: ``cache.CacheLayout.v_layout``). ``fused``: a decode step's products as
+  fused products-and-sums (``_scores``), for XLA's GPU compiler."""
   c = k_bKCD.shape[2]
   t = q_bKGTD.shape[3]
   block = c if t * c <= MAX_SCORES else min(c, BLOCK_SLOTS)
@@ -59,7 +60,7 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: flo
     # there, so none counts twice.
     start = jnp.minimum(j * block, c - block)
     k = lax.dynamic_slice_in_dim(k_bKCD, start, block, axis=2)
-    v = lax.dynamic_slice_in_dim(v_bKDC, start, block, axis=3)
+    v_block = lax.dynamic_slice_in_dim(v, start, block, axis=3 if v_layout == "DC" else 2)
     k_pos = lax.dynamic_slice_in_dim(k_pos_bC, start, block, axis=1)
     fresh = start + jnp.arange(block) >= j * block
     scores = _scores(q_bKGTD, k, fused) * scale
@@ -73,7 +74,8 @@ def partial_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: flo
     probs = jnp.exp(scores - safe_max[..., None])
     correction = jnp.exp(row_max - safe_max)
     denom = correction * denom + probs.sum(-1)
-    acc = correction[..., None] * acc + _values_product(probs.astype(v.dtype), v, fused)
+    acc = correction[..., None] * acc + _values_product(probs.astype(v.dtype), v_block, fused,
+                                                         v_layout)
     return new_max, denom, acc
 
   blocks = -(-c // block)
@@ -105,12 +107,19 @@ def _scores(q_bKGTD, k_bKCD, fused: bool):
   return scores_bKCGT.transpose(0, 1, 3, 4, 2)
 
 
-def _values_product(probs_bKGTC, v_bKDC, fused: bool):
-  """``probs @ v`` summed over the slots, float32 ``[b, Hkv, G, T, D]``."""
+def _values_product(probs_bKGTC, v, fused: bool, v_layout: str):
+  """``probs @ v`` summed over the slots, float32 ``[b, Hkv, G, T, D]``; v ``[b, Hkv, D, C]``
+  (``v_layout="DC"``) or ``[b, Hkv, C, D]``."""
+  slots_last = v_layout == "DC"
   if fused:
     f32 = lambda x: x.astype(jnp.float32)
-    return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v_bKDC)[:, :, None, None]).sum(-1)
-  out_bKDGT = lax.dot_general(v_bKDC, probs_bKGTC, (((3,), (4,)), ((0, 1), (0, 1))),
+    if slots_last:
+      return (f32(probs_bKGTC)[:, :, :, :, None, :] * f32(v)[:, :, None, None]).sum(-1)
+    return (f32(probs_bKGTC)[..., None] * f32(v)[:, :, None, None]).sum(-2)
+  if not slots_last:
+    return lax.dot_general(probs_bKGTC, v, (((4,), (2,)), ((0, 1), (0, 1))),
+                           preferred_element_type=jnp.float32)
+  out_bKDGT = lax.dot_general(v, probs_bKGTC, (((3,), (4,)), ((0, 1), (0, 1))),
                               preferred_element_type=jnp.float32)
   return out_bKDGT.transpose(0, 1, 3, 4, 2)
 
@@ -150,11 +159,11 @@ def _with_sinks(o, lse, sinks_KG):
   return o * jax.nn.sigmoid(lse - sinks_KG[None, :, :, None])[..., None]
 
 
-def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *,
+def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BK, q_pos_BT, k_pos_BC, *,
                     scale: float, window: int | None, new_kv=None, sinks_H=None,
                     layer: int | None = None):
   """Attention of queries q ``[B, T, Hq, D]`` at positions ``q_pos_BT`` over one layer's
-  cache (k ``[B, Hkv, C, D]``, v ``[B, Hkv, D, C]`` and the slots' positions ``[B, C]``,
+  cache (k ``[B, Hkv, C, D]``, v in ``layout.v_layout`` and the slots' positions ``[B, C]``,
   placed as ``layout`` says; with ``layer``, k and v are a kind's stacks, layers first, and
   layer ``layer`` of them is attended: the kernel reads it where it lies, where a slice taken
   before would be copied for it). ``new_kv``: a decode step's own k and v ``[B, 1, Hkv, D]``,
@@ -166,19 +175,20 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos
   hq, hkv = q_BTHD.shape[2], k_BKCD.shape[-3]
   q_spec = P(DATA, None, layout.heads_axis, None)
 
-  def attend(q_bThD, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, *extra):
+  def attend(q_bThD, k_bkCD, v_bk, q_pos_bT, k_pos_bC, *extra):
     b, t, h, d = q_bThD.shape
     k_heads = k_bkCD.shape[-3]
     q = q_bThD.reshape(b, t, k_heads, h // k_heads, d).transpose(0, 2, 3, 1, 4)
     if use_kernel(q.shape, k_bkCD.shape[-4:]):
-      o, lse = decode_hopper.decode_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC,
+      o, lse = decode_hopper.decode_attention(q, k_bkCD, v_bk, q_pos_bT, k_pos_bC,
                                               scale=scale, window=window, layer=layer,
+                                              v_layout=v_layout,
                                               interpret=on is None or not on.on_gpu)
     else:
       if layer is not None:
-        k_bkCD, v_bkDC = k_bkCD[layer], v_bkDC[layer]
-      o, lse = partial_attention(q, k_bkCD, v_bkDC, q_pos_bT, k_pos_bC, scale=scale,
-                                 window=window, fused=fused)
+        k_bkCD, v_bk = k_bkCD[layer], v_bk[layer]
+      o, lse = partial_attention(q, k_bkCD, v_bk, q_pos_bT, k_pos_bC, scale=scale,
+                                 window=window, fused=fused, v_layout=v_layout)
     out, lse = combine(o, lse, layout.slot_axes)  # [b, k, g, t, d]
     if new_kv:
       out, lse = _with_new_token(out, lse, q, *(x[:, 0] for x in extra[:2]), scale)
@@ -193,29 +203,13 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos
   kv_specs = ((layout.kv_spec(), layout.kv_spec(values=True)) if layer is None else
               (layout.stack_spec(), layout.stack_spec(values=True)))
   on = target.of_mesh(layout.mesh)
+  v_layout = layout.v_layout
   fused = q_BTHD.shape[1] == 1 and on is not None and on.on_gpu
-  use_kernel = lambda q_shape, k_shape: q_BTHD.shape[1] == 1 and _decode_kernel_chosen(
+  use_kernel = lambda q_shape, k_shape: q_BTHD.shape[1] == 1 and decode_kernel_chosen(
       layout.decode_backend, on, q_shape, k_shape, q_BTHD.dtype)
   return jax.shard_map(attend, mesh=layout.mesh,
                        in_specs=(q_spec, *kv_specs, P(DATA),
                                  layout.positions_spec(), *(q_spec,) * len(new_kv),
                                  *(P(layout.heads_axis),) * len(sinks)),
                        out_specs=q_spec, check_vma=False)(
-                           q_BTHD, k_BKCD, v_BKDC, q_pos_BT, k_pos_BC, *new_kv, *sinks)
-
-
-def _decode_kernel_chosen(backend: str, on, q_shape, k_shape, dtype) -> bool:
-  """Whether a decode step's partial attention over one device's cache shard (queries
-  ``q_shape`` ``[b, Hkv, G, 1, D]``, keys ``k_shape``) runs our Mosaic GPU kernel: see the
-  module docstring; raises for ``"mosaic"`` where the kernel cannot run."""
-  if backend not in DECODE_BACKENDS:
-    raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {backend!r}.")
-  if backend == "xla":
-    return False
-  on_gpu = on is not None and on.on_gpu
-  reason = decode_hopper.unsupported_reason(q_shape, k_shape, dtype)
-  if on_gpu and on.generation != "sm90":
-    reason = f"it needs a Hopper GPU (sm90), not {on.device_kind}"
-  if backend == "mosaic" and reason is not None:
-    raise ValueError(f"decode_backend='mosaic' cannot run: {reason}; use 'xla' or 'auto'.")
-  return backend == "mosaic" or (on_gpu and reason is None)
+                           q_BTHD, k_BKCD, v_BK, q_pos_BT, k_pos_BC, *new_kv, *sinks)

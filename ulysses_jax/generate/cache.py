@@ -1,12 +1,15 @@
 """The KV cache of generation: where it lives on the mesh, its memory, and how it is written.
 
 Every layer keeps k ``[B, Hkv, C, D]`` and v ``[B, Hkv, D, C]`` in the compute dtype: both of
-the decode's products then contract the cache's last (minor) axis, which XLA's GPU compiler
+XLA's decode products then contract the cache's last (minor) axis, which XLA's GPU compiler
 reads where it lies (``attention.partial_attention``; with v's slots before D it copied v to
-lay it out). They are stacked ``[L_kind, B, Hkv, C, D]`` (``[L_kind, B, Hkv, D, C]``) over the
-layers of each kind (full, or one window: the layers that
-share a capacity, ``CacheLayout.kinds``), and every kind a ``positions`` ``[B, C]`` int32
-array: the position of the token each slot holds, -1 for an empty slot. Attention masks by
+lay it out). Where every decode step runs our decode kernel (``CacheLayout.v_layout``), v is
+``[B, Hkv, C, D]`` like k: the kernel's copies then read a block of slots' values as one run of
+memory, not D runs of a few hundred bytes each. They are stacked ``[L_kind, B, Hkv, C, D]``
+(v: ``[L_kind, B, Hkv, D, C]`` or like k) over the layers of each kind (full, or one window:
+the layers that share a capacity, ``CacheLayout.kinds``), and every kind a ``positions``
+``[B, C]`` int32 array: the position of the token each slot holds, -1 for an empty slot.
+Attention masks by
 these positions alone (``attention.cache_attention``), so slots need not be in position order,
 and each write stays on the device that holds the slot.
 
@@ -55,15 +58,17 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax.attention.ulysses import seq_to_heads
-from ulysses_jax.kernels import decode_hopper
+from ulysses_jax.kernels import decode_hopper, target
 from ulysses_jax.mesh import DATA, RING, SEQ, sequence_axes
 
 EMPTY = -1  # the position of an empty slot
+DECODE_BACKENDS = ("auto", "xla", "mosaic")  # a decode step's attention (generate.attention)
 
 
 class KVCache(NamedTuple):
   """``k``, ``v``: per kind of layer (``CacheLayout.kinds``) the stack of its layers' keys
-  ``[L_kind, B, Hkv, C_kind, D]`` or values ``[L_kind, B, Hkv, D, C_kind]``; ``positions``:
+  ``[L_kind, B, Hkv, C_kind, D]`` or values (``[L_kind, B, Hkv, D, C_kind]``, or like the keys:
+  ``CacheLayout.v_layout``); ``positions``:
   per kind ``[B, C_kind]`` int32."""
   k: tuple
   v: tuple
@@ -145,10 +150,31 @@ class CacheLayout:
   def capacity(self, kind) -> int:
     return self.full_capacity if kind is None else self.window_capacity(kind)
 
+  @property
+  def v_layout(self) -> str:
+    """``"CD"``: v ``[B, Hkv, C, D]`` like k, where ``decode_backend`` runs every kind's decode
+    step in our kernel (``decode_kernel_chosen``, for query groups the kernel takes: a model
+    with more than 64 query heads per KV head decodes with XLA over this layout, slower);
+    ``"DC"``: v ``[B, Hkv, D, C]``, slots last, where XLA's decode reads it
+    (``decode_hopper.V_LAYOUTS``)."""
+    on = target.of_mesh(self.mesh)
+    rows = -(-self.batch // self.mesh.shape[DATA])
+    heads = -(-self.kv_heads // self.head_shards)
+    kernel = all(decode_kernel_chosen(
+        self.decode_backend, on, (rows, heads, 1, 1, self.head_dim),
+        (rows, heads, self.capacity(kind) // self.slot_shards, self.head_dim), self.dtype,
+        strict=False) for kind in self.kinds)
+    return "CD" if kernel else "DC"
+
+  def slots_last(self, values: bool) -> bool:
+    """Whether the slots are the last axis of a layer's k (False) or v (``values``)."""
+    return values and self.v_layout == "DC"
+
   def kv_spec(self, values: bool = False) -> P:
-    """Spec of one layer's k ``[B, Hkv, C, D]`` (or, ``values``, v ``[B, Hkv, D, C]``)."""
+    """Spec of one layer's k ``[B, Hkv, C, D]`` (or, ``values``, v in ``v_layout``)."""
     slots = self.slot_axes or None
-    return P(DATA, self.heads_axis, *((None, slots) if values else (slots, None)))
+    return P(DATA, self.heads_axis,
+             *((None, slots) if self.slots_last(values) else (slots, None)))
 
   def stack_spec(self, values: bool = False) -> P:
     """Spec of a kind's stack of k (or v), with the layers first."""
@@ -177,7 +203,7 @@ class CacheLayout:
   def stack_shape(self, kind, values: bool = False) -> tuple[int, ...]:
     slots, d = self.capacity(kind), self.head_dim
     return (self.stack_size(kind), self.batch, self.kv_heads,
-            *((d, slots) if values else (slots, d)))
+            *((d, slots) if self.slots_last(values) else (slots, d)))
 
 
 def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, kv_heads: int,
@@ -281,13 +307,14 @@ def write_chunk(layout: CacheLayout, kind, stack, layer, new_BTKD, chunk, length
   """
   act = P(DATA, sequence_axes(layout.mesh), None, None)
   capacity, t = layout.capacity(kind), layout.chunk_len // layout.slot_shards
-  slot_axis = 3 if values else 2  # in one layer's [b, k, C, D] or [b, k, D, C]
-  along_slots = lambda x_bC: x_bC[:, None, None, :] if values else x_bC[:, None, :, None]
+  slots_last = layout.slots_last(values)
+  slot_axis = 3 if slots_last else 2  # in one layer's [b, k, C, D] or [b, k, D, C]
+  along_slots = lambda x_bC: x_bC[:, None, None, :] if slots_last else x_bC[:, None, :, None]
 
   def write(stack, new_btKD, layer, chunk, lengths_b):
     if layout.heads_axis is not None:
       new_btKD = seq_to_heads(new_btKD, layout.heads_axis)
-    new = new_btKD.transpose((0, 2, 3, 1) if values else (0, 2, 1, 3)).astype(stack.dtype)
+    new = new_btKD.transpose((0, 2, 3, 1) if slots_last else (0, 2, 1, 3)).astype(stack.dtype)
     if kind is None:
       start = [layer, 0, 0, 0, 0]
       start[1 + slot_axis] = chunk * t
@@ -333,7 +360,8 @@ def write_token(layout: CacheLayout, cache, new, slots_B, *, values: bool = Fals
   is_kv = cache.ndim == 5
   spec = layout.stack_spec(values) if is_kv else layout.positions_spec()
   new_spec = P(None, DATA, None, layout.heads_axis, None) if is_kv else P(DATA)
-  slot_axis = (4 if values else 3) if is_kv else 1
+  slots_last = layout.slots_last(values)
+  slot_axis = (4 if slots_last else 3) if is_kv else 1
 
   def write(cache_c, new_b, slots_b):
     local = cache_c.shape[slot_axis]
@@ -344,7 +372,7 @@ def write_token(layout: CacheLayout, cache, new, slots_B, *, values: bool = Fals
     for row in range(rows):
       if is_kv:  # [L, b, 1, k, D] -> this row's k [L, 1, k, 1, D] or v [L, 1, k, D, 1]
         value = new_b[:, row:row + 1, 0]
-        value = value[..., None] if values else value[:, :, :, None, :]
+        value = value[..., None] if slots_last else value[:, :, :, None, :]
         start = [0, row, 0, 0, 0]
       else:
         value, start = new_b[row:row + 1, None], [row, 0]
@@ -356,3 +384,22 @@ def write_token(layout: CacheLayout, cache, new, slots_B, *, values: bool = Fals
 
   return jax.shard_map(write, mesh=layout.mesh, in_specs=(spec, new_spec, P(DATA)),
                        out_specs=spec, check_vma=False)(cache, new, slots_B)
+
+
+def decode_kernel_chosen(backend: str, on, q_shape, k_shape, dtype, *, strict: bool = True
+                         ) -> bool:
+  """Whether a decode step's partial attention over one device's cache shard (queries
+  ``q_shape`` ``[b, Hkv, G, 1, D]``, keys ``k_shape``) runs our Mosaic GPU kernel: see the
+  docstring of ``generate.attention``; ``strict``: raises for ``"mosaic"`` where the kernel
+  cannot run (else False)."""
+  if backend not in DECODE_BACKENDS:
+    raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {backend!r}.")
+  if backend == "xla":
+    return False
+  on_gpu = on is not None and on.on_gpu
+  reason = decode_hopper.unsupported_reason(q_shape, k_shape, dtype)
+  if on_gpu and on.generation != "sm90":
+    reason = f"it needs a Hopper GPU (sm90), not {on.device_kind}"
+  if strict and backend == "mosaic" and reason is not None:
+    raise ValueError(f"decode_backend='mosaic' cannot run: {reason}; use 'xla' or 'auto'.")
+  return reason is None and (backend == "mosaic" or on_gpu)

@@ -3,7 +3,11 @@ Pallas Mosaic GPU for Hopper: the kernel form of ``generate.attention.partial_at
 
 Inputs in the generation cache's layout (``generate.cache``): queries ``q [b, Hkv, G, T, D]``
 (G query heads per KV head, T new tokens: 1 at decode), keys ``k [b, Hkv, C, D]``, values
-``v [b, Hkv, D, C]`` (slots last) and the slots' positions ``[b, C]`` (-1: empty). A slot at
+``v`` as ``v_layout`` says (``V_LAYOUTS``: ``"CD"`` ``[b, Hkv, C, D]``, like k, the cache's
+layout where decode steps run this kernel: a block's values are one contiguous run of memory;
+``"DC"`` ``[b, Hkv, D, C]``, slots last, the layout XLA's decode reads best, of which a block
+is D runs of ``2 * block`` bytes, ``2 * C`` bytes apart) and the slots' positions ``[b, C]``
+(-1: empty). A slot at
 position p is visible to a query at position q when ``0 <= p <= q`` and, with a sliding window
 W, ``q - p < W`` (the rule of ``generate.attention``; slots need not be in position order, as in
 a rolling window buffer). Returns ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
@@ -17,8 +21,8 @@ block's nominal start are masked, so none counts twice), and split s takes block
 ``[s * n, (s + 1) * n)`` (n = ceil(blocks / splits); the last splits may get none: their
 state stays neutral). One compute warpgroup runs the online softmax over its blocks with wgmma
 (``q @ k.T`` from shared memory; ``probs @ v`` with the probabilities from registers and v's
-tile read transposed); another streams K, V and the positions through a ring of
-``num_stages`` slots (``flash_hopper.produce``). With ``consumers=2`` two compute warpgroups
+tile, read transposed in the ``"DC"`` layout); another streams K, V and the positions through a
+ring of ``num_stages`` slots (``flash_hopper.produce``). With ``consumers=2`` two compute warpgroups
 take the split's blocks in turn, each with its own online softmax and partial, so that one's
 softmax overlaps the other's matmuls and twice the copies can be in flight (a variant the
 doctor times; not yet measured on a GPU). Each split (each warpgroup of it) writes its partial
@@ -30,8 +34,8 @@ rows are real) that the memory traffic hides: 64 rows x 2 flops per cache elemen
 2 bytes read is 64 flops per byte, below the H100's ~295 (989 TFLOP/s over 3.35 TB/s).
 
 16-bit caches only (wgmma), head dims 64 and 128, at most 64 query rows per KV head, at least
-one block of slots, slot counts a multiple of ``MIN_BLOCK`` (64: v's TMA tile along the slots;
-Mosaic GPU's lowering rejects other counts):
+one block of slots, slot counts a multiple of ``MIN_BLOCK`` (64: the ``"DC"`` layout's v tile
+along the slots; Mosaic GPU's lowering rejects other counts):
 ``unsupported_reason`` says which is not met. Runs in GPU interpret mode on a CPU
 (``interpret=True``; what that mode executes: ``hopper_interpret``).
 """
@@ -53,6 +57,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 ROWS = flash_hopper.WGMMA_ROWS  # query rows of a CTA: G * T of them are real
 MIN_BLOCK = 64  # v's tile [D, block] is swizzled in tiles of 64 16-bit elements along the slots
+V_LAYOUTS = ("DC", "CD")  # v [b, Hkv, D, C] (slots last) or [b, Hkv, C, D] (like k)
 SHARED_MEMORY = 200 * 1024  # of Hopper's 227 KiB per CTA, leaving room for alignment, barriers
 H100_SMS = 132  # SMs of an H100 SXM or H200: default splits fill them, when the GPU does not say
 
@@ -106,13 +111,14 @@ def _slot_bytes(block, d):
   return 2 * block * d * 2 + block * 4  # k and v (16-bit), the slots' positions
 
 
-def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: float,
-                     window: int | None, layer: int | None = None,
+def decode_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
+                     window: int | None, v_layout: str = "CD", layer: int | None = None,
                      num_splits: int | None = None, block: int | None = None,
                      num_stages: int | None = None, consumers: int = 1,
                      interpret: bool = False):
-  """One device's partial attention ``(o, lse)`` (module docstring). ``layer``: k and v are
-  stacks of layers ``[L, b, Hkv, C, D]`` and ``[L, b, Hkv, D, C]`` and the kernel reads layer
+  """One device's partial attention ``(o, lse)`` (module docstring). ``v_layout``: one of
+  ``V_LAYOUTS``. ``layer``: k and v are stacks of layers (``[L, b, Hkv, C, D]``, v likewise in
+  its layout) and the kernel reads layer
   ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
   first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
   (batch, KV head) (default: ``default_splits`` for the SMs of the GPU it runs on, else an
@@ -123,21 +129,24 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
   warpgroup must see every phase of the barriers of the slots it reads, so with two each slot
   serves one of them: ``num_stages`` must be even."""
   b, kv_heads, g, t, d = q_bKGTD.shape
+  if v_layout not in V_LAYOUTS:
+    raise ValueError(f"decode kernel: v_layout {v_layout!r}: one of {V_LAYOUTS}.")
   if layer is not None:
-    if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v_bKDC.shape[0]:
+    if not 0 <= layer < k_bKCD.shape[0] or k_bKCD.shape[0] != v.shape[0]:
       raise ValueError(f"decode kernel: layer {layer} of stacks of {k_bKCD.shape[0]} (k) and "
-                       f"{v_bKDC.shape[0]} (v) layers.")
-  k_shape, v_shape = (x.shape[0 if layer is None else 1:] for x in (k_bKCD, v_bKDC))
+                       f"{v.shape[0]} (v) layers.")
+  k_shape, v_shape = (x.shape[0 if layer is None else 1:] for x in (k_bKCD, v))
   c = k_shape[2]
   reason = unsupported_reason(q_bKGTD.shape, k_shape, k_bKCD.dtype)
   if reason is not None:
     raise ValueError(f"decode kernel: {reason}; use decode_backend='xla'.")
-  if not q_bKGTD.dtype == k_bKCD.dtype == v_bKDC.dtype:
+  if not q_bKGTD.dtype == k_bKCD.dtype == v.dtype:
     raise ValueError(f"decode kernel: q, k and v must share a dtype, got {q_bKGTD.dtype}, "
-                     f"{k_bKCD.dtype}, {v_bKDC.dtype}.")
-  if k_shape != (b, kv_heads, c, d) or v_shape != (b, kv_heads, d, c):
+                     f"{k_bKCD.dtype}, {v.dtype}.")
+  v_expected = (b, kv_heads, *((d, c) if v_layout == "DC" else (c, d)))
+  if k_shape != (b, kv_heads, c, d) or v_shape != v_expected:
     raise ValueError(f"decode kernel: a layer's k must be [b, Hkv, C, D] = {(b, kv_heads, c, d)}"
-                     f" and v [b, Hkv, D, C]; got {k_shape} and {v_shape}.")
+                     f" and v ({v_layout} layout) {v_expected}; got {k_shape} and {v_shape}.")
   if consumers not in (1, 2):
     raise ValueError(f"decode kernel: consumers {consumers}: 1 or 2 compute warpgroups.")
   block = block or default_block(c, d, consumers)
@@ -165,7 +174,7 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
   kernel = functools.partial(_kernel, scale=scale, window=window, block=block,
                              blocks_per_split=-(-num_blocks // num_splits),
                              num_blocks=num_blocks, num_stages=num_stages,
-                             consumers=consumers, interpret=interpret,
+                             consumers=consumers, v_layout=v_layout, interpret=interpret,
                              layer=() if layer is None else (layer,))
   partials = num_splits * consumers
   o_split, lse_split = plgpu.kernel(
@@ -175,7 +184,7 @@ def decode_attention(q_bKGTD, k_bKCD, v_bKDC, q_pos_bT, k_pos_bC, *, scale: floa
       num_threads=consumers + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=flash_hopper.interpret_params() if interpret else None,
-  )(q_bKRD, k_bKCD, v_bKDC, q_pos_bR, k_pos_bC.astype(jnp.int32))
+  )(q_bKRD, k_bKCD, v, q_pos_bR, k_pos_bC.astype(jnp.int32))
   # Only the g * T real rows are combined (the kernel computes ROWS).
   o, lse = combine_splits(o_split[:, :, :, :g * t], lse_split[..., :g * t])
   return o.reshape(b, kv_heads, g, t, d), lse.reshape(b, kv_heads, g, t)
@@ -195,8 +204,9 @@ def combine_splits(o_bKSRD, lse_bKSR):
 
 
 def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale, window, block,
-            blocks_per_split, num_blocks, num_stages, consumers, interpret, layer):
+            blocks_per_split, num_blocks, num_stages, consumers, v_layout, interpret, layer):
   d, dtype = q_ref.shape[-1], q_ref.dtype
+  slots_last = v_layout == "DC"
   # Each slot is read by one consumer warpgroup (step t by warpgroup t % consumers): one
   # arrival frees it.
   buffers = dict(
@@ -204,7 +214,9 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
                                  consumers),
       o=wgmma_forms.smem_tile((consumers, ROWS, d), jnp.float32),
       lse=wgmma_forms.smem_tile((consumers, ROWS), jnp.float32),
-      **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype), v=((d, block), dtype),
+      **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype),
+                                                   v=((d, block) if slots_last else (block, d),
+                                                      dtype),
                                                    k_pos=((block,), jnp.int32)),
                                   ("k", "v"), consumers=1))
 
@@ -217,8 +229,9 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
 
     def groups_of_step(t):
       slots = pl.ds(start_of(first + t), block)
+      v_tile = (slice(None), slots) if slots_last else (slots,)
       return [("k", dict(k=k_ref.at[(*layer, batch, head, slots)])),
-              ("v", dict(v=v_ref.at[(*layer, batch, head, slice(None), slots)],
+              ("v", dict(v=v_ref.at[(*layer, batch, head, *v_tile)],
                          k_pos=k_pos_ref.at[batch, slots]))]
 
     def compute(w):
@@ -253,8 +266,9 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
         probs = jnp.exp2(scores - tile.per_row(ref_max))
         denom = denom * correction + probs.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-        acc = _plus_a_times_bt(acc, probs.astype(dtype), flash_hopper.wait_ready(smem, "v", slot),
-                               interpret=interpret)
+        plus_probs_times_v = _plus_a_times_bt if slots_last else wgmma_forms.plus_a_times_b
+        acc = plus_probs_times_v(acc, probs.astype(dtype), flash_hopper.wait_ready(smem, "v", slot),
+                                 interpret=interpret)
         # The positions were read through the generic proxy: always fenced.
         flash_hopper.release(smem, "v", slot, fence=True)
         return acc, new_max, denom

@@ -14,7 +14,7 @@ per query head of the group) reads it G times, from HBM, as a layer's cache (256
 tokens) is far beyond the L2 cache (50 MiB) and the g axis is the outer one; the kernel's TMA
 copies read every block once. From those reads, the predicted time per token (a lower bound, as
 ``aot.generate``'s): the bytes read at the H100's HBM bandwidth. ``--max_new_tokens 129`` gives
-1,048,576 + 128 slots per device, a multiple of 64, as the kernel's v tiles need (``plan_cache``
+1,048,576 + 128 slots per device, a multiple of the kernel's 64-slot block (``plan_cache``
 rounds 128 new tokens to the same).
 """
 

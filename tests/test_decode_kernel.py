@@ -110,7 +110,8 @@ def _check(case, dtype, tol, **kernel_options):
 # (v is given in the kernel's default layout, "CD", like k.) "values-slots-last": v in XLA's
 # "DC" layout ([D, C]), ten blocks in two splits through the four-slot ring, a window;
 # "values-slots-last-two-consumers": the same layout at D = 128, two compute warpgroups, two
-# tokens.
+# tokens. "slots-multiple-of-8": 200 slots (what the "CD" layout takes), the last of four
+# 64-slot blocks starting at slot 136, in two splits.
 CASES = {
     "gqa-empty-split": ((2, 1, 4, 1, 256, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
     "mha-window-f16": ((1, 1, 1, 1, 192, 128, 90), jnp.float16, {}),
@@ -121,6 +122,8 @@ CASES = {
                       dict(num_splits=1, block=64, num_stages=4, consumers=2)),
     "two-consumers-idle": ((2, 1, 4, 1, 320, 128, 200), jnp.bfloat16,
                            dict(num_splits=3, block=64, num_stages=2, consumers=2)),
+    "slots-multiple-of-8": ((1, 1, 4, 1, 200, 64, None), jnp.bfloat16,
+                            dict(num_splits=2, block=64)),
     "values-slots-last": ((2, 1, 4, 1, 640, 64, 300), jnp.bfloat16,
                           dict(num_splits=2, block=64, v_layout="DC")),
     "values-slots-last-two-consumers": ((1, 2, 2, 2, 192, 128, 50), jnp.bfloat16,
@@ -141,8 +144,13 @@ def test_decode_kernel_refuses_what_it_cannot_take():
   q, k, v, q_pos, k_pos = _inputs(0, 1, 1, 1, 1, 128, 128, jnp.float32)
   with pytest.raises(ValueError, match="float32; the kernel takes bfloat16 or float16.*'xla'"):
     decode_hopper.decode_attention(q, k, v, q_pos, k_pos, scale=1.0, window=None)
-  assert "multiple of 64" in decode_hopper.unsupported_reason((1, 1, 1, 1, 64), (1, 1, 40, 64),
-                                                              jnp.bfloat16)
+  reason = lambda c, *v_layout: decode_hopper.unsupported_reason(
+      (1, 1, 1, 1, 64), (1, 1, c, 64), jnp.bfloat16, *v_layout)
+  assert reason(40) == "40 cache slots per device; the kernel takes a multiple of 8, at least 64"
+  assert "100 cache slots per device; the kernel takes a multiple of 8" in reason(100)
+  assert reason(200) is None
+  assert reason(200, "DC") == ("200 cache slots per device; the kernel takes a multiple of 64, "
+                               "at least 64 (v slots last)")
   assert "96 rows" in decode_hopper.unsupported_reason((1, 1, 48, 2, 64), (1, 1, 128, 64),
                                                        jnp.bfloat16)
   bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
@@ -189,17 +197,18 @@ def test_decode_kernel_has_no_races(slots, stages, consumers, v_layout):
     hopper_interpret.reset_state()
 
 
-@pytest.mark.parametrize("d,window,consumers,v_layout", [
-    (64, None, 1, "DC"), (128, 1000, 1, "DC"), (64, None, 2, "DC"), (128, 1000, 2, "DC"),
-    (64, None, 1, "CD"), (128, 1000, 2, "CD")])
-def test_decode_kernel_lowers_for_hopper(d, window, consumers, v_layout):
+@pytest.mark.parametrize("d,window,consumers,v_layout,slots", [
+    (64, None, 1, "DC", 4160), (128, 1000, 1, "DC", 4160), (64, None, 2, "DC", 4160),
+    (128, 1000, 2, "DC", 4160), (64, None, 1, "CD", 4104), (128, 1000, 2, "CD", 4104)])
+def test_decode_kernel_lowers_for_hopper(d, window, consumers, v_layout, slots):
   """The hardware path (wgmma with a register A and a B read transposed, "DC", or not, "CD";
   register layouts) through Mosaic GPU's lowering, which rejects layouts it cannot realise.
-  4,160 slots: a count ``unsupported_reason`` accepts that is not a multiple of the 128-slot
-  block (it rejects 4,104: the lowering does too, as it did 1,048,608 slots, a 4M-token cache
-  on 32 GPUs)."""
-  slots = 4160
-  assert decode_hopper.unsupported_reason((1, 2, 4, 1, d), (1, 2, slots, d), jnp.bfloat16) is None
+  Slot counts ``unsupported_reason`` accepts that are not a multiple of the 128-slot block:
+  4,160 with v slots last (it rejects 4,104 there: the lowering does too, as it did 1,048,608
+  slots, a 4M-token cache on 32 GPUs); 4,104 with v like k (where the lowering rejects 4,100,
+  not a multiple of 8)."""
+  assert decode_hopper.unsupported_reason((1, 2, 4, 1, d), (1, 2, slots, d), jnp.bfloat16,
+                                          v_layout) is None
   q = jax.ShapeDtypeStruct((1, 2, 4, 1, d), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 2, slots, d), jnp.bfloat16)
   v = jax.ShapeDtypeStruct((1, 2, *((d, slots) if v_layout == "DC" else (slots, d))),
@@ -223,15 +232,15 @@ def test_decode_backend_choice():
   cpu = target.Target("cpu", "cpu")
   q, k = (1, 1, 4, 1, 128), (1, 1, 1048704, 128)  # Llama-3.1-8B on 8 H100s at 1M tokens
   chosen = lambda backend, on, dtype=jnp.bfloat16, k=k: gen_attention.decode_kernel_chosen(
-      backend, on, q, k, dtype)
+      backend, on, q, k, dtype, v_layout="CD")
   assert chosen("auto", h100) and chosen("mosaic", h100) and chosen("mosaic", cpu)
   assert not (chosen("auto", cpu) or chosen("auto", a100) or chosen("xla", h100))
-  assert not chosen("auto", h100, jnp.float32) and not chosen("auto", h100, k=(1, 1, 1000, 128))
+  assert not chosen("auto", h100, jnp.float32) and not chosen("auto", h100, k=(1, 1, 1004, 128))
   with pytest.raises(ValueError, match="needs a Hopper GPU .*A100.*use 'xla' or 'auto'"):
     chosen("mosaic", a100)
-  with pytest.raises(ValueError, match="1000 cache slots per device; the kernel takes a "
-                                       "multiple of 64"):
-    chosen("mosaic", h100, k=(1, 1, 1000, 128))
+  with pytest.raises(ValueError, match="1004 cache slots per device; the kernel takes a "
+                                       "multiple of 8"):
+    chosen("mosaic", h100, k=(1, 1, 1004, 128))
   with pytest.raises(ValueError, match=r"decode_backend must be one of \('auto', 'xla', "
                                        r"'mosaic'\), got 'triton'"):
     chosen("triton", h100)
@@ -293,6 +302,20 @@ def test_decode_step_compiled_for_h100_reads_each_layer_with_the_kernel():
   assert reports["xla"]["mosaic_kernels"] == 0
   assert reports["xla"]["cache_reads_of_fusions"] == [4]
   assert reports["xla"]["fusions_broadcasting_a_cache_layer"] == 4  # k and v of 2 layers
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not aot.cuda_plugin_installed(), reason="needs JAX's CUDA plugin (make "
+                    "test-gpu-compile builds .venv-gpu-compile)")
+def test_on_hopper_the_cache_keeps_v_like_k_where_every_decode_runs_the_kernel():
+  """On an H100 mesh (compile-only devices), ``auto``: v like k where every kind's decode runs
+  the kernel (a 104-slot rolling buffer), slots last where one kind's cannot (60 slots: fewer
+  than a block) or with ``xla``."""
+  h100 = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
+  for window, backend, v_layout in ((100, "auto", "CD"), (60, "auto", "DC"), (100, "xla", "DC")):
+    layout = gen.plan_cache(h100, batch=1, prompt_len=512, max_new_tokens=4, kv_heads=2,
+                            head_dim=64, dtype="bfloat16", layer_windows=(None, window))
+    assert dataclasses.replace(layout, decode_backend=backend).v_layout == v_layout
 
 
 def test_doctor_decode_check_needs_a_hopper_gpu():

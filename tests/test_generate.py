@@ -340,3 +340,15 @@ def test_a_hugging_face_checkpoint_computes_in_its_torch_dtype(tmp_path):
     dtype, why = finetune.compute_dtype(str(tmp_path))
     assert dtype == expected[0] and expected[1] in why
   assert finetune.compute_dtype(str(tmp_path), "float16") == ("float16", "--dtype")
+
+
+
+def test_a_rolling_buffer_of_a_decode_kernel_block_or_more_takes_a_multiple_of_8_slots():
+  """A window of 100 tokens (Hopper's decode kernel takes 64 slots or more, a multiple of 8 a
+  device) keeps 104 slots on one device; of 200 over two slot shards, 2 x 104; of 60, 60
+  (fewer than a block)."""
+  for shards, window, capacity in ((1, 100, 104), (2, 200, 208), (1, 60, 60)):
+    layout = gen.plan_cache(make_mesh(1, shards, devices=jax.devices()[:shards]), batch=1,
+                            prompt_len=512, max_new_tokens=4, kv_heads=1, head_dim=64,
+                            dtype="bfloat16", layer_windows=(None, window))
+    assert layout.capacity(window) == capacity

@@ -206,7 +206,7 @@ def cache_attention(layout: CacheLayout, q_BTHD, k_BKCD, v_BK, q_pos_BT, k_pos_B
   v_layout = layout.v_layout
   fused = q_BTHD.shape[1] == 1 and on is not None and on.on_gpu
   use_kernel = lambda q_shape, k_shape: q_BTHD.shape[1] == 1 and decode_kernel_chosen(
-      layout.decode_backend, on, q_shape, k_shape, q_BTHD.dtype)
+      layout.decode_backend, on, q_shape, k_shape, q_BTHD.dtype, v_layout=v_layout)
   return jax.shard_map(attend, mesh=layout.mesh,
                        in_specs=(q_spec, *kv_specs, P(DATA),
                                  layout.positions_spec(), *(q_spec,) * len(new_kv),

@@ -121,9 +121,14 @@ class CacheLayout:
     return self.prompt_len + self.gen_slots
 
   def window_capacity(self, window: int) -> int:
-    """Slots of a layer with this window: its rolling buffer, or the full layer's C."""
-    keep = window if self.chunks == 1 else window + self.chunk_len - 1
-    return min(_round_up(keep, self.slot_shards), self.full_capacity)
+    """Slots of a layer with this window: its rolling buffer, or the full layer's C. A
+    device holding at least one of the decode kernel's blocks gets a multiple of 8 slots (at
+    most 7 more), the counts the kernel takes (``decode_hopper.SLOT_MULTIPLE``)."""
+    keep = _round_up(window if self.chunks == 1 else window + self.chunk_len - 1,
+                     self.slot_shards)
+    if keep // self.slot_shards >= decode_hopper.MIN_BLOCK:
+      keep = _round_up(keep, decode_hopper.SLOT_MULTIPLE["CD"] * self.slot_shards)
+    return min(keep, self.full_capacity)
 
   @property
   def kinds(self) -> tuple:
@@ -163,7 +168,7 @@ class CacheLayout:
     kernel = all(decode_kernel_chosen(
         self.decode_backend, on, (rows, heads, 1, 1, self.head_dim),
         (rows, heads, self.capacity(kind) // self.slot_shards, self.head_dim), self.dtype,
-        strict=False) for kind in self.kinds)
+        v_layout="CD", strict=False) for kind in self.kinds)
     return "CD" if kernel else "DC"
 
   def slots_last(self, values: bool) -> bool:
@@ -225,7 +230,7 @@ def plan_cache(mesh: Mesh, *, batch: int, prompt_len: int, max_new_tokens: int, 
       heads_axis=SEQ if heads_split else None)
   # The last new token is sampled, never fed back: max_new_tokens - 1 slots at least one. A
   # device holding at least one of the decode kernel's blocks of slots gets a multiple of them
-  # (at most 63 slots more), the tile its TMA copies of v need (``kernels.decode_hopper``).
+  # (at most 63 slots more): what the kernel takes in either v layout (``kernels.decode_hopper``).
   capacity = _round_up(layout.prompt_len + max(max_new_tokens - 1, 1), layout.slot_shards)
   if capacity // layout.slot_shards >= decode_hopper.MIN_BLOCK:
     capacity = _round_up(capacity, decode_hopper.MIN_BLOCK * layout.slot_shards)
@@ -386,18 +391,18 @@ def write_token(layout: CacheLayout, cache, new, slots_B, *, values: bool = Fals
                        out_specs=spec, check_vma=False)(cache, new, slots_B)
 
 
-def decode_kernel_chosen(backend: str, on, q_shape, k_shape, dtype, *, strict: bool = True
-                         ) -> bool:
+def decode_kernel_chosen(backend: str, on, q_shape, k_shape, dtype, *, v_layout: str,
+                         strict: bool = True) -> bool:
   """Whether a decode step's partial attention over one device's cache shard (queries
-  ``q_shape`` ``[b, Hkv, G, 1, D]``, keys ``k_shape``) runs our Mosaic GPU kernel: see the
-  docstring of ``generate.attention``; ``strict``: raises for ``"mosaic"`` where the kernel
-  cannot run (else False)."""
+  ``q_shape`` ``[b, Hkv, G, 1, D]``, keys ``k_shape``, v in ``v_layout``) runs our Mosaic GPU
+  kernel: see the docstring of ``generate.attention``; ``strict``: raises for ``"mosaic"``
+  where the kernel cannot run (else False)."""
   if backend not in DECODE_BACKENDS:
     raise ValueError(f"decode_backend must be one of {DECODE_BACKENDS}, got {backend!r}.")
   if backend == "xla":
     return False
   on_gpu = on is not None and on.on_gpu
-  reason = decode_hopper.unsupported_reason(q_shape, k_shape, dtype)
+  reason = decode_hopper.unsupported_reason(q_shape, k_shape, dtype, v_layout)
   if on_gpu and on.generation != "sm90":
     reason = f"it needs a Hopper GPU (sm90), not {on.device_kind}"
   if strict and backend == "mosaic" and reason is not None:

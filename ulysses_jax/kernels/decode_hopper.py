@@ -34,8 +34,9 @@ rows are real) that the memory traffic hides: 64 rows x 2 flops per cache elemen
 2 bytes read is 64 flops per byte, below the H100's ~295 (989 TFLOP/s over 3.35 TB/s).
 
 16-bit caches only (wgmma), head dims 64 and 128, at most 64 query rows per KV head, at least
-one block of slots, slot counts a multiple of ``MIN_BLOCK`` (64: the ``"DC"`` layout's v tile
-along the slots; Mosaic GPU's lowering rejects other counts):
+one block of slots, slot counts a multiple of ``SLOT_MULTIPLE[v_layout]`` (8 for ``"CD"``, the
+rows of the k and v tiles; 64 for ``"DC"``, whose v tile is swizzled along the slots; Mosaic
+GPU's lowering rejects other counts):
 ``unsupported_reason`` says which is not met. Runs in GPU interpret mode on a CPU
 (``interpret=True``; what that mode executes: ``hopper_interpret``).
 """
@@ -56,15 +57,16 @@ from ulysses_jax.kernels.flash_kernels import LOG2E, dot
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 ROWS = flash_hopper.WGMMA_ROWS  # query rows of a CTA: G * T of them are real
-MIN_BLOCK = 64  # v's tile [D, block] is swizzled in tiles of 64 16-bit elements along the slots
+MIN_BLOCK = 64  # slots per block; the "DC" layout's v tile is swizzled in tiles of 64 slots
 V_LAYOUTS = ("DC", "CD")  # v [b, Hkv, D, C] (slots last) or [b, Hkv, C, D] (like k)
+SLOT_MULTIPLE = {"CD": 8, "DC": MIN_BLOCK}  # the slot counts Mosaic GPU lowers, per v layout
 SHARED_MEMORY = 200 * 1024  # of Hopper's 227 KiB per CTA, leaving room for alignment, barriers
 H100_SMS = 132  # SMs of an H100 SXM or H200: default splits fill them, when the GPU does not say
 
 
-def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
+def unsupported_reason(q_shape, cache_shape, dtype, v_layout: str = "CD") -> str | None:
   """Why the kernel cannot take queries ``[b, Hkv, G, T, D]`` over a cache ``k [b, Hkv, C,
-  D]`` of ``dtype``; None if it can."""
+  D]`` of ``dtype`` with v in ``v_layout``; None if it can."""
   *_, g, t, d = q_shape
   c = cache_shape[2]
   if jnp.dtype(dtype) not in [jnp.dtype(x) for x in DTYPES]:
@@ -73,8 +75,10 @@ def unsupported_reason(q_shape, cache_shape, dtype) -> str | None:
     return f"head dim {d}; the kernel takes {HEAD_DIMS}"
   if g * t > ROWS:
     return f"{g} query heads per KV head x {t} tokens = {g * t} rows; the kernel takes <= {ROWS}"
-  if c < MIN_BLOCK or c % MIN_BLOCK:
-    return f"{c} cache slots per device; the kernel takes a multiple of {MIN_BLOCK}"
+  multiple = SLOT_MULTIPLE[v_layout]
+  if c < MIN_BLOCK or c % multiple:
+    return (f"{c} cache slots per device; the kernel takes a multiple of {multiple}, at least "
+            f"{MIN_BLOCK}" + (" (v slots last)" if v_layout == "DC" else ""))
   return None
 
 
@@ -137,7 +141,7 @@ def decode_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
                        f"{v.shape[0]} (v) layers.")
   k_shape, v_shape = (x.shape[0 if layer is None else 1:] for x in (k_bKCD, v))
   c = k_shape[2]
-  reason = unsupported_reason(q_bKGTD.shape, k_shape, k_bKCD.dtype)
+  reason = unsupported_reason(q_bKGTD.shape, k_shape, k_bKCD.dtype, v_layout)
   if reason is not None:
     raise ValueError(f"decode kernel: {reason}; use decode_backend='xla'.")
   if not q_bKGTD.dtype == k_bKCD.dtype == v.dtype:

@@ -12,8 +12,10 @@ prompt length P and batch B (random token ids, one length for all rows):
 
 * ours: ``generate.Generator`` on one device (the weights replicated, ``PARAM_RULES``), bf16
   compute and cache: ``ttft_s`` = the prefill plus the first token (one untimed run first,
-  for compilation), ``ms_per_token`` = the median of ``--new-tokens`` decode steps, each
-  fetching its token;
+  for compilation), ``ms_per_token`` = ``--new-tokens`` decode steps as ``gen.generate`` runs
+  them (``Generator.stream``: each queued before the tokens of the one before are fetched),
+  their time over their count; ``ms_per_token_blocking`` = the same of as many steps each
+  dispatched after the one before was fetched (the host's dispatch then adds to each);
 * transformers (``hf_``): ``generate`` greedy, SDPA attention, ``cache_implementation=
   "static"`` (``"dynamic"`` where that runs out of memory; ``hf_cache`` says which), bf16
   weights: ``hf_ttft_s`` = ``generate`` of one new token, ``hf_ms_per_token`` =
@@ -45,7 +47,6 @@ runs first for each model, then ours, in the same process.
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -67,7 +68,8 @@ from ulysses_jax.mesh import make_mesh  # noqa: E402
 from ulysses_jax.models import llama  # noqa: E402
 
 COLUMNS = ["model", "batch", "prompt", "status", "ttft_s", "hf_ttft_s", "compute_floor_s",
-           "ttft_vs_floor", "ms_per_token", "hf_ms_per_token", "floor_ms_per_token",
+           "ttft_vs_floor", "ms_per_token", "ms_per_token_blocking", "hf_ms_per_token",
+           "floor_ms_per_token",
            "ms_vs_floor", "hf_status", "hf_cache"]
 TINY = dict(models="tiny-gqa", prompts="64,128", batches="1,2", new_tokens=4,
             agreement_prompt=16, agreement_tokens=8, memory_gb=0.02)
@@ -129,6 +131,21 @@ def longest_prompt(config, limit_bytes: int, step: int = LONGEST_STEP) -> int:
   return max(0, int(LONGEST_SHARE * limit_bytes - weights) // per_token // step * step)
 
 
+def decode_ms(generator, steps: int) -> dict:
+  """``ms_per_token`` and ``ms_per_token_blocking`` of ``steps`` decode steps each (the module
+  doc), after one untimed step (compilation)."""
+  generator.decode()
+  start = time.perf_counter()
+  for _ in generator.stream(steps):
+    pass
+  queued = 1e3 * (time.perf_counter() - start) / steps
+  start = time.perf_counter()
+  for _ in range(steps):
+    generator.decode()  # fetches the token: blocks
+  return {"ms_per_token": queued,
+          "ms_per_token_blocking": 1e3 * (time.perf_counter() - start) / steps}
+
+
 def unfilled_generator(model, prompt: int, new_tokens: int, batch: int = 1):
   """A ``gen.Generator`` ready to decode ``new_tokens`` steps over ``batch`` rows of a cache of
   ``prompt`` slots, allocated but not filled: the state prefill would leave, without running
@@ -149,22 +166,15 @@ def unfilled_generator(model, prompt: int, new_tokens: int, batch: int = 1):
 def decode_only(model, prompt: int, new_tokens: int) -> dict:
   """ms per token of decode steps over a one-row cache of ``prompt`` slots that is allocated
   but not filled (``unfilled_generator``)."""
-  generator = unfilled_generator(model, prompt, new_tokens)
-  generator.decode()  # compiles
-  times = []
-  for _ in range(new_tokens):
-    start = time.perf_counter()
-    generator.decode()  # fetches the token: blocks
-    times.append(time.perf_counter() - start)
-  return {"ms_per_token": 1e3 * statistics.median(times)}
+  return decode_ms(unfilled_generator(model, prompt, 2 * new_tokens + 1), new_tokens)
 
 
 def ours(model, tokens: np.ndarray, new_tokens: int) -> dict:
-  """Our time to first token (s, after an untimed run) and decode ms per token (median)."""
+  """Our time to first token (s, after an untimed run) and decode ms per token (``decode_ms``)."""
   config = model.config
   batch, prompt = tokens.shape
   layout = gen.plan_cache(model.mesh, batch=batch, prompt_len=prompt,
-                          max_new_tokens=new_tokens + 1, kv_heads=config.num_kv_heads,
+                          max_new_tokens=2 * new_tokens + 2, kv_heads=config.num_kv_heads,
                           head_dim=config.head_dim, dtype=config.dtype,
                           layer_windows=config.layer_windows())
   generator = gen.Generator(model, layout)
@@ -174,12 +184,7 @@ def ours(model, tokens: np.ndarray, new_tokens: int) -> dict:
   start = time.perf_counter()
   generator.prefill(tokens, lengths)  # fetches the first token: blocks
   ttft = time.perf_counter() - start
-  times = []
-  for _ in range(new_tokens):
-    start = time.perf_counter()
-    generator.decode()  # fetches the token: blocks
-    times.append(time.perf_counter() - start)
-  return {"ttft_s": ttft, "ms_per_token": 1e3 * statistics.median(times)}
+  return {"ttft_s": ttft, **decode_ms(generator, new_tokens)}
 
 
 def theirs(model, tokens: np.ndarray, new_tokens: int, cache: str = "static") -> dict:

@@ -6,10 +6,11 @@
 The model gets random bf16 weights on one device and a cache of ``--prompt`` slots per row,
 allocated but not filled (``generate_gpu.unfilled_generator``: a decode step reads every slot
 either way). After two untimed steps, ``--steps`` steps run under the profiler as
-``generate_gpu`` times them, each fetching its token to the host. Per step (means over the
-steps, so that they add up): the wall time, the device's busy time (its kernels, overlaps
-counted once) and idle time (the span from the first kernel to the last, less busy: launch
-gaps and the host's fetch of each token), the kernels launched, and the busy time by class
+``gen.generate`` runs them (``Generator.stream``: each queued before the tokens of the one
+before are fetched). Per step (means over the steps, so that they add up): the wall time, the
+device's busy time (its kernels, overlaps counted once) and idle time (the span from the first
+kernel to the last, less busy: launch gaps, and waits for the host), the kernels launched, and
+the busy time by class
 (``profile_step.CLASSES``); then the kernels with the most device time. A step far above the
 HBM floor (weights + cache bytes over the copy bandwidth) is either idle (launches,
 synchronisation: fewer and larger programs help) or busy in kernels that do not stream memory
@@ -40,19 +41,18 @@ def profile_decode(generator, steps: int, trace_dir: str) -> dict:
   step."""
   for _ in range(2):
     generator.decode()
-  walls = []
   with jax.profiler.trace(trace_dir):
-    for _ in range(steps):
-      start = time.perf_counter()
-      generator.decode()  # fetches the token: blocks
-      walls.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in generator.stream(steps):
+      pass
+    wall = time.perf_counter() - start
   events, mode = profile_step.device_events(profile_step.read_trace(trace_dir))
   args = (generator.params, generator.cache, generator.tokens, np.int32(0),
           generator.lengths)
   hlo = generator.decode_step.lower(*args).compile().as_text()
   result = profile_step.breakdown(events, profile_step.hlo_ops(hlo))
   return {**result, "mode": mode, "events": len(events), "steps": steps,
-          "wall_ms_per_step": 1e3 * sum(walls) / steps}
+          "wall_ms_per_step": 1e3 * wall / steps}
 
 
 def rows_of(result: dict) -> list[dict]:

@@ -352,3 +352,29 @@ def test_a_rolling_buffer_of_a_decode_kernel_block_or_more_takes_a_multiple_of_8
                             prompt_len=512, max_new_tokens=4, kv_heads=1, head_dim=64,
                             dtype="bfloat16", layer_windows=(None, window))
     assert layout.capacity(window) == capacity
+
+
+def test_queued_decode_steps_stop_and_stream_as_each_token_is_looked_at():
+  """``generate`` queues each decode step before looking at the tokens of the one before: it
+  returns what step-by-step decoding gives, a row stops after its eos id (kept) or its stop
+  test, ``on_token`` streams exactly the kept ids, and one new token needs no decode step."""
+  from flax import nnx
+  from ulysses_jax.models.llama import Llama, preset
+  model = Llama(preset("tiny-gqa"), mesh=make_mesh(1, 2, devices=jax.devices()[:2]),
+                rngs=nnx.Rngs(0))
+  prompts = [[5, 9, 3, 7, 1], [2, 4, 6]]
+  full = gen.generate(model, prompts, max_new_tokens=6)
+  layout = gen.plan_cache(model.mesh, batch=2, prompt_len=5, max_new_tokens=6, kv_heads=2,
+                          head_dim=16, dtype="float32", layer_windows=(None, None))
+  generator = gen.Generator(model, layout)
+  padded = [p + [0] * (layout.prompt_len - len(p)) for p in prompts]
+  stepwise = [generator.prefill(padded, [len(p) for p in prompts])]
+  stepwise += [generator.decode() for _ in range(5)]
+  assert full == np.stack(stepwise, axis=1).tolist()
+  streamed = []
+  cut = gen.generate(model, prompts, max_new_tokens=6, eos_ids=[full[0][2]],
+                     stop=lambda row, ids: row == 1 and len(ids) == 4,
+                     on_token=lambda row, token: streamed.append((row, token)))
+  assert cut[0] == full[0][:full[0].index(full[0][2]) + 1] and cut[1] == full[1][:4]
+  assert sorted(streamed) == sorted((row, t) for row in (0, 1) for t in cut[row])
+  assert gen.generate(model, prompts, max_new_tokens=1) == [ids[:1] for ids in full]

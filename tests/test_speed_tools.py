@@ -262,8 +262,8 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
     longest, = [r for r in written["rows"] if "longest" in r]  # decode only, a 20 MB budget
     assert longest["status"] == "ok" and longest["prompt"] > 128 and longest["ttft_s"] is None
     assert longest["weights_GB"] + longest["kv_read_GB"] <= 0.9 * 0.02
-    assert all(r["ms_per_token"] > 0 and r["floor_ms_per_token"] > 0 and
-               r["compute_floor_s"] > 0 for r in written["rows"])
+    assert all(r["ms_per_token"] > 0 and r["ms_per_token_blocking"] > 0 and
+               r["floor_ms_per_token"] > 0 and r["compute_floor_s"] > 0 for r in written["rows"])
     assert written["agreement"][0]["identical"] == 1.0  # float32, greedy: the same tokens
 
 

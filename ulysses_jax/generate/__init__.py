@@ -97,7 +97,12 @@ class Generator:
   """The compiled prefill and decode programs of one model, cache layout and sampling.
 
   ``prefill(tokens_BS, lengths_B, progress)`` -> the first new tokens (int ``[B]`` on the
-  host), the cache filled; ``decode()`` -> the next tokens, one step further. ``tokens_BS``:
+  host), the cache filled; ``decode()`` -> the next tokens, one step further;
+  ``decode_async()`` the same left on the device, not waited for; ``stream(steps)`` yields the
+  tokens of ``steps`` decode steps, each step queued before the tokens of the one before are
+  fetched (the next step reads them on the device), so the device runs the steps back to back
+  while the caller looks at each (stopping early leaves at most one more step run).
+  ``tokens_BS``:
   int ``[B, S]`` prompts (B = ``layout.batch``, S = ``layout.prompt_len``), padded at the end;
   ``progress(chunks_done)`` is called after each prefill chunk. ``decode_step`` is the jitted
   decode program (its cache argument donated) for inspection: ``decode_step.lower(...)``.
@@ -137,13 +142,22 @@ class Generator:
     return np.asarray(jax.device_get(self.tokens))
 
   def decode(self):
+    return np.asarray(jax.device_get(self.decode_async()))
+
+  def decode_async(self):
     if self.step >= self.layout.gen_slots:
       raise ValueError(f"the cache has {self.layout.gen_slots} slots for new tokens, all "
                        "used; plan the cache for more max_new_tokens.")
     self.cache, self.tokens = self.decode_step(self.params, self.cache, self.tokens,
                                                np.int32(self.step), self.lengths)
     self.step += 1
-    return np.asarray(jax.device_get(self.tokens))
+    return self.tokens
+
+  def stream(self, steps: int):
+    queued = self.decode_async() if steps else None
+    for i in range(steps):
+      fetched, queued = queued, (self.decode_async() if i + 1 < steps else None)
+      yield np.asarray(jax.device_get(fetched))
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -157,7 +171,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
 
   A row stops after an id in ``eos_ids`` (kept), when ``stop(row, ids_so_far)`` returns True
   (e.g. a stop string found in the decoded text; the ids are kept), or after
-  ``max_new_tokens``. ``on_token(row, id)`` sees each kept id as it comes (streaming).
+  ``max_new_tokens``. ``on_token(row, id)`` sees each kept id as it comes (streaming). The
+  decode steps run as ``Generator.stream`` queues them: back to back on the device while the
+  host looks at each step's tokens.
   ``max_positions``: the model's position limit (prompt + new tokens), checked before any
   work. ``chunk_len``: prefill in chunks of this many tokens (default: the whole prompt in
   one pass); ``progress(chunks_done, chunks)`` after each chunk. ``layout``: the cache's
@@ -182,12 +198,13 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
   generator = Generator(model, layout, sampling)
   report = None if progress is None else (lambda n: progress(n, layout.chunks))
   new = generator.prefill(tokens, all_lengths, report)
+  decoded = generator.stream(max_new_tokens - 1)
   outputs = [[] for _ in arrays]
   done = [False] * len(arrays)
   eos = set(int(i) for i in eos_ids)
   for step in range(max_new_tokens):
     if step:
-      new = generator.decode()
+      new = next(decoded)
     for row in range(len(arrays)):
       if done[row]:
         continue

@@ -378,3 +378,45 @@ def test_queued_decode_steps_stop_and_stream_as_each_token_is_looked_at():
   assert cut[0] == full[0][:full[0].index(full[0][2]) + 1] and cut[1] == full[1][:4]
   assert sorted(streamed) == sorted((row, t) for row in (0, 1) for t in cut[row])
   assert gen.generate(model, prompts, max_new_tokens=1) == [ids[:1] for ids in full]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["heads-over-seq", "slots-over-seq"])
+def test_writes_fill_the_kernels_layout_with_the_values_of_xlas_transposed(kv_heads):
+  """The decode kernel's layout (``v_layout == "CD"``, v like k; ``decode_backend="mosaic"``)
+  and XLA's ("DC", v slots last) written by two prefill chunks and two decode tokens on a
+  2 x 2 x 2 mesh (data, ring, seq), a full layer and a 64-token window's rolling buffer: the
+  same k, and v transposed. KV heads over seq, or (one KV head) the slots over ring and seq."""
+  import dataclasses
+  from ulysses_jax.generate import cache as cache_lib
+  mesh = make_mesh(2, 2, 2)
+  plan = gen.plan_cache(mesh, batch=2, prompt_len=512, max_new_tokens=3, kv_heads=kv_heads,
+                        head_dim=64, dtype="bfloat16", layer_windows=(None, 64), chunk_len=256)
+  rng = np.random.default_rng(kv_heads)
+  chunks = [jnp.asarray(rng.standard_normal((2, 256, kv_heads, 64)), jnp.bfloat16)
+            for _ in range(2)]
+  tokens = [jnp.asarray(rng.standard_normal((1, 2, 1, kv_heads, 64)), jnp.bfloat16)
+            for _ in range(2)]
+  lengths = jnp.asarray([512, 300])
+
+  def fill(layout, cache):
+    filled = []  # per kind, k then v
+    for kind, stack_k, stack_v in zip(layout.kinds, cache.k, cache.v):
+      for values, stack in ((False, stack_k), (True, stack_v)):
+        for n, chunk in enumerate(chunks):
+          stack = cache_lib.write_chunk(layout, kind, stack, 0, chunk, n, lengths, values=values)
+        for step, token in enumerate(tokens):
+          slots = cache_lib.token_slots(layout, kind, step, lengths + step)
+          stack = cache_lib.write_token(layout, stack, token, slots, values=values)
+        filled.append(stack)
+    return filled
+
+  stacks = {}
+  for backend in ("mosaic", "xla"):
+    layout = dataclasses.replace(plan, decode_backend=backend)
+    filled = jax.jit(fill, static_argnums=0)(layout, cache_lib.empty_cache(layout))
+    keys = [(layout.v_layout, kind, values) for kind in layout.kinds for values in (False, True)]
+    stacks.update({key: np.asarray(stack, np.float32) for key, stack in zip(keys, filled)})
+  for kind in plan.kinds:
+    np.testing.assert_array_equal(stacks["CD", kind, False], stacks["DC", kind, False])
+    np.testing.assert_array_equal(stacks["CD", kind, True], stacks["DC", kind, True].swapaxes(3, 4))
+    assert np.count_nonzero(stacks["CD", kind, True]) > 0

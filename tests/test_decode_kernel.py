@@ -111,7 +111,8 @@ def _check(case, dtype, tol, **kernel_options):
 # "DC" layout ([D, C]), ten blocks in two splits through the four-slot ring, a window;
 # "values-slots-last-two-consumers": the same layout at D = 128, two compute warpgroups, two
 # tokens. "slots-multiple-of-8": 200 slots (what the "CD" layout takes), the last of four
-# 64-slot blocks starting at slot 136, in two splits.
+# 64-slot blocks starting at slot 136, in two splits. "d256": head dim 256 (Gemma 3), its
+# default 64-slot blocks through two slots, a window, the output leaving in two column chunks.
 CASES = {
     "gqa-empty-split": ((2, 1, 4, 1, 256, 64, None), jnp.bfloat16, dict(num_splits=3, block=64)),
     "mha-window-f16": ((1, 1, 1, 1, 192, 128, 90), jnp.float16, {}),
@@ -124,6 +125,7 @@ CASES = {
                            dict(num_splits=3, block=64, num_stages=2, consumers=2)),
     "slots-multiple-of-8": ((1, 1, 4, 1, 200, 64, None), jnp.bfloat16,
                             dict(num_splits=2, block=64)),
+    "d256": ((2, 1, 2, 1, 328, 256, 150), jnp.bfloat16, dict(num_splits=2)),
     "values-slots-last": ((2, 1, 4, 1, 640, 64, 300), jnp.bfloat16,
                           dict(num_splits=2, block=64, v_layout="DC")),
     "values-slots-last-two-consumers": ((1, 2, 2, 2, 192, 128, 50), jnp.bfloat16,
@@ -182,16 +184,18 @@ def test_two_consumers_default_to_an_even_ring_that_fits():
                     reason="this JAX's GPU interpret mode has no race detector that models "
                            "TMA's async proxy (jax >= 0.12 has)")
 @pytest.mark.slow
-@pytest.mark.parametrize("slots,stages,consumers,v_layout", [
-    (256, 2, 1, "CD"), (640, None, 1, "CD"), (640, 4, 2, "CD"), (640, None, 1, "DC")],
-    ids=["two", "default-four", "two-consumers", "values-slots-last"])
-def test_decode_kernel_has_no_races(slots, stages, consumers, v_layout):
+@pytest.mark.parametrize("slots,d,stages,consumers,v_layout", [
+    (256, 64, 2, 1, "CD"), (640, 64, None, 1, "CD"), (640, 64, 4, 2, "CD"),
+    (640, 64, None, 1, "DC"), (320, 256, None, 1, "CD")],
+    ids=["two", "default-four", "two-consumers", "values-slots-last", "d256"])
+def test_decode_kernel_has_no_races(slots, d, stages, consumers, v_layout):
   """Four blocks through a two-slot ring, and ten through the default four (each wraps twice),
   and ten through four slots taken in turn by two compute warpgroups, under the race
-  detector; the last with v slots last ("DC")."""
+  detector; ten with v slots last ("DC"); five at head dim 256 through its two slots, the
+  output leaving in two chunks through one buffer."""
   try:
     with plgpu.force_gpu_interpret_mode(hopper_interpret.params(detect_races=True)):
-      _check((1, 1, 4, 1, slots, 64, None), jnp.bfloat16, TOL[jnp.bfloat16], num_splits=1,
+      _check((1, 1, 4, 1, slots, d, None), jnp.bfloat16, TOL[jnp.bfloat16], num_splits=1,
              block=64, num_stages=stages, consumers=consumers, v_layout=v_layout)
   finally:
     hopper_interpret.reset_state()
@@ -199,7 +203,8 @@ def test_decode_kernel_has_no_races(slots, stages, consumers, v_layout):
 
 @pytest.mark.parametrize("d,window,consumers,v_layout,slots", [
     (64, None, 1, "DC", 4160), (128, 1000, 1, "DC", 4160), (64, None, 2, "DC", 4160),
-    (128, 1000, 2, "DC", 4160), (64, None, 1, "CD", 4104), (128, 1000, 2, "CD", 4104)])
+    (128, 1000, 2, "DC", 4160), (64, None, 1, "CD", 4104), (128, 1000, 2, "CD", 4104),
+    (256, 1000, 1, "CD", 4104)])
 def test_decode_kernel_lowers_for_hopper(d, window, consumers, v_layout, slots):
   """The hardware path (wgmma with a register A and a B read transposed, "DC", or not, "CD";
   register layouts) through Mosaic GPU's lowering, which rejects layouts it cannot realise.

@@ -70,3 +70,27 @@ def test_one_sequence_decode_step_writes_no_projection_sized_product(overrides):
       r"%\w*multiply\w* = \w+\[([\d,]*)\]\S* fusion\(", text)]
   smallest_kernel = config.hidden_dim * config.num_kv_heads * config.head_dim  # k's
   assert max(products, default=0) < smallest_kernel / 64, (products, smallest_kernel)
+
+
+def test_gemma3_decode_step_reads_every_layer_with_the_kernel_at_head_dim_256():
+  """Issue 49, item 5: Gemma-3-1B's shapes (head dim 256, one KV head, five 512-token
+  sliding layers to each full one; six layers) at 8,192 prompt tokens on an H100: the cache
+  keeps v like k and the decode step runs our kernel in every layer (the rolling buffers
+  too), each split writing its 8 rows (4 real) of output, not the kernel's 64, and the step's
+  temporaries stay below half a full layer's keys (no layer copied for the kernel; 129 splits
+  of 64 rows would write twice that layer's k)."""
+  from ulysses_jax.aot import generate as aot_generate
+  from ulysses_jax.models.config import preset
+  layer_types = ("sliding_attention",) * 5 + ("full_attention",)
+  config = preset("gemma3-1b", num_layers=6, layer_types=layer_types, dtype="bfloat16",
+                  param_dtype="bfloat16", remat_policy="none", attn_head_chunks=1)
+  mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
+  generator, layout, cache = aot_generate.abstract_generator(
+      config, mesh, aot_generate.GenerationSetup(prompt_len=8192, max_new_tokens=64))
+  assert layout.v_layout == "CD" and layout.kinds == (None, 512)
+  compiled = aot_generate.lower_steps(generator, layout, cache)["decode"].compile()
+  kernels = [line for line in compiled.as_text().splitlines() if MOSAIC in line]
+  assert len(kernels) == config.num_layers, kernels
+  assert all(re.search(r"f32\[1,1,\d+,8,256\]", line) for line in kernels), kernels
+  one_full_layer_k = layout.full_capacity * 256 * 2
+  assert compiled.memory_analysis().temp_size_in_bytes < one_full_layer_k / 2

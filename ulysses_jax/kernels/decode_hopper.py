@@ -27,16 +27,17 @@ take the split's blocks in turn, each with its own online softmax and partial, s
 softmax overlaps the other's matmuls and twice the copies can be in flight (a variant the
 doctor times; not yet measured on a GPU). Each split (each warpgroup of it) writes its partial
 output and lse in float32; the partials combine in float32 outside the kernel, as the devices
-do across the mesh (``generate.attention.combine``).
+do across the mesh (``generate.attention.combine``); a partial keeps the G * T real rows, to a
+multiple of 8.
 
 A decode step is bound by reading the cache; the 64-row wgmma wastes compute (G * T of 64
 rows are real) that the memory traffic hides: 64 rows x 2 flops per cache element against
 2 bytes read is 64 flops per byte, below the H100's ~295 (989 TFLOP/s over 3.35 TB/s).
 
-16-bit caches only (wgmma), head dims 64 and 128, at most 64 query rows per KV head, at least
-one block of slots, slot counts a multiple of ``SLOT_MULTIPLE[v_layout]`` (8 for ``"CD"``, the
-rows of the k and v tiles; 64 for ``"DC"``, whose v tile is swizzled along the slots; Mosaic
-GPU's lowering rejects other counts):
+16-bit caches only (wgmma), head dims 64, 128 and 256 (256 with v like k), at most 64 query
+rows per KV head, at least one block of slots, slot counts a multiple of
+``SLOT_MULTIPLE[v_layout]`` (8 for ``"CD"``, the rows of the k and v tiles; 64 for ``"DC"``,
+whose v tile is swizzled along the slots; Mosaic GPU's lowering rejects other counts):
 ``unsupported_reason`` says which is not met. Runs in GPU interpret mode on a CPU
 (``interpret=True``; what that mode executes: ``hopper_interpret``).
 """
@@ -54,7 +55,7 @@ from ulysses_jax.kernels import target as target_lib
 from ulysses_jax.kernels import wgmma_forms
 from ulysses_jax.kernels.flash_kernels import LOG2E, dot
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
 ROWS = flash_hopper.WGMMA_ROWS  # query rows of a CTA: G * T of them are real
 MIN_BLOCK = 64  # slots per block; the "DC" layout's v tile is swizzled in tiles of 64 slots
@@ -62,6 +63,9 @@ V_LAYOUTS = ("DC", "CD")  # v [b, Hkv, D, C] (slots last) or [b, Hkv, C, D] (lik
 SLOT_MULTIPLE = {"CD": 8, "DC": MIN_BLOCK}  # the slot counts Mosaic GPU lowers, per v layout
 SHARED_MEMORY = 200 * 1024  # of Hopper's 227 KiB per CTA, leaving room for alignment, barriers
 H100_SMS = 132  # SMs of an H100 SXM or H200: default splits fill them, when the GPU does not say
+# The float32 output leaves through shared memory in column chunks of at most this many: at head
+# dim 256 a whole [64, 256] tile (64 KiB) would leave room for one ring slot only.
+OUT_COLUMNS = 128
 
 
 def unsupported_reason(q_shape, cache_shape, dtype, v_layout: str = "CD") -> str | None:
@@ -73,6 +77,8 @@ def unsupported_reason(q_shape, cache_shape, dtype, v_layout: str = "CD") -> str
     return f"the cache's dtype is {jnp.dtype(dtype).name}; the kernel takes bfloat16 or float16"
   if d not in HEAD_DIMS:
     return f"head dim {d}; the kernel takes {HEAD_DIMS}"
+  if d > 128 and v_layout == "DC":
+    return f"head dim {d} with v slots last; the kernel takes it with v like k ('CD')"
   if g * t > ROWS:
     return f"{g} query heads per KV head x {t} tokens = {g * t} rows; the kernel takes <= {ROWS}"
   multiple = SLOT_MULTIPLE[v_layout]
@@ -83,10 +89,10 @@ def unsupported_reason(q_shape, cache_shape, dtype, v_layout: str = "CD") -> str
 
 
 def default_block(c: int, d: int, consumers: int = 1) -> int:
-  """Slots per block: 128 (64 when the cache holds fewer, or at head dim 128 with two
-  consumer warpgroups, whose own q and o buffers leave no room for two 128-slot slots), in
-  multiples of ``MIN_BLOCK``."""
-  widest = 64 if consumers > 1 and d > 64 else 128
+  """Slots per block: 128 (64 when the cache holds fewer, at head dim 256, or at head dim 128
+  with two consumer warpgroups, whose own q and o buffers leave no room for two 128-slot
+  slots), in multiples of ``MIN_BLOCK``."""
+  widest = 128 if d * consumers <= 128 else 64
   return min(widest, c // MIN_BLOCK * MIN_BLOCK)
 
 
@@ -101,14 +107,16 @@ def default_splits(b: int, kv_heads: int, num_blocks: int, sms: int = H100_SMS) 
 def default_stages(block: int, d: int, consumers: int = 1) -> int:
   """Ring slots: as many as fit in shared memory (two to four; a multiple of ``consumers``,
   see ``decode_attention``), so the copies in flight are what the SM's shared memory can
-  hold: four of 64 or 128 slots at head dim 64 and of 64 at 128; two of 128 slots at 128."""
+  hold: four of 64 or 128 slots at head dim 64 and of 64 at 128; two of 128 slots at 128;
+  two of 64 at 256."""
   stages = min(4, (SHARED_MEMORY - _fixed_bytes(d, consumers)) // _slot_bytes(block, d))
   return max(2, stages // consumers * consumers)
 
 
 def _fixed_bytes(d, consumers):
-  """Each consumer warpgroup's own q (16-bit) and o (float32), their positions and lse."""
-  return consumers * (ROWS * d * (2 + 4) + ROWS * 8)
+  """Each consumer warpgroup's own q (16-bit) and o (float32, ``OUT_COLUMNS`` at most),
+  their positions and lse."""
+  return consumers * (ROWS * (d * 2 + min(d, OUT_COLUMNS) * 4) + ROWS * 8)
 
 
 def _slot_bytes(block, d):
@@ -181,15 +189,17 @@ def decode_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
                              consumers=consumers, v_layout=v_layout, interpret=interpret,
                              layer=() if layer is None else (layer,))
   partials = num_splits * consumers
+  # Each partial keeps its real rows (to a multiple of 8): with one KV head and 4 query heads
+  # all 64 would be 16 times the bytes, as many as the cache's own at a few thousand slots.
+  rows = -(-(g * t) // 8) * 8
   o_split, lse_split = plgpu.kernel(
-      kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, partials, ROWS, d), jnp.float32),
-                        jax.ShapeDtypeStruct((b, kv_heads, partials, ROWS), jnp.float32)),
+      kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, partials, rows, d), jnp.float32),
+                        jax.ShapeDtypeStruct((b, kv_heads, partials, rows), jnp.float32)),
       grid=(num_splits, b, kv_heads), grid_names=("split", "batch", "kv_head"),
       num_threads=consumers + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=flash_hopper.interpret_params() if interpret else None,
   )(q_bKRD, k_bKCD, v, q_pos_bR, k_pos_bC.astype(jnp.int32))
-  # Only the g * T real rows are combined (the kernel computes ROWS).
   o, lse = combine_splits(o_split[:, :, :, :g * t], lse_split[..., :g * t])
   return o.reshape(b, kv_heads, g, t, d), lse.reshape(b, kv_heads, g, t)
 
@@ -216,7 +226,7 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
   buffers = dict(
       **flash_hopper.own_buffers(dict(q=((ROWS, d), dtype), q_pos=((ROWS,), jnp.int32)),
                                  consumers),
-      o=wgmma_forms.smem_tile((consumers, ROWS, d), jnp.float32),
+      o=wgmma_forms.smem_tile((consumers, ROWS, min(d, OUT_COLUMNS)), jnp.float32),
       lse=wgmma_forms.smem_tile((consumers, ROWS), jnp.float32),
       **flash_hopper.ring_buffers(num_stages, dict(k=((block, d), dtype),
                                                    v=((d, block) if slots_last else (block, d),
@@ -287,10 +297,14 @@ def _kernel(q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, o_ref, lse_ref, *, scale,
       denom = jnp.where(empty, 1.0, denom)
       lse = jnp.where(empty, -jnp.inf, row_max / LOG2E + jnp.log(denom))
       partial = split * consumers + w
-      flash_hopper.store_own([
-          (acc / lax.broadcast_in_dim(denom, acc.shape, [0]), smem["o"].at[w],
-           o_ref.at[batch, head, partial]),
-          (lse, smem["lse"].at[w], lse_ref.at[batch, head, partial])])
+      o = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
+      width = min(d, OUT_COLUMNS)
+      for column in range(0, d, width):  # store_own waits for each chunk's copy to finish
+        flash_hopper.store_own([
+            (o[:, column:column + width], smem["o"].at[w],
+             o_ref.at[batch, head, partial, :, pl.ds(column, width)]),
+            *([(lse, smem["lse"].at[w], lse_ref.at[batch, head, partial])] if column == 0
+              else [])])
 
     wg = lax.axis_index("wg")
     for w in range(consumers):

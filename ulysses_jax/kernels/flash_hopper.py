@@ -185,12 +185,15 @@ def release(smem, group, slot, *, fence):
 
 
 def store_own(pairs):
-  """Writes ``[(registers, own smem buffer, gmem window)]`` out through shared memory by TMA."""
+  """Writes ``[(registers, own smem buffer, gmem window)]`` out through shared memory by TMA; a
+  window smaller than its buffer takes the buffer's leading part (e.g. its first rows)."""
   for value, buffer, _ in pairs:
     buffer[...] = value.astype(buffer.dtype)
   plgpu.commit_smem()
   for _, buffer, window in pairs:
-    plgpu.copy_smem_to_gmem(buffer, window)
+    source = buffer if window.shape == buffer.shape else buffer.at[
+        tuple(pl.ds(0, n) for n in window.shape)]
+    plgpu.copy_smem_to_gmem(source, window)
   plgpu.wait_smem_to_gmem(0)
 
 

@@ -9,9 +9,8 @@ memory, not D runs of a few hundred bytes each. They are stacked ``[L_kind, B, H
 (v: ``[L_kind, B, Hkv, D, C]`` or like k) over the layers of each kind (full, or one window:
 the layers that share a capacity, ``CacheLayout.kinds``), and every kind a ``positions``
 ``[B, C]`` int32 array: the position of the token each slot holds, -1 for an empty slot.
-Attention masks by
-these positions alone (``attention.cache_attention``), so slots need not be in position order,
-and each write stays on the device that holds the slot.
+Attention masks by these positions alone (``attention.cache_attention``), so slots need not be
+in position order, and each write stays on the device that holds the slot.
 
 Placement (``plan_cache``), R' the devices the slots are split over and U those the KV heads
 are split over:

@@ -7,11 +7,11 @@ Inputs in the generation cache's layout (``generate.cache``): queries ``q [b, Hk
 layout where decode steps run this kernel: a block's values are one contiguous run of memory;
 ``"DC"`` ``[b, Hkv, D, C]``, slots last, the layout XLA's decode reads best, of which a block
 is D runs of ``2 * block`` bytes, ``2 * C`` bytes apart) and the slots' positions ``[b, C]``
-(-1: empty). A slot at
-position p is visible to a query at position q when ``0 <= p <= q`` and, with a sliding window
-W, ``q - p < W`` (the rule of ``generate.attention``; slots need not be in position order, as in
-a rolling window buffer). Returns ``(o, lse)``, o ``[b, Hkv, G, T, D]`` and lse
-``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query sees no slot.
+(-1: empty). A slot at position p is visible to a query at position q when ``0 <= p <= q``
+and, with a sliding window W, ``q - p < W`` (the rule of ``generate.attention``; slots need not
+be in position order, as in a rolling window buffer). Returns ``(o, lse)``, o
+``[b, Hkv, G, T, D]`` and lse ``[b, Hkv, G, T]`` float32, the neutral (0, -inf) where a query
+sees no slot.
 
 The grid is ``(split, batch, kv_head)``. A CTA takes the ``G * T`` query rows of one (batch, KV
 head), padded to one warpgroup's 64 wgmma rows (padding rows have position -1 and see nothing),
@@ -22,13 +22,13 @@ block's nominal start are masked, so none counts twice), and split s takes block
 state stays neutral). One compute warpgroup runs the online softmax over its blocks with wgmma
 (``q @ k.T`` from shared memory; ``probs @ v`` with the probabilities from registers and v's
 tile, read transposed in the ``"DC"`` layout); another streams K, V and the positions through a
-ring of ``num_stages`` slots (``flash_hopper.produce``). With ``consumers=2`` two compute warpgroups
-take the split's blocks in turn, each with its own online softmax and partial, so that one's
-softmax overlaps the other's matmuls and twice the copies can be in flight (a variant the
-doctor times; not yet measured on a GPU). Each split (each warpgroup of it) writes its partial
-output and lse in float32; the partials combine in float32 outside the kernel, as the devices
-do across the mesh (``generate.attention.combine``); a partial keeps the G * T real rows, to a
-multiple of 8.
+ring of ``num_stages`` slots (``flash_hopper.produce``). With ``consumers=2`` two compute
+warpgroups take the split's blocks in turn, each with its own online softmax and partial, so
+that one's softmax overlaps the other's matmuls and twice the copies can be in flight (a
+variant the doctor times; not yet measured on a GPU). Each split (each warpgroup of it)
+writes its partial output and lse in float32; the partials combine in float32 outside the
+kernel, as the devices do across the mesh (``generate.attention.combine``); a partial keeps
+the G * T real rows, to a multiple of 8.
 
 A decode step is bound by reading the cache; the 64-row wgmma wastes compute (G * T of 64
 rows are real) that the memory traffic hides: 64 rows x 2 flops per cache element against
@@ -130,16 +130,15 @@ def decode_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
                      interpret: bool = False):
   """One device's partial attention ``(o, lse)`` (module docstring). ``v_layout``: one of
   ``V_LAYOUTS``. ``layer``: k and v are stacks of layers (``[L, b, Hkv, C, D]``, v likewise in
-  its layout) and the kernel reads layer
-  ``layer`` of them where it lies (a slice of the stack passed to the kernel would be copied
-  first: XLA hands a custom call whole buffers). ``num_splits``: splits of the slots per
-  (batch, KV head) (default: ``default_splits`` for the SMs of the GPU it runs on, else an
-  H100's); ``block``: slots per pipeline step, a multiple of 64 at most C (default:
-  ``default_block``); ``num_stages``: ring slots (default: ``default_stages``); ``consumers``:
-  compute warpgroups of a CTA, 1 or 2, taking its blocks in turn, each its own partial (as if
-  a split of its own), so that one's softmax runs while the other's matmuls and copies do. A
-  warpgroup must see every phase of the barriers of the slots it reads, so with two each slot
-  serves one of them: ``num_stages`` must be even."""
+  its layout) and the kernel reads layer ``layer`` of them where it lies (a slice of the stack
+  passed to the kernel would be copied first: XLA hands a custom call whole buffers).
+  ``num_splits``: splits of the slots per (batch, KV head) (default: ``default_splits`` for
+  the SMs of the GPU it runs on, else an H100's); ``block``: slots per pipeline step, a
+  multiple of 64 at most C (default: ``default_block``); ``num_stages``: ring slots (default:
+  ``default_stages``); ``consumers``: compute warpgroups of a CTA, 1 or 2, taking its blocks
+  in turn, each its own partial (as if a split of its own), so that one's softmax runs while
+  the other's matmuls and copies do. A warpgroup must see every phase of the barriers of the
+  slots it reads, so with two each slot serves one of them: ``num_stages`` must be even."""
   b, kv_heads, g, t, d = q_bKGTD.shape
   if v_layout not in V_LAYOUTS:
     raise ValueError(f"decode kernel: v_layout {v_layout!r}: one of {V_LAYOUTS}.")

@@ -334,11 +334,15 @@ def test_doctor_decode_check_needs_a_hopper_gpu():
 def test_doctor_decode_check_runs_the_kernel_interpreted():
   """What the doctor runs on a Hopper GPU (the kernel and XLA's path against float32, then
   timed), on a 256-slot cache with the kernel interpreted, and two variants (one given the
-  values slots last: checked against the same reference, so timed). About 15 s on jax 0.10."""
+  values slots last: checked against the same reference, so timed); and a row at head dim 256.
+  About 20 s on jax 0.10."""
   variants = {name: decode_doctor.VARIANTS[name] for name in ("2 waves", "values slots last")}
-  row, = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
-                                   burst=1, interpret=True, copy_bytes=1 << 20, variants=variants)
+  row, wide = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
+                                        burst=1, interpret=True, copy_bytes=1 << 20,
+                                        variants=variants, wide_rows=((256, 128),))
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
+  assert wide["passed"] is True and wide["head_dim"] == 256 and wide["variant_ms"] == {}, wide
+  assert decode_doctor.check(wide)["name"] == "decode kernel vs XLA, 128 slots, head dim 256"
   assert row["variant_ms"]["2 waves"] > 0 and row["variant_ms"]["values slots last"] > 0
   assert row["kernel_ms"] > 0 and row["xla_ms"] > 0 and row["copy_gb_per_s"] > 0
   assert row["kernel_pct_of_copy"] == pytest.approx(

@@ -13,7 +13,8 @@ v: the measurement that the compiled comparison behind ``auto``'s choice
 states each bandwidth as a share of a device-to-device copy timed on the same device
 (``doctor.timing.copy_bandwidth``, bytes read and written counted): what the memory can give.
 Beside the kernel's defaults it times the ``VARIANTS`` of its block, ring slots and splits
-(``variant_ms``), the measurements that choose its defaults (``decode_hopper.default_*``).
+(``variant_ms``), the measurements that choose its defaults (``decode_hopper.default_*``); the
+``WIDE_ROWS`` check and time head dim 256 (Gemma 3) too.
 """
 
 import jax
@@ -29,6 +30,9 @@ SLOTS = 1 << 20
 SLOT_COUNTS = (1 << 13, 1 << 15, 1 << 17, SLOTS)
 COPY_BYTES = 1 << 30
 GROUP, HEAD_DIM = 4, 128
+# Rows beside those of ``SLOT_COUNTS``, each (head dim, slots), without variants: Gemma 3's
+# head dim, which the kernel takes with its output leaving in two chunks.
+WIDE_ROWS = ((256, 1 << 17),)
 BURST = 10  # calls per timed sample (``timing.time_fn``)
 # Options of ``decode_hopper.decode_attention`` timed beside its defaults (128-slot blocks, two
 # ring slots at head dim 128, one CTA per SM): finer blocks with the deeper ring they allow, the
@@ -43,11 +47,11 @@ VARIANTS = {"64-slot blocks": dict(block=64), "64-slot blocks, 2 slots": dict(bl
             "values slots last": dict(v_layout="DC")}
 
 
-def _inputs(device, slots):
+def _inputs(device, slots, head_dim):
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  q = jax.random.normal(keys[0], (1, 1, GROUP, 1, HEAD_DIM), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (1, 1, slots, HEAD_DIM), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (1, 1, HEAD_DIM, slots), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (1, 1, GROUP, 1, head_dim), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (1, 1, slots, head_dim), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, 1, head_dim, slots), jnp.bfloat16)
   k_pos = jax.random.permutation(keys[3], slots)[None].astype(jnp.int32)
   k_pos = jnp.where(k_pos % 10 == 9, -1, k_pos)  # empty slots
   q_pos = jnp.array([[slots]], jnp.int32)
@@ -56,41 +60,45 @@ def _inputs(device, slots):
 
 def decode_rows(device, *, slot_counts=SLOT_COUNTS, warmup: int = 2, iters: int = 10,
                 burst: int = BURST, interpret: bool = False, copy_bytes: int = COPY_BYTES,
-                variants=VARIANTS) -> list[dict]:
-  """``decode_row`` at each of ``slot_counts`` with the copy bandwidth of ``device`` timed
-  once (``copy_bytes`` each way); one row saying why where the kernel cannot run."""
+                variants=VARIANTS, wide_rows=WIDE_ROWS) -> list[dict]:
+  """``decode_row`` at each of ``slot_counts`` (head dim ``HEAD_DIM``, with ``variants``) and
+  of ``wide_rows``, with the copy bandwidth of ``device`` timed once (``copy_bytes`` each
+  way); one row saying why where the kernel cannot run."""
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return [decode_row(device)]
   copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters, burst=burst)
-  return [decode_row(device, slots=slots, warmup=warmup, iters=iters, burst=burst,
-                     interpret=interpret, copy_gb_per_s=copy / 1e9, variants=variants)
-          for slots in slot_counts]
+  common = dict(warmup=warmup, iters=iters, burst=burst, interpret=interpret,
+                copy_gb_per_s=copy / 1e9)
+  return ([decode_row(device, slots=slots, variants=variants, **common)
+           for slots in slot_counts] +
+          [decode_row(device, slots=slots, head_dim=head_dim, variants={}, **common)
+           for head_dim, slots in wide_rows])
 
 
-def _kernel_options(options, slots, device):
+def _kernel_options(options, slots, device, head_dim=HEAD_DIM):
   """``decode_attention``'s keyword arguments for a ``VARIANTS`` entry at ``slots`` slots."""
   options = dict(options)
   waves = options.pop("waves", 1)
   if waves > 1:
     block = options.get("block") or decode_hopper.default_block(
-        slots, HEAD_DIM, options.get("consumers", 1))
+        slots, head_dim, options.get("consumers", 1))
     sms = target_lib.of_device(device).core_count or decode_hopper.H100_SMS
     options["num_splits"] = waves * decode_hopper.default_splits(1, 1, -(-slots // block), sms)
   return options
 
 
-def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
-               burst: int = BURST, interpret: bool = False,
+def decode_row(device, *, slots: int = SLOTS, head_dim: int = HEAD_DIM, warmup: int = 2,
+               iters: int = 10, burst: int = BURST, interpret: bool = False,
                copy_gb_per_s: float | None = None, variants=VARIANTS) -> dict:
   """The kernel's check and timing beside XLA's on ``device`` (``passed`` None where it cannot
   run: not a Hopper GPU), and each of ``variants`` timed (ms, None where it failed).
   ``interpret``: the kernel in GPU interpret mode (tests, on a CPU). With ``copy_gb_per_s``
   (the device's copy bandwidth) each bandwidth's share of it too."""
-  row = {"kernel": "ours mosaic decode", "slots": slots, "group": GROUP, "head_dim": HEAD_DIM}
+  row = {"kernel": "ours mosaic decode", "slots": slots, "group": GROUP, "head_dim": head_dim}
   if not interpret and target_lib.of_device(device).generation != "sm90":
     return {**row, "status": "needs a Hopper GPU (sm90)", "passed": None}
-  args = _inputs(device, slots)  # v slots last, as XLA's decode reads it
-  scale = HEAD_DIM ** -0.5
+  args = _inputs(device, slots, head_dim)  # v slots last, as XLA's decode reads it
+  scale = head_dim ** -0.5
   kernel = jax.jit(lambda *x: decode_hopper.decode_attention(
       *x, scale=scale, window=None, interpret=interpret))
   xla = jax.jit(lambda *x: partial_attention(*x, scale=scale, window=None, fused=True))
@@ -105,14 +113,14 @@ def decode_row(device, *, slots: int = SLOTS, warmup: int = 2, iters: int = 10,
   row["status"] = "ok" if row["passed"] else (
       f"relative error {errors['kernel']:.2e} > {TOLERANCE} (XLA's: {errors['xla']:.2e})")
   if row["passed"]:
-    cache_gb = 2 * slots * HEAD_DIM * 2 / 1e9  # k and v, bfloat16
+    cache_gb = 2 * slots * head_dim * 2 / 1e9  # k and v, bfloat16
     timing = dict(warmup=warmup, iters=iters, burst=burst)
     row["kernel_ms"] = 1e3 * time_fn(kernel, *kernel_args, **timing)["median_s"]
     row["xla_ms"] = 1e3 * time_fn(xla, *args, **timing)["median_s"]
     row["kernel_gb_per_s"] = cache_gb / row["kernel_ms"] * 1e3
     row["xla_gb_per_s"] = cache_gb / row["xla_ms"] * 1e3
-    row["variant_ms"] = {name: _time_variant(_kernel_options(options, slots, device), args,
-                                             reference, scale, interpret, timing)
+    row["variant_ms"] = {name: _time_variant(_kernel_options(options, slots, device, head_dim),
+                                             args, reference, scale, interpret, timing)
                          for name, options in variants.items()}
     if copy_gb_per_s:
       row.update(copy_gb_per_s=copy_gb_per_s,
@@ -145,7 +153,8 @@ def check(row: dict) -> dict:
   """The doctor's check line of ``decode_row``'s row."""
   detail, name = row["status"], "decode kernel vs XLA"
   if row["passed"] is not None:
-    name += f", {row['slots']:,} slots"
+    name += f", {row['slots']:,} slots" + (
+        f", head dim {row['head_dim']}" if row["head_dim"] != HEAD_DIM else "")
   if row.get("kernel_ms") is not None:
     def share(who):
       return (f", {row[f'{who}_pct_of_copy']:.0f} % of the copy's {row['copy_gb_per_s']:.0f}"

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: setup test test-slow test-all lint train bench-comm clean gpu-compile-venv test-gpu-compile \
-	newest-jax-venv test-newest-jax test-machine-jax doctor ci-times docs \
+	newest-jax-venv test-newest-jax machine-jax-venv test-machine-jax doctor ci-times docs \
 	docs-serve
 
 $(STAMP): pyproject.toml
@@ -109,6 +109,9 @@ test-newest-jax: $(NEWEST_STAMP)
 # .venv-jax0.11.2). Pinned on purpose: this is a test environment.
 MACHINE_JAX := 0.11.2
 OTHER_JAX := scripts/test_other_jax.sh $(NEWEST_PYTHON) $(MACHINE_JAX)
+
+machine-jax-venv:
+	$(OTHER_JAX) --install-only
 
 test-machine-jax:
 	ULYSSES_QUICK_TEST_LIMIT_S=45 $(OTHER_JAX) -n $(TEST_WORKERS) -p no:cacheprovider \

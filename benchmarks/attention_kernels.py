@@ -117,12 +117,13 @@ def implementations(causal, head_dim, *, interpret, sweep):
   return impls
 
 
-SCHEDULES = ("pingpong", "overlap")  # the Tile fields beside the blocks, warps and stages
+SCHEDULES = ("pingpong", "overlap", "accumulate_dq")  # Tile's fields beside blocks, warps, stages
 
 
 def mosaic_name(kernel, tile):
   """The row of a swept Mosaic tile: ``mosaic_<kernel>[<block_q>x<block_kv>-<warps>w-
-  <stages>st(-pingpong)(-overlap)]`` (no commas: ``--impls`` takes a list of them)."""
+  <stages>st(-pingpong)(-overlap)(-accumulate_dq)]`` (no commas: ``--impls`` takes a list of
+  them)."""
   schedule = "".join(f"-{name}" for name in SCHEDULES if getattr(tile, name))
   return (f"mosaic_{kernel}[{tile.block_q}x{tile.block_kv}-{tile.num_warps}w-"
           f"{tile.num_stages}st{schedule}]")

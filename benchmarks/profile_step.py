@@ -13,7 +13,8 @@ given a class (``CLASSES``):
   / ``_dq`` / ``_dkv``, which the Triton and the Mosaic kernels both carry; their kernel names
   ``_forward_kernel`` / ``_dq_kernel`` / ``_dkv_kernel``), cuDNN's fused attention (fprop /
   bprop); the forward that a rematerialised layer re-runs in the backward counts as forward
-  (the launch count shows it: 4 launches per layer where the backward re-runs it, 3 where not);
+  (the launch count shows it: 4 launches per layer where the backward re-runs it, 3 where not,
+  2 with the dk/dv kernel accumulating dq);
 * bf16 / float32 / other GEMMs: dots, cuBLAS calls and fusions holding a dot, by the dot's
   operand type (a float32 GEMM runs on TF32 tensor cores or CUDA cores: cuBLAS names it
   ``..._f32f32_tf32f32...`` or ``sgemm``);

@@ -272,6 +272,15 @@ def test_cost_counts_a_kernel_inside_a_fusion():
   assert ops["dsf"].flops == ops["att"].flops == 4 * 1 * 4 * 256 * 256 * 64 * 0.5
 
 
+@pytest.mark.parametrize("kernel,matmuls", [("dq", 3), ("dkv", 4), ("dkv_dq", 5)])
+def test_cost_counts_each_backward_kernels_matmuls(kernel, matmuls):
+  """dq recomputes QKᵀ and dO·Vᵀ beside dS·K; dk/dv runs four; dk/dv accumulating dq five."""
+  hlo = _HLO.replace('op_name="jit(f)/flash_attention_forward_causal/pallas_call"',
+                     f'op_name="jit(f)/transpose(flash_attention_{kernel}_causal)/pallas_call"')
+  (att,) = [op for op in aot.cost.operations(hlo) if op.name == "att"]
+  assert att.flops == matmuls * 2 * 1 * 4 * 256 * 256 * 64 * 0.5
+
+
 def test_cost_reads_a_windowed_kernel_also_as_the_outermost_transformed_call():
   hlo = _HLO.replace('op_name="jit(f)/flash_attention_forward_causal/pallas_call"',
                      'op_name="jit(f)/jvp(flash_attention_forward_causal_window64)/pallas_call"')

@@ -28,6 +28,14 @@ from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
 from ulysses_jax.kernels.flash_kernels import Tile
 
 
+def _assert_every_ring_refills(seq_len, tiles):
+  """Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
+  stream every block: more than each ring has slots. None: a kernel that does not run."""
+  forward, dq, dkv = tiles
+  for name, tile in (("block_kv", forward), ("block_kv", dq), ("block_q", dkv)):
+    assert tile is None or -(-seq_len // getattr(tile, name)) > tile.num_stages, (seq_len, tile)
+
+
 # The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
 # more key and query blocks than each kernel has pipeline slots, so every ring is refilled
 # (checked below); segments cross tiles.
@@ -37,14 +45,6 @@ from ulysses_jax.kernels.flash_kernels import Tile
     pytest.param(600, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
     pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
     pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
-def _assert_every_ring_refills(seq_len, tiles):
-  """Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
-  stream every block: more than each ring has slots."""
-  forward, dq, dkv = tiles
-  for block, tile in ((forward.block_kv, forward), (dq.block_kv, dq), (dkv.block_q, dkv)):
-    assert -(-seq_len // block) > tile.num_stages, (seq_len, tile)
-
-
 def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
   plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
                       forward_kernel="mosaic", backward_kernel="mosaic")
@@ -94,8 +94,8 @@ def test_mosaic_tile_variants_match_reference(tiles):
 def test_mosaic_forward_overlap_matches_reference(tile, causal):
   q, k, v, _, segment_ids = random_inputs(9, 1, VARIANT_SEQ_LEN, 2, 1, 64, dtype=jnp.bfloat16,
                                           num_segments=4)
-  plan = choose_tiles(VARIANT_SEQ_LEN, 64, causal=causal, scale=1.0, interpret=True, forward_kernel="mosaic",
-                      backward_kernel="mosaic")
+  plan = choose_tiles(VARIANT_SEQ_LEN, 64, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
   out, lse = jax.jit(lambda q, k, v: flash_attention(
       q, k, v, causal=causal, segment_ids=segment_ids, return_lse=True, interpret=True,
       forward_kernel="mosaic", backward_kernel="mosaic", tiles=(tile, plan.dq, plan.dkv)))(q, k, v)
@@ -104,6 +104,48 @@ def test_mosaic_forward_overlap_matches_reference(tile, causal):
                                        kv_segment_ids=segment_ids, return_lse=True)
   assert relative_error(out, want_out) < BF16_TOL
   np.testing.assert_allclose(lse, want_lse, rtol=BF16_TOL, atol=BF16_TOL)
+
+
+# The dk/dv kernel accumulating dq (``Tile.accumulate_dq``; jax 0.11 on: on 0.10 it is not
+# offered): dq, dk, dv against the reference, every query block streamed through a ring that
+# refills; causal GQA with packed segments at head dim 64, the full mask at 128. The dq kernel
+# does not run (its lowering below); the race detector runs it too (test_hopper_races).
+@pytest.mark.skipif(not flash_hopper_backward.can_accumulate_dq(),
+                    reason="a mutable dq accumulator in a Mosaic kernel needs jax >= 0.11")
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,dkv", [
+    (VARIANT_SEQ_LEN, True, (2, 1), 64, Tile(64, 128, 12, 3, accumulate_dq=True)),
+    (300, False, (2, 2), 128, Tile(64, 128, 12, 2, accumulate_dq=True))],
+    ids=["causal-gqa-d64-packed", "full-d128"])
+def test_dkv_kernel_accumulating_dq_matches_reference(seq_len, causal, heads, head_dim, dkv):
+  plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  _assert_every_ring_refills(seq_len, (plan.forward, None, dkv))
+  q, k, v, d_out, segment_ids = random_inputs(9, 1, seq_len, *heads, head_dim,
+                                              dtype=jnp.bfloat16, num_segments=4)
+  check_flash_against_reference(q, k, v, d_out, causal=causal,
+                                segment_ids=segment_ids if causal else None, tol=BF16_TOL,
+                                forward_kernel="mosaic", backward_kernel="mosaic",
+                                tiles=(plan.forward, plan.dq, dkv), interpret=True)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not flash_hopper_backward.can_accumulate_dq(),
+                    reason="a mutable dq accumulator in a Mosaic kernel needs jax >= 0.11")
+@pytest.mark.parametrize("head_dim,dkv", [(64, Tile(64, 128, 12, 4, accumulate_dq=True)),
+                                          (64, Tile(64, 192, 16, 4, accumulate_dq=True)),
+                                          (64, Tile(128, 128, 12, 2, accumulate_dq=True)),
+                                          (128, Tile(64, 128, 12, 2, accumulate_dq=True))])
+def test_dkv_kernel_accumulating_dq_lowers_for_hopper_as_the_only_backward_kernel(head_dim,
+                                                                                  dkv):
+  """Its hardware form (dS^T read transposed by wgmma, the TMA reduce-add into the float32
+  accumulator) through Mosaic GPU's lowering, on the GPU machines' JAX and the newest: the
+  gradient is two Mosaic kernels (forward, dk/dv with dq) where it was three. The deepest
+  ring of each swept shape (``mosaic_tiles.candidates``: the shared memory is checked)."""
+  plan = choose_tiles(1000, head_dim, causal=True, scale=1.0, generation="sm90",
+                      forward_kernel="mosaic", backward_kernel="mosaic")
+  for tiles, kernels in (((plan.forward, plan.dq, dkv), 2), (None, 3)):
+    assert _lowered_kernels(head_dim, True, True, None, "mosaic", tiles=tiles) == kernels, (
+        dkv, tiles)
 
 
 def test_overlap_is_a_forward_schedule_without_pingpong():
@@ -136,7 +178,8 @@ def test_every_swept_mosaic_tile_lowers_for_hopper(head_dim):
       gradient = kernel != "forward"
       kernels = _lowered_kernels(head_dim, True, True, None, backward, tiles=tuple(chosen),
                                  gradient=gradient)
-      assert kernels >= (3 if gradient and backward == "mosaic" else 1), (kernel, tile)
+      assert kernels == (3 if gradient and backward == "mosaic" else 1) - (
+          tile.accumulate_dq), (kernel, tile)
 
 
 def test_mosaic_tiles_are_checked_before_tracing():
@@ -157,6 +200,17 @@ def test_mosaic_tiles_are_checked_before_tracing():
     flash_attention(q, q, q, forward_kernel="mosaic", backward_kernel="mosaic", tiles=too_big)
   with pytest.raises(ValueError, match="pass tiles or block_q / block_kv, not both"):
     flash_attention(q, q, q, forward_kernel="mosaic", block_q=128, tiles=too_big)
+  accumulating_dq = Tile(64, 128, 12, 2, accumulate_dq=True)
+  with pytest.raises(ValueError, match="accumulate_dq: the dk/dv kernel only"):
+    mosaic_tiles.check("dq", accumulating_dq, 128)
+
+
+def test_the_dkv_kernel_accumulates_dq_only_on_a_jax_that_can_build_it(monkeypatch):
+  monkeypatch.setattr(flash_hopper_backward, "can_accumulate_dq", lambda: False)
+  with pytest.raises(ValueError, match=r"accumulate_dq: needs jax >= 0\.11 \(a mutable dq "
+                     r"accumulator in the kernel\), this is jax \d"):
+    mosaic_tiles.check("dkv", Tile(64, 128, 12, 2, accumulate_dq=True), 64)
+  assert not any(t.accumulate_dq for t in mosaic_tiles.candidates(64)["dkv"])
 
 
 def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
@@ -318,7 +372,7 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
   the masks are traced values too."""
   backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
   kernels = _lowered_kernels(head_dim, causal, segments, window, backward)
-  assert kernels >= (3 if backward == "mosaic" else 1), kernels
+  assert kernels == (3 if backward == "mosaic" else 1), kernels
 
 
 def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None, gradient=True):
@@ -336,7 +390,7 @@ def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None, g
   with lowering_target(90):
     jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if gradient else loss)
     lowered = jitted.trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",))
-  return lowered.as_text().count("mosaic_gpu")
+  return lowered.as_text().count("custom_call @mosaic_gpu")
 
 
 def test_mosaic_plan():

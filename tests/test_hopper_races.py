@@ -164,7 +164,16 @@ def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, 
   _assert_close("out", out, _reference(causal, segment_ids, window, q, k, v))
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles", CASES)
+# The dk/dv kernel accumulating dq (its dS^T tile rewritten every block, read by wgmma): causal
+# GQA, packed, its ring of two slots wrapped more than twice per head.
+ACCUMULATE_DQ = [pytest.param(600, True, (2, 1), 64, True, None,
+                              (Tile(128, 128, 12, 2), Tile(128, 64, 12, 2),
+                               Tile(64, 128, 12, 2, accumulate_dq=True)),
+                              id="accumulate-dq-causal-gqa-d64-packed")]
+
+
+@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles",
+                         CASES + ACCUMULATE_DQ)
 def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window,
                                          tiles):
   """One backward pass runs both kernels; a race names the kernel's source line."""

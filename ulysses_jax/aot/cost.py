@@ -41,8 +41,8 @@ _COLLECTIVE = re.compile(r"^(all-to-all|all-gather|all-reduce|reduce-scatter|"
                          r"collective-permute)(-start|-done)?$|-done$")
 # Our kernels' names (a Triton pallas_call's name; a Mosaic kernel's enclosing scope).
 # The kernel's name scope ends in "/" (or in ")" when a transform such as jvp wraps it).
-_FLASH = re.compile(r"flash_attention_(forward|dq|dkv)(_causal)?(?:_window(\d+))?[/)]")
-_FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8}
+_FLASH = re.compile(r"flash_attention_(forward|dq|dkv|dkv_dq)(_causal)?(?:_window(\d+))?[/)]")
+_FLASH_FACTOR = {"forward": 4, "dq": 6, "dkv": 8, "dkv_dq": 10}  # 2x the matmuls
 # The experts' grouped matmul kernels (``kernels.grouped_matmul.KERNEL_SCOPE``).
 _GROUPED = re.compile(r"grouped_matmul_mosaic[/)]")
 

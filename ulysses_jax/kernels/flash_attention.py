@@ -361,6 +361,11 @@ def _backward(plan, q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, grad_dtype):
     dk, dv = flash_kernels.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
                                         grad_dtype)
     return dq, dk, dv
+  if plan.dkv.accumulate_dq:  # one kernel
+    with _named_like_triton("dkv_dq", plan):
+      dk, dv, dq = flash_hopper_backward.backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg,
+                                                      kv_seg, grad_dtype)
+    return dq, dk, dv
   with _named_like_triton("dq", plan):
     dq = flash_hopper_backward.backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg,
                                            grad_dtype)

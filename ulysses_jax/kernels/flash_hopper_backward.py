@@ -14,6 +14,15 @@ and a copy warpgroup streaming blocks of the other side through a ring of shared
   head, so GQA/MQA needs neither repeated K/V nor atomics. It works on transposed tiles
   ``[keys, queries]``: ``P^T = exp2(k q^T - lse2)``, ``dv += P^T dO``, ``dP^T = v dO^T``,
   ``dS^T = P^T (dP^T - delta)``, ``dk += dS^T q``.
+* dk/dv accumulating dq (``Tile.accumulate_dq``; FA3's single backward kernel): the dk/dv
+  kernel also computes each block's ``dS k`` (dS^T through shared memory, read transposed by
+  wgmma) and adds it into a float32 dq accumulator ``[B, Sp, Hq, D]`` by a TMA reduce-add
+  from shared memory, so QK^T and dO V^T run once instead of twice and no dq kernel runs: five
+  matmuls per block instead of seven. The accumulator is a mutable array (``jax.new_ref``,
+  jax 0.11 on); dq is its sum scaled, cast after the kernel. GPU interpret mode has no TMA
+  reduction (jax 0.12): there each compute warpgroup adds into its own slice of the
+  accumulator with a plain read and write (the interpreter runs the grid's CTAs one after
+  another), summed after the kernel; the hardware form is lowered.
 
 Causal: blocks that the mask hides from every row of the CTA are never streamed; only blocks
 on the diagonal (or all blocks, with segment ids) are masked. A sliding window W likewise
@@ -123,21 +132,36 @@ def _dq_compute(plan, gmem, smem, w, batch, head, first_row, ranges):
   hopper.store_own([(dq * plan.scale, own["q"], gmem["dq"].at[batch, query_rows, head])])
 
 
+def can_accumulate_dq():
+  """Whether this JAX builds a Mosaic GPU kernel that writes a mutable array (the dq
+  accumulator of ``Tile.accumulate_dq``): jax 0.11 on."""
+  return jax.__version_info__ >= (0, 11)
+
+
 def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   """dk, dv ``[B, Sp, Hkv, D]``, each summed over the query heads that share the KV head;
-  ``grad_dtype`` must be the inputs' dtype."""
-  b, sp, hkv, _ = k.shape
+  ``grad_dtype`` must be the inputs' dtype. With ``plan.dkv.accumulate_dq`` also dq
+  ``[B, Sp, Hq, D]``: ``(dk, dv, dq)``."""
+  b, sp, hkv, d = k.shape
   assert grad_dtype == k.dtype, (grad_dtype, k.dtype)
+  accumulate_dq = plan.dkv.accumulate_dq
   kernel = functools.partial(_dkv_kernel, plan=plan, groups=q.shape[2] // hkv,
-                             has_segments=q_seg is not None)
+                             has_segments=q_seg is not None, accumulate_dq=accumulate_dq)
   call = hopper.launch(kernel, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
                        (sp // plan.dkv.block_kv, b, hkv), plan, plan.dkv)
-  return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
+  segments = (q_seg, kv_seg) if q_seg is not None else ()
+  if not accumulate_dq:
+    return call(q, k, v, d_out, lse2, delta, *segments)
+  slices = hopper.compute_warpgroups(plan.dkv) if plan.interpret else 1  # module docstring
+  dq_accum = jax.new_ref(jnp.zeros((slices, b, sp, q.shape[2], d), jnp.float32))
+  dk, dv = call(q, k, v, d_out, lse2, delta, dq_accum, *segments)
+  return dk, dv, (dq_accum[...].sum(0) * plan.scale).astype(grad_dtype)
 
 
-def _dkv_kernel(*refs, plan, groups, has_segments):
-  (q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref), q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = (
-      hopper.unpack_refs(refs, has_segments, 6, 2))
+def _dkv_kernel(*refs, plan, groups, has_segments, accumulate_dq):
+  inputs, q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = hopper.unpack_refs(
+      refs, has_segments, 6 + accumulate_dq, 2)
+  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref = inputs[:6]
   tile = plan.dkv
   warpgroups = hopper.compute_warpgroups(tile)
   keys, d, dtype = tile.block_kv // warpgroups, k_ref.shape[-1], k_ref.dtype
@@ -150,8 +174,12 @@ def _dkv_kernel(*refs, plan, groups, has_segments):
     streamed["q_seg"] = ((tile.block_q,), jnp.int32)
   buffers = dict(**hopper.own_buffers(own, warpgroups),
                  **hopper.ring_buffers(tile.num_stages, streamed, ("q", "do"), warpgroups))
+  if accumulate_dq:  # per compute warpgroup: dS^T for wgmma, its dq part for the TMA reduction
+    buffers.update(ds_t=wgmma_forms.smem_tile((warpgroups, keys, tile.block_q), dtype),
+                   dq_part=plgpu.SMEM((warpgroups, tile.block_q, d), jnp.float32))
   gmem = dict(q=q_ref, k=k_ref, v=v_ref, do=do_ref, lse2=lse2_ref, delta=delta_ref,
-              q_seg=q_seg_ref, kv_seg=kv_seg_ref, dk=dk_ref, dv=dv_ref)
+              q_seg=q_seg_ref, kv_seg=kv_seg_ref, dk=dk_ref, dv=dv_ref,
+              dq_accum=inputs[6] if accumulate_dq else None)
 
   def body(smem):
     first_key = lax.axis_index("tile") * tile.block_kv  # causal: the first tiles work longest
@@ -210,6 +238,23 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
 
   lo, end = ranges[0], ranges[3]
 
+  def add_to_dq(head, i, d_scores_t):
+    """dq of query block ``i`` of ``head`` += dS k over this warpgroup's keys."""
+    smem["ds_t"].at[w][...] = d_scores_t
+    plgpu.commit_smem()  # the register store (generic proxy) before wgmma's read (async)
+    part = wgmma_forms.at_times_b(smem["ds_t"].at[w], own["k"], interpret=plan.interpret)
+    rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+    if plan.interpret:  # its own slice (module docstring)
+      window = gmem["dq_accum"].at[w, batch, rows, head]
+      window[...] = window[...] + part
+      return
+    staging = smem["dq_part"].at[w]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's reduction read it
+    staging[...] = part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(staging, gmem["dq_accum"].at[0, batch, rows, head],
+                            reduction_op="add")
+
   def visit(g, masked, i, carry):
     dk, dv = carry
     slot = lax.rem(g * (end - lo) + i - lo, stages)  # the producer's step t
@@ -227,8 +272,10 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
     d_probs_t = matmul(own["v"], d_out)
     delta = scores_tile.cols_of(hopper.wait_ready(smem, "delta", slot))
     hopper.release(smem, "do", slot, fence=True)  # lse2 and delta were loaded into registers
-    d_scores_t = probs_t * (d_probs_t - delta)
-    dk = accumulate(dk, d_scores_t.astype(q.dtype), q)
+    d_scores_t = (probs_t * (d_probs_t - delta)).astype(q.dtype)
+    dk = accumulate(dk, d_scores_t, q)
+    if gmem["dq_accum"] is not None:
+      add_to_dq(kv_head * groups + g, i, d_scores_t)
     # On hardware only wgmma reads q: no fence (``flash_hopper``).
     hopper.release(smem, "q", slot, fence=wgmma_forms.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))

@@ -43,13 +43,16 @@ class Tile:
   streams blocks of the other size. ``pingpong``: the two compute warpgroups of the Mosaic
   forward or dq take turns on the tensor cores (``pingpong.PingPong``). ``overlap``: each
   compute warpgroup of the Mosaic forward runs a block's softmax while its own P·V matmul of
-  the block before runs (``wgmma_forms.overlapped``)."""
+  the block before runs (``wgmma_forms.overlapped``). ``accumulate_dq``: the Mosaic dk/dv
+  kernel also adds each block's dS·K into a float32 dq accumulator, and no dq kernel runs
+  (FA3's single backward kernel; ``flash_hopper_backward``)."""
   block_q: int
   block_kv: int
   num_warps: int
   num_stages: int
   pingpong: bool = False
   overlap: bool = False
+  accumulate_dq: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,15 @@ keys in dk/dv), split over two or three compute warpgroups of 64 rows (``num_war
 16, the copy warpgroup included), how wide a streamed block of the other side is, how many
 blocks the ring holds (``num_stages``) and its schedule: whether its two compute warpgroups
 take turns on the tensor cores (``pingpong``, the forward and dq), or each overlaps a block's
-softmax with its own matmul of the block before (``overlap``, the forward). ``python -m
+softmax with its own matmul of the block before (``overlap``, the forward), and whether the
+dk/dv kernel accumulates dq too, so that no dq kernel runs (``accumulate_dq``). ``python -m
 benchmarks.attention_kernels --sweep`` times every ``candidates`` tile on a Hopper GPU beside
 the table's and prints the rows of ``TABLE`` for its winners.
 """
 
 import dataclasses
+
+import jax
 
 from ulysses_jax.kernels import flash_hopper, flash_hopper_backward
 from ulysses_jax.kernels.flash_kernels import Tile
@@ -78,6 +81,8 @@ def shared_memory(kernel, tile, head_dim):
   buffers = ([owned * head_dim * 2] * tiles[0] + [owned * 4] * vectors[0]
              + [tile.num_stages * streamed * head_dim * 2] * tiles[1]
              + [tile.num_stages * streamed * 4] * vectors[1])
+  if tile.accumulate_dq:  # per compute warpgroup: its dS^T (16-bit), its dq part (float32)
+    buffers += [owned * streamed * 2, streamed * head_dim * 4 * owned // flash_hopper.WGMMA_ROWS]
   return sum(-(-size // 1024) * 1024 for size in buffers)
 
 
@@ -100,6 +105,11 @@ def check(kernel, tile, head_dim):
     problems.append("pingpong: the forward or dq with two compute warpgroups only")
   if tile.overlap and (kernel != "forward" or tile.pingpong):
     problems.append("overlap: the forward only, without pingpong")
+  if tile.accumulate_dq and kernel != "dkv":
+    problems.append("accumulate_dq: the dk/dv kernel only")
+  elif tile.accumulate_dq and not flash_hopper_backward.can_accumulate_dq():
+    problems.append(f"accumulate_dq: needs jax >= 0.11 (a mutable dq accumulator in the "
+                    f"kernel), this is jax {jax.__version__}")
   if (smem := shared_memory(kernel, tile, head_dim)) > SHARED_MEMORY:
     problems.append(f"{smem} bytes of shared memory: at most {SHARED_MEMORY}")
   if problems:
@@ -109,12 +119,15 @@ def check(kernel, tile, head_dim):
 
 def _schedules(kernel, warpgroups):
   """The schedules a sweep tries for ``kernel``: plain; ping-pong (the forward and dq, two
-  compute warpgroups); the forward's intra-warpgroup overlap."""
+  compute warpgroups); the forward's intra-warpgroup overlap; dk/dv accumulating dq (where
+  this JAX can build it)."""
   schedules = [{}]
   if kernel != "dkv" and warpgroups == 2:
     schedules.append({"pingpong": True})
   if kernel == "forward":
     schedules.append({"overlap": True})
+  if kernel == "dkv" and flash_hopper_backward.can_accumulate_dq():
+    schedules.append({"accumulate_dq": True})
   return schedules
 
 

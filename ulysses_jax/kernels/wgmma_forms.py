@@ -26,7 +26,8 @@ def smem_tile(shape, dtype):
 @functools.cache
 def interpreter_runs(form):
   """Whether the installed JAX's GPU interpret mode runs ``form`` (``"layout_cast"``,
-  ``"a_times_bt"`` or ``"plus_a_times_b"``) as built for hardware, with the right result."""
+  ``"a_times_bt"``, ``"plus_a_times_b"`` or ``"at_times_b"``) as built for hardware, with the
+  right result."""
   compute, expected = {
       "layout_cast": (lambda a, b: plgpu.layout_cast(a[...].astype(jnp.float32),
                                                      plgpu.Layout.WGMMA), lambda a, b: a),
@@ -34,6 +35,7 @@ def interpreter_runs(form):
       "plus_a_times_b": (
           lambda a, b: plus_a_times_b(jnp.ones((64, 64), jnp.float32), a[...], b,
                                       interpret=False), lambda a, b: 1 + a @ b),
+      "at_times_b": (lambda a, b: at_times_b(a, b, interpret=False), lambda a, b: a.T @ b),
   }[form]
   return hopper_interpret.runs_correctly(compute, expected, smem_tile)
 
@@ -99,6 +101,18 @@ def a_times_bt(a_smem, b_smem, *, interpret, while_running=None):
       while_running()
     return acc_ref[...]
   return pl.run_scoped(product, plgpu.ACC((a_smem.shape[0], b_smem.shape[0]), jnp.float32))
+
+
+def at_times_b(a_smem, b_smem, *, interpret):
+  """``a.T @ b`` float32 from two shared-memory tiles ``[k, m]`` and ``[k, n]``: wgmma reads
+  ``a`` transposed (16-bit operands)."""
+  if stand_in("at_times_b", interpret):
+    return dot(a_smem[...], b_smem[...], 0, 0)
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
+    return acc_ref[...]
+  return pl.run_scoped(product, plgpu.ACC((a_smem.shape[1], b_smem.shape[1]), jnp.float32))
 
 
 def plus_a_times_b(acc, a, b_smem, *, interpret):

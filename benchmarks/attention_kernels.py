@@ -288,9 +288,9 @@ def main():
                           if f"{phase}_ms" in row)
           print(f"  {name}: {row['status']}{times}", flush=True)
           rows_out.append(row)
+          if args.json:  # so far: a run stopped later (its limit, a kernel's fault) keeps these
+            write_json(args.json, rows_out, matmul_peak_tflops=peak, interpret=interpret)
         del reference
-        if args.json:  # so far: a run stopped later keeps these rows
-          write_json(args.json, rows_out, matmul_peak_tflops=peak, interpret=interpret)
 
   columns = ["impl", "S", "D", "causal", "fwd_ms", "fwd_tflops", "fwd_pct_peak", "fwd_bwd_ms",
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]

@@ -106,7 +106,8 @@ def flash_attention(q_BSHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, *,
       (gpt-oss; ``ulysses_jax.kernels.variants``), applied through the lse.
     tiles: the forward, dq and dk/dv kernels' ``Tile``s as given, instead of the table's
       (``benchmarks.attention_kernels --sweep`` times ``mosaic_tiles.candidates`` so); not with
-      ``block_q`` / ``block_kv``.
+      ``block_q`` / ``block_kv``. A Mosaic dk/dv tile with ``accumulate_dq=True`` computes dq
+      too, and the dq tile is not used (jax 0.11 or newer).
 
   Returns:
     ``[B, S, Hq, D]`` in q's dtype; with ``return_lse`` also lse ``[B, Hq, S]`` float32 (the

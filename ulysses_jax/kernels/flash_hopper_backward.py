@@ -274,11 +274,11 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
     hopper.release(smem, "do", slot, fence=True)  # lse2 and delta were loaded into registers
     d_scores_t = (probs_t * (d_probs_t - delta)).astype(q.dtype)
     dk = accumulate(dk, d_scores_t, q)
-    if gmem["dq_accum"] is not None:
-      add_to_dq(kv_head * groups + g, i, d_scores_t)
     # On hardware only wgmma reads q: no fence (``flash_hopper``).
     hopper.release(smem, "q", slot, fence=wgmma_forms.stand_in_reads(
         plan.interpret, "a_times_bt", "plus_a_times_b"))
+    if gmem["dq_accum"] is not None:  # after the release: the producer may refill meanwhile
+      add_to_dq(kv_head * groups + g, i, d_scores_t)
     return dk, dv
 
   one_head = lambda g, carry: visit_blocks(ranges, functools.partial(visit, g), carry)

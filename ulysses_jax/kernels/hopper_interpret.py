@@ -5,9 +5,9 @@ GPU interpret mode simulates on the CPU the warpgroups, shared memory, mbarriers
 of a Mosaic GPU kernel. Of our kernels it executes the TMA windows, the ring's barrier protocol,
 the proxy fences, masks, softmax and stores, plus each register-level form of the hardware path
 that the installed JAX's interpreter runs correctly (``wgmma_forms.interpreter_runs``, probed
-once per process: on jax 0.12 ``a_times_bt``'s wgmma and the ``layout_cast``s; on jax 0.10
-none). A form it cannot run is replaced in interpret mode by a plain dot (or, for a layout cast,
-nothing) over the same shared-memory tiles and is only lowered
+once per process: on jax 0.12 the wgmma of ``a_times_bt`` and ``at_times_b`` and the
+``layout_cast``s; on jax 0.10 none). A form it cannot run is replaced in interpret mode by a
+plain dot (or, for a layout cast, nothing) over the same shared-memory tiles and is only lowered
 (``tests/test_flash_attention.py::test_mosaic_kernels_lower_for_hopper``); today that is the
 register-A wgmma of ``plus_a_times_b`` everywhere.
 

@@ -109,7 +109,7 @@ def check(kernel, tile, head_dim):
     problems.append("accumulate_dq: the dk/dv kernel only")
   elif tile.accumulate_dq and not flash_hopper_backward.can_accumulate_dq():
     problems.append(f"accumulate_dq: needs jax >= 0.11 (a mutable dq accumulator in the "
-                    f"kernel), this is jax {jax.__version__}")
+                    f"kernel), this is jax {jax.__version__}: upgrade JAX or leave it False")
   if (smem := shared_memory(kernel, tile, head_dim)) > SHARED_MEMORY:
     problems.append(f"{smem} bytes of shared memory: at most {SHARED_MEMORY}")
   if problems:

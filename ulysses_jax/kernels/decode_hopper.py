@@ -195,7 +195,7 @@ def decode_attention(q_bKGTD, k_bKCD, v, q_pos_bT, k_pos_bC, *, scale: float,
       kernel, out_type=(jax.ShapeDtypeStruct((b, kv_heads, partials, rows, d), jnp.float32),
                         jax.ShapeDtypeStruct((b, kv_heads, partials, rows), jnp.float32)),
       grid=(num_splits, b, kv_heads), grid_names=("split", "batch", "kv_head"),
-      num_threads=consumers + 1, thread_name="wg",
+      num_threads=consumers + 1, thread_name="wg", kernel_name="decode_attention",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=flash_hopper.interpret_params() if interpret else None,
   )(q_bKRD, k_bKCD, v, q_pos_bR, k_pos_bC.astype(jnp.int32))

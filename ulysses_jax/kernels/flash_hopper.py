@@ -94,12 +94,12 @@ def compute_warpgroups(tile):
   return tile.num_warps // 4 - 1
 
 
-def launch(kernel, out_type, grid, plan, tile):
+def launch(kernel, name, out_type, grid, plan, tile):
   """``plgpu.kernel`` over grid ``("tile", "batch", "head")``, ``tile.num_warps / 4``
-  warpgroups."""
+  warpgroups; ``name`` names the GPU kernel (profiles, Mosaic's dumps)."""
   return plgpu.kernel(
       kernel, out_type=out_type, grid=grid, grid_names=("tile", "batch", "head"),
-      num_threads=compute_warpgroups(tile) + 1, thread_name="wg",
+      num_threads=compute_warpgroups(tile) + 1, thread_name="wg", kernel_name=name,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret_params() if plan.interpret else None)
 
@@ -206,9 +206,10 @@ def forward(plan, q, k, v, q_seg, kv_seg):
   b, sp, hq, _ = q.shape
   kernel = functools.partial(_forward_kernel, plan=plan, groups=hq // k.shape[2],
                              has_segments=q_seg is not None)
-  call = launch(kernel, (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                         jax.ShapeDtypeStruct((b, hq, sp), jnp.float32)),
-                (sp // plan.forward.block_q, b, hq), plan, plan.forward)
+  out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((b, hq, sp), jnp.float32))
+  call = launch(kernel, "flash_attention_forward", out_type, (sp // plan.forward.block_q, b, hq),
+                plan, plan.forward)
   return call(q, k, v, *((q_seg, kv_seg) if q_seg is not None else ()))
 
 

@@ -58,7 +58,7 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   assert grad_dtype == q.dtype, (grad_dtype, q.dtype)
   kernel = functools.partial(_dq_kernel, plan=plan, groups=hq // k.shape[2],
                              has_segments=q_seg is not None)
-  call = hopper.launch(kernel, jax.ShapeDtypeStruct(q.shape, grad_dtype),
+  call = hopper.launch(kernel, "flash_attention_dq", jax.ShapeDtypeStruct(q.shape, grad_dtype),
                        (sp // plan.dq.block_q, b, hq), plan, plan.dq)
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
 
@@ -147,7 +147,8 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   accumulate_dq = plan.dkv.accumulate_dq
   kernel = functools.partial(_dkv_kernel, plan=plan, groups=q.shape[2] // hkv,
                              has_segments=q_seg is not None, accumulate_dq=accumulate_dq)
-  call = hopper.launch(kernel, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
+  name = "flash_attention_dkv_dq" if accumulate_dq else "flash_attention_dkv"
+  call = hopper.launch(kernel, name, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
                        (sp // plan.dkv.block_kv, b, hkv), plan, plan.dkv)
   segments = (q_seg, kv_seg) if q_seg is not None else ()
   if not accumulate_dq:

@@ -231,8 +231,6 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
     windows["kv_seg"] = gmem["kv_seg"].at[batch, key_rows]
   own = hopper.load_own(smem, w, windows)
   scores_tile = wgmma_forms.TileLayout((keys, block_q), interpret=plan.interpret)
-  kv_pos = first_key + scores_tile.iota(0)
-  kv_seg = scores_tile.rows_of(own["kv_seg"]) if has_segments else None
   qk_scale = plan.scale * LOG2E
   matmul = functools.partial(wgmma_forms.a_times_bt, interpret=plan.interpret)
   accumulate = functools.partial(wgmma_forms.plus_a_times_b, interpret=plan.interpret)
@@ -260,24 +258,29 @@ def _dkv_compute(plan, gmem, smem, w, batch, kv_head, groups, first_key, ranges)
     dk, dv = carry
     slot = lax.rem(g * (end - lo) + i - lo, stages)  # the producer's step t
     q = hopper.wait_ready(smem, "q", slot)
-    lse2 = scores_tile.cols_of(hopper.wait_ready(smem, "lse2", slot))
-    probs_t = jnp.exp2(matmul(own["k"], q) * qk_scale - lse2)
+    # The mask and the lse go into the scores' accumulator before wgmma adds K Q^T to it:
+    # built while the probabilities are not yet live, they take no registers beside them.
+    minus_lse = scores_tile.cols_of(hopper.wait_ready(smem, "lse2", slot)) * (-1 / qk_scale)
     q_seg = scores_tile.cols_of(hopper.wait_ready(smem, "q_seg", slot)) if has_segments else None
-    mask = visible(i * block_q + scores_tile.iota(1), kv_pos, q_seg, kv_seg,
+    kv_pos = first_key - i * block_q + scores_tile.iota(0)  # relative to the query block
+    kv_seg = scores_tile.rows_of(own["kv_seg"]) if has_segments else None
+    mask = visible(scores_tile.iota(1), kv_pos, q_seg, kv_seg,
                    causal=masked and plan.causal, kv_len=None,
                    window=plan.sliding_window if masked else None)
     if mask is not None:
-      probs_t = jnp.where(mask, probs_t, 0.0)
+      minus_lse = jnp.where(mask, minus_lse, -jnp.inf)
+    probs_t = jnp.exp2(matmul(own["k"], q, acc=minus_lse) * qk_scale)
     d_out = hopper.wait_ready(smem, "do", slot)
     dv = accumulate(dv, probs_t.astype(d_out.dtype), d_out)
-    d_probs_t = matmul(own["v"], d_out)
-    delta = scores_tile.cols_of(hopper.wait_ready(smem, "delta", slot))
+    # dP - delta: wgmma adds dP to -delta in place, so delta takes no registers beside dP.
+    minus_delta = -scores_tile.cols_of(hopper.wait_ready(smem, "delta", slot))
+    d_probs_t = matmul(own["v"], d_out, acc=minus_delta)
     hopper.release(smem, "do", slot, fence=True)  # lse2 and delta were loaded into registers
-    d_scores_t = (probs_t * (d_probs_t - delta)).astype(q.dtype)
+    d_scores_t = (probs_t * d_probs_t).astype(q.dtype)
     dk = accumulate(dk, d_scores_t, q)
     # On hardware only wgmma reads q: no fence (``flash_hopper``).
     hopper.release(smem, "q", slot, fence=wgmma_forms.stand_in_reads(
-        plan.interpret, "a_times_bt", "plus_a_times_b"))
+        plan.interpret, "plus_a_times_bt", "plus_a_times_b"))
     if gmem["dq_accum"] is not None:  # after the release: the producer may refill meanwhile
       add_to_dq(kv_head * groups + g, i, d_scores_t)
     return dk, dv

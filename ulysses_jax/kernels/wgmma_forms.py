@@ -26,8 +26,8 @@ def smem_tile(shape, dtype):
 @functools.cache
 def interpreter_runs(form):
   """Whether the installed JAX's GPU interpret mode runs ``form`` (``"layout_cast"``,
-  ``"a_times_bt"``, ``"plus_a_times_b"`` or ``"at_times_b"``) as built for hardware, with the
-  right result."""
+  ``"a_times_bt"``, ``"plus_a_times_b"``, ``"at_times_b"`` or ``"plus_a_times_bt"``) as built
+  for hardware, with the right result."""
   compute, expected = {
       "layout_cast": (lambda a, b: plgpu.layout_cast(a[...].astype(jnp.float32),
                                                      plgpu.Layout.WGMMA), lambda a, b: a),
@@ -36,6 +36,9 @@ def interpreter_runs(form):
           lambda a, b: plus_a_times_b(jnp.ones((64, 64), jnp.float32), a[...], b,
                                       interpret=False), lambda a, b: 1 + a @ b),
       "at_times_b": (lambda a, b: at_times_b(a, b, interpret=False), lambda a, b: a.T @ b),
+      "plus_a_times_bt": (
+          lambda a, b: a_times_bt(a, b, interpret=False, acc=jnp.ones((64, 64), jnp.float32)),
+          lambda a, b: 1 + a @ b.T),
   }[form]
   return hopper_interpret.runs_correctly(compute, expected, smem_tile)
 
@@ -86,16 +89,20 @@ class TileLayout:
 # the same shared-memory tiles; everything around it (TMA, barriers, masks, softmax) is shared.
 
 
-def a_times_bt(a_smem, b_smem, *, interpret, while_running=None):
-  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``; runs
+def a_times_bt(a_smem, b_smem, *, interpret, acc=None, while_running=None):
+  """``a @ b.T`` float32 from two shared-memory tiles ``[m, k]`` and ``[n, k]``, or ``acc + a @
+  b.T``: wgmma accumulates into ``acc`` (float32, accumulator layout) in place, so a term added
+  to the product holds no registers of its own while the product is live. Runs
   ``while_running()`` after issuing the (asynchronous) wgmma, before reading its result."""
-  if stand_in("a_times_bt", interpret):
+  if stand_in("a_times_bt" if acc is None else "plus_a_times_bt", interpret):
     product = dot(a_smem[...], b_smem[...], 1, 1)
     if while_running is not None:
       while_running()
-    return product
+    return product if acc is None else acc + product
 
   def product(acc_ref):
+    if acc is not None:
+      acc_ref[...] = acc
     plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
     if while_running is not None:
       while_running()

@@ -48,6 +48,9 @@
 #                 winners as rows of kernels.mosaic_tiles.TABLE, written into
 #                 ulysses_jax/kernels/mosaic_tiles.py (the stages after it run them; commit the
 #                 file with the sweep's JSON)
+#   sweep-d64-dkv  (about 2 minutes, an estimate) the same for the causal head-dim-64 dk/dv
+#                 tiles only, among them the dk/dv kernel accumulating dq (no dq kernel): run
+#                 before speed, whose 1B step then runs the winner
 #   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
 #                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors; and each model's
@@ -184,13 +187,17 @@ case $stage in
       run "speed_profile_$len" "$python" -m benchmarks.profile_step --preset "$preset" \
         --seq-len "$len" "${settings[@]}" --json "$out/speed_profile_$len.json"
     done ;;
-  sweep-d64-causal|sweep-d64-full|sweep-d128)
-    read -r head_dim masks <<<"$(case $stage in sweep-d64-causal) echo 64 causal;;
-      sweep-d64-full) echo 64 full;; *) echo 128 causal,full;; esac)"
+  sweep-d64-causal|sweep-d64-dkv|sweep-d64-full|sweep-d128)
+    impls='ours_mosaic,cudnn,mosaic_*'
+    case $stage in
+      sweep-d64-causal) head_dim=64 masks=causal ;;
+      sweep-d64-dkv) head_dim=64 masks=causal impls='ours_mosaic,mosaic_dkv*' ;;
+      sweep-d64-full) head_dim=64 masks=full ;;
+      *) head_dim=128 masks=causal,full ;;
+    esac
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(--seq-lens 16384); fi
     run "$stage" "$python" -m benchmarks.attention_kernels "${sizes[@]}" --head-dims "$head_dim" \
-      --masks "$masks" --sweep --write-table --impls 'ours_mosaic,cudnn,mosaic_*' \
-      --json "$out/$stage.json" ;;
+      --masks "$masks" --sweep --write-table --impls "$impls" --json "$out/$stage.json" ;;
   generate)
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
     run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" --longest \
@@ -211,7 +218,7 @@ case $stage in
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
       "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, sweep-d64-causal," \
-      "sweep-d64-full, sweep-d128, generate, doctor, profile-decode or" \
+      "sweep-d64-dkv, sweep-d64-full, sweep-d128, generate, doctor, profile-decode or" \
       "first-contact" >&2
     exit 2 ;;
 esac

@@ -229,7 +229,8 @@ def test_gpu_call_runs_stages_under_their_limits_and_packs_each(tmp_path):
 @pytest.mark.parametrize("stage, files", [
     ("speed", ["speed_kernels", "speed_train_step", "speed_profile_256",
                "speed_vs_transformers"]),
-    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"]), ("doctor", [])])
+    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"]),
+    ("sweep-d64-dkv", ["sweep-d64-dkv"]), ("doctor", [])])
 def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
   """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
   (GPU_SESSION_DRY=1): a typo costs no GPU time. About 2 minutes each on 2 busy cores."""
@@ -241,10 +242,12 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
   for name in files:
     written = json.loads((tmp_path / f"{name}.json").read_text())
     assert written["rows"] and written["environment"]["platform"] == "cpu", name
-  if stage == "sweep-d128":  # on the CPU every Mosaic row is skipped, with the reason
-    written = json.loads((tmp_path / "sweep-d128.json").read_text())
+  if stage.startswith("sweep"):  # on the CPU every Mosaic row is skipped, with the reason
+    written = json.loads((tmp_path / f"{stage}.json").read_text())
     assert any(r["impl"].startswith("mosaic_dkv[") and "Hopper GPU" in r["status"]
                for r in written["rows"])
+    if stage == "sweep-d64-dkv":  # the dk/dv tiles only, beside the table's kernels
+      assert {r["impl"].split("[")[0] for r in written["rows"]} == {"ours_mosaic", "mosaic_dkv"}
   elif stage == "doctor":  # on the CPU: the XLA kernel rows and the step; the rest say why not
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert report["passed"] and report["environment"] and report["checks"]

@@ -13,7 +13,7 @@ necessary, not sufficient: which tile is fastest only a GPU says
 
   python -m benchmarks.mosaic_resources [--head-dims 64,128] [--sweep] [--json PATH]
 
-Runs where JAX's CUDA plugin is installed (``make gpu-compile-venv``; on a GPU machine too).
+Runs where JAX's CUDA plugin is installed (``make gpu-compile-venv``), with JAX_PLATFORMS=cpu.
 Without ``--sweep`` it compiles the table's tiles (``mosaic_tiles.TABLE``, as fitted to
 ``SEQ_LEN`` tokens), causal and full, with and without packed-segment ids; with it, every tile
 of ``mosaic_tiles.candidates`` too (causal, packed), each in its kernel's place beside the
@@ -93,7 +93,8 @@ def parse_report(text):
 
 
 def measure(kernel, head_dim, tiles, *, causal, segments, table):
-  """One row: ``kernel``'s resources with ``tiles`` (its own is ``tiles[KERNELS.index]``)."""
+  """One row: what ptxas reports of ``kernel`` in a program with ``tiles`` (forward, dq,
+  dk/dv)."""
   tile = tiles[mosaic_tiles.KERNELS.index(kernel)]
   name = "flash_attention_dkv_dq" if tile.accumulate_dq else KERNEL_NAMES[kernel]
   warpgroups = flash_hopper.compute_warpgroups(tile)
@@ -130,10 +131,10 @@ def rows_for(head_dim, *, sweep, kernels=mosaic_tiles.KERNELS):
         _print_progress(rows[-1])
   if sweep:
     table = table_tiles(head_dim, True)
-    for kernel, found in mosaic_tiles.candidates(head_dim).items():
+    for kernel in kernels:
       index = mosaic_tiles.KERNELS.index(kernel)
-      for tile in found:
-        if kernel in kernels and tile != table[index]:
+      for tile in mosaic_tiles.candidates(head_dim)[kernel]:
+        if tile != table[index]:
           tiles = tuple(tile if i == index else t for i, t in enumerate(table))
           rows.append(measure(kernel, head_dim, tiles, causal=True, segments=True, table=False))
           _print_progress(rows[-1])

@@ -10,8 +10,10 @@ beside its ``xplane.pb``) is read with the step's optimized HLO, and each event 
 given a class (``CLASSES``):
 
 * attention forward / backward: our kernels (the HLO op's name scope ``flash_attention_forward``
-  / ``_dq`` / ``_dkv``, which the Triton and the Mosaic kernels both carry; their kernel names
-  ``_forward_kernel`` / ``_dq_kernel`` / ``_dkv_kernel``), cuDNN's fused attention (fprop /
+  / ``_dq`` / ``_dkv``, which the Triton and the Mosaic kernels both carry; the Triton kernels'
+  names ``_forward_kernel`` / ``_dq_kernel`` / ``_dkv_kernel``, the Mosaic ones'
+  ``flash_attention_forward`` / ``_dq`` / ``_dkv`` / ``_dkv_dq`` and ``decode_attention``, a
+  forward), cuDNN's fused attention (fprop /
   bprop); the forward that a rematerialised layer re-runs in the backward counts as forward
   (the launch count shows it: 4 launches per layer where the backward re-runs it, 3 where not,
   2 with the dk/dv kernel accumulating dq);
@@ -57,8 +59,8 @@ NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 TOP_KERNELS = 15  # the longest kernels, named in the table below the classes and in the JSON
 
 # Checked after the backward's: any other fused attention is a forward.
-_ATTENTION_FORWARD = re.compile(r"flash_attention_forward|_forward_kernel|fmha|sdpa|flash_fwd",
-                                re.I)
+_ATTENTION_FORWARD = re.compile(
+    r"flash_attention_forward|_forward_kernel|decode_attention|fmha|sdpa|flash_fwd", re.I)
 _ATTENTION_BACKWARD = re.compile(
     r"flash_attention_(dq|dkv)|_(dq|dkv)_kernel|fmha.*(bprop|backward)|sdpa.*bprop|flash_bwd",
     re.I)

@@ -81,6 +81,8 @@ ENTRY %main (p: bf16[64,64], h: f32[64,64]) -> bf16[64,64] {
     ("_forward_kernel", None, "attention forward"), ("_dq_kernel", None, "attention backward"),
     ("mosaic_gpu_kernel", "custom-call.3", "attention backward"),
     ("flash_attention_forward_causal", None, "attention forward"),
+    ("flash_attention_dkv_dq_mosaic_gpu_kernel", None, "attention backward"),
+    ("decode_attention_mosaic_gpu_kernel", None, "attention forward"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma", None, "attention backward"),
     ("ncclDevKernel_AllToAll_RING_LL", None, "collectives"),
     ("all-to-all.4", "all-to-all.4", "collectives"),

@@ -3,12 +3,12 @@
 JAX's CUDA plugin compiles each Mosaic GPU kernel down to a cubin (through ptxas, for sm_90a)
 when XLA compiles the program, for compile-only devices too (``ulysses_jax.aot``). With
 ``MOSAIC_GPU_DUMP_PTXAS`` and ``MOSAIC_GPU_DUMP_TO`` set it writes ptxas's report of every
-kernel to ``<kernel name>_<n>.ptxas`` (the names: ``flash_attention_forward``, ``_dq``,
-``_dkv``, ``_dkv_dq``). A compute warpgroup of ours raises its register limit
-(``setmaxnreg``, ``flash_hopper.REGISTERS``) above what the launch gives every thread (the
-"registers" column): whatever its code holds beyond that limit ptxas spills to local memory,
-which costs a round trip through the L1 per spilled value in the inner loop. Spill-free is
-necessary, not sufficient: which tile is fastest only a GPU says
+kernel to ``<kernel name>_<n>.ptxas`` (``flash_kernels.kernel_name``:
+``flash_attention_forward_causal`` and the like). A compute warpgroup of ours raises its
+register limit (``setmaxnreg``, ``flash_hopper.REGISTERS``) above what the launch gives every
+thread (the "registers" column): whatever its code holds beyond that limit ptxas spills to
+local memory, which costs a round trip through the L1 per spilled value in the inner loop.
+Spill-free is necessary, not sufficient: which tile is fastest only a GPU says
 (``benchmarks.attention_kernels --sweep``).
 
   python -m benchmarks.mosaic_resources [--head-dims 64,128] [--sweep] [--json PATH]
@@ -21,12 +21,12 @@ table's others.
 """
 
 import argparse
-import dataclasses
 import functools
 import glob
 import os
 import re
 import tempfile
+import types
 from unittest import mock
 
 import jax
@@ -34,16 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from benchmarks.attention_kernels import mosaic_name
 from benchmarks.common import print_table, write_json
 from ulysses_jax import aot
-from ulysses_jax.kernels import flash_hopper, mosaic_tiles
+from ulysses_jax.kernels import flash_hopper, flash_kernels, mosaic_tiles
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 
 # The resources depend on the tile, not on these; 16,384 tokens gets the table's three
 # warpgroup tiles (``mosaic_tiles.THREE_WARPGROUPS_FROM``).
 SEQ_LEN, Q_HEADS, KV_HEADS = 16384, 8, 2
-KERNEL_NAMES = {"forward": "flash_attention_forward", "dq": "flash_attention_dq",
-                "dkv": "flash_attention_dkv"}
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
@@ -52,6 +51,14 @@ def table_tiles(head_dim, causal):
   plan = choose_tiles(SEQ_LEN, head_dim, causal=causal, scale=1.0, generation="sm90",
                       forward_kernel="mosaic", backward_kernel="mosaic")
   return plan.forward, plan.dq, plan.dkv
+
+
+def gpu_kernel_name(kernel, tile, causal):
+  """The name the Mosaic ``kernel`` (one of ``mosaic_tiles.KERNELS``) of ``tile`` gets
+  (``flash_kernels.kernel_name``): its ptxas report is ``<name>_<n>.ptxas``."""
+  kind = "dkv_dq" if tile.accumulate_dq else kernel
+  return flash_kernels.kernel_name(kind, types.SimpleNamespace(causal=causal,
+                                                               sliding_window=None))
 
 
 @functools.cache
@@ -96,10 +103,10 @@ def measure(kernel, head_dim, tiles, *, causal, segments, table):
   """One row: what ptxas reports of ``kernel`` in a program with ``tiles`` (forward, dq,
   dk/dv)."""
   tile = tiles[mosaic_tiles.KERNELS.index(kernel)]
-  name = "flash_attention_dkv_dq" if tile.accumulate_dq else KERNEL_NAMES[kernel]
+  name = gpu_kernel_name(kernel, tile, causal)
   warpgroups = flash_hopper.compute_warpgroups(tile)
   row = {"kernel": kernel, "D": head_dim, "causal": causal, "segments": segments,
-         "tile": _describe(tile), "table": table,
+         "tile": mosaic_name(kernel, tile), "table": table,
          "compute_limit": flash_hopper.REGISTERS[warpgroups][0]}
   try:
     reports = compile_reports(head_dim, tiles, causal=causal, segments=segments)
@@ -108,14 +115,6 @@ def measure(kernel, head_dim, tiles, *, causal, segments, table):
     return {**row, "status": f"failed: {type(e).__name__}: {e}".replace("\n", " ")[:300]}
   spilled = row["spill_stores"] + row["spill_loads"]
   return {**row, "status": "spills" if spilled else "ok"}
-
-
-def _describe(tile):
-  """``"128x128 w12 s4 pingpong"``: blocks (q x kv), warps, slots, schedule."""
-  flags = [f.name for f in dataclasses.fields(tile) if f.type in (bool, "bool")
-           and getattr(tile, f.name)]
-  return " ".join([f"{tile.block_q}x{tile.block_kv}", f"w{tile.num_warps}",
-                   f"s{tile.num_stages}", *flags])
 
 
 def rows_for(head_dim, *, sweep, kernels=mosaic_tiles.KERNELS):

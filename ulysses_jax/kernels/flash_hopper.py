@@ -67,8 +67,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ulysses_jax.kernels import hopper_interpret
 from ulysses_jax.kernels.pingpong import PingPong
-from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, kv_block_ranges, visible,
-                                                visit_blocks)
+from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, kernel_name, kv_block_ranges,
+                                                visible, visit_blocks)
 from ulysses_jax.kernels.wgmma_forms import (TileLayout, a_times_bt, overlapped, plus_a_times_b,
                                              smem_tile, stand_in_reads)
 
@@ -97,7 +97,8 @@ def compute_warpgroups(tile):
 
 def launch(kernel, name, out_type, grid, plan, tile):
   """``plgpu.kernel`` over grid ``("tile", "batch", "head")``, ``tile.num_warps / 4``
-  warpgroups; ``name`` names the GPU kernel (profiles, Mosaic's dumps)."""
+  warpgroups; ``name`` (``flash_kernels.kernel_name``) names the GPU kernel in profiles and
+  Mosaic's dumps."""
   return plgpu.kernel(
       kernel, out_type=out_type, grid=grid, grid_names=("tile", "batch", "head"),
       num_threads=compute_warpgroups(tile) + 1, thread_name="wg", kernel_name=name,
@@ -209,8 +210,8 @@ def forward(plan, q, k, v, q_seg, kv_seg):
                              has_segments=q_seg is not None)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((b, hq, sp), jnp.float32))
-  call = launch(kernel, "flash_attention_forward", out_type, (sp // plan.forward.block_q, b, hq),
-                plan, plan.forward)
+  call = launch(kernel, kernel_name("forward", plan), out_type,
+                (sp // plan.forward.block_q, b, hq), plan, plan.forward)
   return call(q, k, v, *((q_seg, kv_seg) if q_seg is not None else ()))
 
 

@@ -46,8 +46,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ulysses_jax.kernels import flash_hopper as hopper
 from ulysses_jax.kernels import wgmma_forms
 from ulysses_jax.kernels.pingpong import PingPong
-from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, q_block_ranges, visible,
-                                                visit_blocks)
+from ulysses_jax.kernels.flash_kernels import (LOG2E, all_masked, kernel_name, q_block_ranges,
+                                                visible, visit_blocks)
 
 HEAD_DIMS = (64, 128)
 
@@ -58,7 +58,7 @@ def backward_dq(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   assert grad_dtype == q.dtype, (grad_dtype, q.dtype)
   kernel = functools.partial(_dq_kernel, plan=plan, groups=hq // k.shape[2],
                              has_segments=q_seg is not None)
-  call = hopper.launch(kernel, "flash_attention_dq", jax.ShapeDtypeStruct(q.shape, grad_dtype),
+  call = hopper.launch(kernel, kernel_name("dq", plan), jax.ShapeDtypeStruct(q.shape, grad_dtype),
                        (sp // plan.dq.block_q, b, hq), plan, plan.dq)
   return call(q, k, v, d_out, lse2, delta, *((q_seg, kv_seg) if q_seg is not None else ()))
 
@@ -147,7 +147,7 @@ def backward_dkv(plan, q, k, v, d_out, lse2, delta, q_seg, kv_seg, grad_dtype):
   accumulate_dq = plan.dkv.accumulate_dq
   kernel = functools.partial(_dkv_kernel, plan=plan, groups=q.shape[2] // hkv,
                              has_segments=q_seg is not None, accumulate_dq=accumulate_dq)
-  name = "flash_attention_dkv_dq" if accumulate_dq else "flash_attention_dkv"
+  name = kernel_name("dkv_dq" if accumulate_dq else "dkv", plan)
   call = hopper.launch(kernel, name, [jax.ShapeDtypeStruct(k.shape, grad_dtype)] * 2,
                        (sp // plan.dkv.block_kv, b, hkv), plan, plan.dkv)
   segments = (q_seg, kv_seg) if q_seg is not None else ()

@@ -151,34 +151,51 @@ def mosaic_times(rows, head_dim):
   return times
 
 
-def print_mosaic_table(rows, head_dims):
-  """Prints, per head dim, length and mask, the table row of the fastest tile of each kernel
-  (the table's own where none of its candidates ran) and their times beside the table's
-  tiles'; returns ``{"sm90,D,causal,S=..": [tile sources]}``."""
+def mosaic_table(rows, head_dims):
+  """Per head dim, length and mask, the table row of the fastest tile of each kernel (the
+  table's own where none of its candidates ran) and a note of their times beside the table's
+  tiles': ``{"sm90,D,causal,S=..": ([tile sources], note)}``. The ``ours_mosaic`` row of the
+  same shape, where it ran, times the table's tiles too: a sweep cut short before a kernel's
+  table tile came up keeps that tile unless a faster one ran."""
   table = {}
   for head_dim in head_dims:
     backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
     for (seq_len, causal), times in sorted(mosaic_times(rows, head_dim).items()):
       plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, generation="sm90",
                           forward_kernel="mosaic", backward_kernel=backward)
+      ours = [r for r in rows if r["impl"] == "ours_mosaic" and r["status"] == "ok" and
+              (r["S"], r["D"], r["causal"]) == (seq_len, head_dim, causal)]
       chosen, notes = [], []
       for kernel in mosaic_tiles.KERNELS if backward == "mosaic" else mosaic_tiles.KERNELS[:1]:
         current = getattr(plan, kernel)
-        best = min(times.get(kernel, {current: None}).items(),
+        kernel_times = dict(times.get(kernel, {}))
+        if ours and current not in kernel_times:
+          kernel_times[current] = ours[0]["fwd_ms" if kernel == "forward" else "fwd_bwd_ms"]
+        best = min((kernel_times or {current: None}).items(),
                    key=lambda item: float("inf") if item[1] is None else item[1])
         chosen.append(tile_source(best[0]))
-        if best[1] is not None:
-          table_ms = times[kernel].get(current)
+        if kernel in times:
+          table_ms = kernel_times.get(current)
           notes.append(f"{kernel} {best[1]:.3f} ms (table's "
                        + ("not run" if table_ms is None else f"{table_ms:.3f}") + ")")
       chosen += ["None"] * (3 - len(chosen))
-      print(f'    ("sm90", {head_dim}, {causal}): ({", ".join(chosen)}),  '
-            f'# S={seq_len}: {"; ".join(notes)}')
-      table[f"sm90,{head_dim},{causal},S={seq_len}"] = chosen
+      table[f"sm90,{head_dim},{causal},S={seq_len}"] = (chosen, f"S={seq_len}: "
+                                                       + "; ".join(notes))
   return table
 
 
-def write_mosaic_table(table, path=mosaic_tiles.__file__):
+def print_mosaic_table(rows, head_dims):
+  """Prints ``mosaic_table``'s rows as rows of ``TABLE``; returns ``{"sm90,D,causal,S=..":
+  [tile sources]}``."""
+  table = {}
+  for key, (chosen, note) in mosaic_table(rows, head_dims).items():
+    _, head_dim, causal, _ = key.split(",")
+    print(f'    ("sm90", {head_dim}, {causal}): ({", ".join(chosen)}),  # {note}')
+    table[key] = chosen
+  return table
+
+
+def write_mosaic_table(table, path=mosaic_tiles.__file__, quiet=False):
   """Replaces the rows of ``TABLE`` in ``path`` (mosaic_tiles.py) by those of ``table``
   (``print_mosaic_table``'s answer; of several lengths of one row, the longest). Only rows
   the table has: a new one is a decision for its author."""
@@ -200,7 +217,16 @@ def write_mosaic_table(table, path=mosaic_tiles.__file__):
     source = source[:start] + row + source[end:]
   with open(path, "w", encoding="utf-8") as f:
     f.write(source)
-  print(f"wrote {len(table)} rows into {path}")
+  if not quiet:
+    print(f"wrote {len(table)} rows into {path}")
+
+
+def select(names, patterns):
+  """The ``names`` matching any of ``patterns``, in the patterns' order (then the names'): the
+  order ``--impls`` asks for is the order they run in, so a run cut short has the first."""
+  # A tile's name holds brackets, which fnmatch would read as a set: they match themselves.
+  globs = [p.replace("[", "[[]") for p in patterns]
+  return list(dict.fromkeys(n for g in globs for n in names if fnmatch.fnmatch(n, g)))
 
 
 def matmul_peak_tflops(size):
@@ -238,10 +264,8 @@ def main():
     args.seq_lens, args.head_dims, args.tokens, args.hidden = "128,200", "64", 256, 128
   interpret = jax.default_backend() != "gpu"
   known = list(implementations(True, 64, interpret=interpret, sweep=args.sweep))
-  # A tile's name holds brackets, which fnmatch would read as a set: they match themselves.
   requested = ["*"] if args.impls == "all" else args.impls.split(",")
-  patterns = [p.replace("[", "[[]") for p in requested]
-  if unknown := [r for r, p in zip(requested, patterns) if not fnmatch.filter(known, p)]:
+  if unknown := [p for p in requested if not select(known, [p])]:
     parser.error(f"unknown --impls {unknown}; choose from {known}")
   warmup, iters = (1, 2) if args.tiny else (2, 10)
 
@@ -255,7 +279,8 @@ def main():
         f"{SAMPLED_ROWS} sampled query rows (out, dq) and dk, dv")
 
   rows_out = []
-  for head_dim in map(int, args.head_dims.split(",")):
+  head_dims = [int(d) for d in args.head_dims.split(",")]
+  for head_dim in head_dims:
     for seq_len in map(int, args.seq_lens.split(",")):
       batch, heads = max(1, args.tokens // seq_len), args.hidden // head_dim
       keys = jax.random.split(jax.random.PRNGKey(seq_len + head_dim), 4)
@@ -274,7 +299,7 @@ def main():
         reference = reference_on_rows(q, k, v, d_out, rows, causal)
         flops = attention_flops(batch, seq_len, heads, head_dim, causal)
         impls = implementations(causal, head_dim, interpret=interpret, sweep=args.sweep)
-        for name in [name for name in impls if any(fnmatch.fnmatch(name, p) for p in patterns)]:
+        for name in select(impls, requested):
           try:
             fn = impls[name]()
           except Exception as e:  # noqa: BLE001
@@ -288,24 +313,28 @@ def main():
                           if f"{phase}_ms" in row)
           print(f"  {name}: {row['status']}{times}", flush=True)
           rows_out.append(row)
-          if args.json:  # so far: a run stopped later (its limit, a kernel's fault) keeps these
+          # So far: a run stopped later (its limit, a kernel's fault) keeps these, and the table
+          # the fastest tiles that ran.
+          if args.json:
             write_json(args.json, rows_out, matmul_peak_tflops=peak, interpret=interpret)
+          if args.write_table and (swept := mosaic_table(rows_out, head_dims)):
+            write_mosaic_table({key: chosen for key, (chosen, _) in swept.items()}, quiet=True)
         del reference
 
   columns = ["impl", "S", "D", "causal", "fwd_ms", "fwd_tflops", "fwd_pct_peak", "fwd_bwd_ms",
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]
   print()
   print_table([{**r, "status": r["status"][:80]} for r in rows_out], columns)
-  mosaic_table = {}
+  table_rows = {}
   if args.sweep:
     print("\nThe fastest Mosaic tiles, as rows of ulysses_jax/kernels/mosaic_tiles.py's TABLE:")
-    mosaic_table = print_mosaic_table(rows_out, map(int, args.head_dims.split(",")))
-    if args.write_table and mosaic_table:
-      write_mosaic_table(mosaic_table)
+    table_rows = print_mosaic_table(rows_out, head_dims)
+    if args.write_table and table_rows:
+      write_mosaic_table(table_rows)
   if args.json:
     write_json(args.json, rows_out, matmul_peak_tflops=peak, flops_formula=FLOPS_FORMULA,
                tolerance=TOLERANCE, sampled_rows=SAMPLED_ROWS, interpret=interpret,
-               tokens=args.tokens, hidden=args.hidden, mosaic_table=mosaic_table)
+               tokens=args.tokens, hidden=args.hidden, mosaic_table=table_rows)
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@
 #                 the profile of that step by class (benchmarks/profile_step.py), and of
 #                 the step at 16K; and
 #                 ulysses_jax vs transformers at 16K, 32K, 64K (a side out of memory is a row
-#                 marked OOM). It runs issue 47's goals first: the step, vs transformers, then
-#                 the kernel table, the recomputing step and the profiles.
+#                 marked OOM). It runs issue 47's step first, then its profile, vs
+#                 transformers, the kernel table, the recomputing step and the 16K profile (an
+#                 H200, 2026-11-28: the step and vs transformers took 3.5 minutes together).
 #   sweep-d64-causal, sweep-d64-full, sweep-d128  (each about 5 minutes, an estimate) every
 #                 Mosaic attention tile of kernels.mosaic_tiles.candidates at 16K tokens
 #                 (two or three compute warpgroups, 64/128-wide streamed blocks, 2-4 slots,
@@ -48,16 +49,21 @@
 #                 winners as rows of kernels.mosaic_tiles.TABLE, written into
 #                 ulysses_jax/kernels/mosaic_tiles.py (the stages after it run them; commit the
 #                 file with the sweep's JSON)
-#   sweep-d64-dkv  (about 2 minutes, an estimate) the same for the causal head-dim-64 dk/dv
-#                 tiles only, among them the dk/dv kernel accumulating dq (no dq kernel): run
-#                 before speed, whose 1B step then runs the winner
-#   generate      (about 5 minutes) benchmarks/generate_gpu.py: Llama-3.2-1B and 3.1-8B
-#                 shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
+#   sweep-d64-dkv  (about 3.5 minutes: an H200 took 12 s a tile) the same for the causal
+#                 head-dim-64 dk/dv tiles only, those accumulating dq (no dq kernel) first: run
+#                 before speed, whose 1B step then runs the winner. Every sweep writes the
+#                 table after each row (the fastest tiles that ran) and copies it into OUT_DIR
+#   generate      (over 5 minutes: an H200's 185 s ran only the float32 check, 67 s, and part
+#                 of transformers' first case) benchmarks/generate_gpu.py: Llama-3.2-1B and
+#                 3.1-8B shapes, random weights, 32K and 128K prompts, batch 1 and 8, beside
 #                 transformers' generate and the HBM and compute floors; and each model's
 #                 decode at the longest prompt whose weights and cache fit the GPU
+#   generate-ours  the same, ours alone at batch 1, without transformers or the longest row
 #   doctor        python -m ulysses_jax.doctor: the kernels against the dense reference and
 #                 their speed beside cuDNN, the decode kernel over 8K to 1M slots beside the
-#                 copy bandwidth with its variants (docs/get-started/first-gpu-run.md)
+#                 copy bandwidth with its variants (docs/get-started/first-gpu-run.md); an
+#                 H200 took 190 s for the kernel rows at 4K and 16K alone
+#   decode        the doctor's decode rows alone (--no_kernels --no_step)
 #   profile-decode  (about 2 minutes, an estimate) where a decode step's time goes
 #                 (benchmarks/profile_decode.py): Llama-3.2-1B, one row of 32K and of 128K
 #                 cache slots (an H200 measured 1.7 ms a token above the HBM floor at both)
@@ -172,10 +178,16 @@ case $stage in
     fi
     settings=(--run-settings configs/runs/gpu.gin)
     step=(--preset "$preset" --seq-len "${lens[0]}" "${settings[@]}")
-    # Issue 47's goals first (the step's TFLOP/s, the ratio to transformers), so that a call cut
-    # short by its limit has them.
+    profile() {
+      run "speed_profile_$1" "$python" -m benchmarks.profile_step --preset "$preset" \
+        --seq-len "$1" "${settings[@]}" --json "$out/speed_profile_$1.json"
+    }
+    # Issue 47's goal (the step's TFLOP/s) and where its time goes first, so that a call cut
+    # short by its limit has them; the ratio to transformers next (two H200 sessions measured
+    # 1.31-1.34 at 16K and 32K: this stage's step and the ratio took 3.5 minutes there).
     run speed_train_step "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --json "$out/speed_train_step.json"
+    profile "${lens[0]}"
     run speed_vs_transformers "$python" -m benchmarks.vs_transformers "${peers[@]}" \
       --memory-policies full --repeats 2 --json "$out/speed_vs_transformers.json"
     run speed_kernels "$python" -m benchmarks.attention_kernels "${kernel_sizes[@]}" \
@@ -183,27 +195,37 @@ case $stage in
     # The same step recomputing attention's forward in the backward, beside it (the ratio).
     run speed_train_step_recompute "$python" -m benchmarks.train_step "${step[@]}" --steps 3 \
       --no-keep-attention --json "$out/speed_train_step_recompute.json"
-    for len in "${lens[@]}"; do
-      run "speed_profile_$len" "$python" -m benchmarks.profile_step --preset "$preset" \
-        --seq-len "$len" "${settings[@]}" --json "$out/speed_profile_$len.json"
-    done ;;
+    for len in "${lens[@]:1}"; do profile "$len"; done ;;
   sweep-d64-causal|sweep-d64-dkv|sweep-d64-full|sweep-d128)
     impls='ours_mosaic,cudnn,mosaic_*'
     case $stage in
       sweep-d64-causal) head_dim=64 masks=causal ;;
-      sweep-d64-dkv) head_dim=64 masks=causal impls='ours_mosaic,mosaic_dkv*' ;;
+      sweep-d64-dkv) head_dim=64 masks=causal impls='ours_mosaic,mosaic_dkv*'
+        # The dk/dv kernels accumulating dq first where this JAX builds them (0.11 or newer):
+        # no GPU has run them yet, and an H200's 120 s ran 8 of the 16 tiles.
+        "$python" -c 'from ulysses_jax.kernels import flash_hopper_backward as b
+raise SystemExit(not b.can_accumulate_dq())' &&
+          impls='ours_mosaic,mosaic_dkv*accumulate_dq],mosaic_dkv*' ;;
       sweep-d64-full) head_dim=64 masks=full ;;
       *) head_dim=128 masks=causal,full ;;
     esac
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(--seq-lens 16384); fi
     run "$stage" "$python" -m benchmarks.attention_kernels "${sizes[@]}" --head-dims "$head_dim" \
-      --masks "$masks" --sweep --write-table --impls "$impls" --json "$out/$stage.json" ;;
+      --masks "$masks" --sweep --write-table --impls "$impls" --json "$out/$stage.json"
+    # The table as the sweep left it (after each row: the fastest tiles that ran), to commit.
+    cp ulysses_jax/kernels/mosaic_tiles.py "$out/" ;;
   generate)
     if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
     run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" --longest \
       --json "$out/generate_gpu.json" ;;
+  generate-ours)
+    if [[ $dry == 1 ]]; then sizes=(--tiny); else sizes=(); fi
+    run generate_gpu "$python" -m benchmarks.generate_gpu "${sizes[@]}" --batches 1 \
+      --no-transformers --agreement-tokens 0 --json "$out/generate_gpu.json" ;;
   doctor)
     run doctor "$python" -m ulysses_jax.doctor --json "$out/doctor.json" ;;
+  decode)
+    run decode "$python" -m ulysses_jax.doctor --no_kernels --no_step --json "$out/decode.json" ;;
   profile-decode)
     if [[ $dry == 1 ]]; then prompts=(128); model=(--preset tiny-gqa --steps 2); else
       prompts=(32768 131072); model=(); fi
@@ -218,8 +240,8 @@ case $stage in
   *)
     echo "unknown stage '$stage'; expected kernels, kernels-more, step-1b, step-1b-memory," \
       "memory-1b, memory-8b, memory-8b-bf16, memory-8b-master, peers, speed, sweep-d64-causal," \
-      "sweep-d64-dkv, sweep-d64-full, sweep-d128, generate, doctor, profile-decode or" \
-      "first-contact" >&2
+      "sweep-d64-dkv, sweep-d64-full, sweep-d128, generate, generate-ours, doctor, decode," \
+      "profile-decode or first-contact" >&2
     exit 2 ;;
 esac
 if (( ${#failed[@]} )); then

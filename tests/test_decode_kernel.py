@@ -337,9 +337,12 @@ def test_doctor_decode_check_runs_the_kernel_interpreted():
   values slots last: checked against the same reference, so timed); and a row at head dim 256.
   About 20 s on jax 0.10."""
   variants = {name: decode_doctor.VARIANTS[name] for name in ("2 waves", "values slots last")}
+  printed = []
   row, wide = decode_doctor.decode_rows(jax.devices()[0], slot_counts=(256,), warmup=0, iters=1,
                                         burst=1, interpret=True, copy_bytes=1 << 20,
-                                        variants=variants, wide_rows=((256, 128),))
+                                        variants=variants, wide_rows=((256, 128),),
+                                        on_row=printed.append)
+  assert printed == [row, wide]
   assert row["passed"] is True and row["error"] < 1e-2 and row["xla_error"] < 1e-2, row
   assert wide["passed"] is True and wide["head_dim"] == 256 and wide["variant_ms"] == {}, wide
   assert decode_doctor.check(wide)["name"] == "decode kernel vs XLA, 128 slots, head dim 256"

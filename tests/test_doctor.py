@@ -61,6 +61,19 @@ def test_doctor_exits_1_naming_a_kernel_that_disagrees_with_the_reference(monkey
   assert out.rstrip().splitlines()[-1].startswith("FAILED: kernel xla chunked S=128")
 
 
+def test_doctor_runs_only_the_decode_rows_when_asked(tmp_path, capsys):
+  """``--no_kernels --no_step`` (a GPU session's decode stage): the decode rows alone, each
+  printed as it is done; on a CPU the one that says it needs a Hopper GPU."""
+  path = tmp_path / "doctor.json"
+  assert doctor_cli.main(["--no_kernels", "--no_step", "--json", str(path)]) == 0
+  report = json.loads(path.read_text())
+  assert report["kernels"] == [] and "step" not in report
+  assert [c["name"] for c in report["checks"]] == ["decode kernel vs XLA"]
+  out = capsys.readouterr().out
+  assert "decode decode kernel vs XLA: needs a Hopper GPU (sm90)" in out
+  assert "attention kernels:" not in out
+
+
 @pytest.mark.parametrize("bad", ["", "0", "4k", "-512"])
 def test_doctor_refuses_bad_lengths_before_any_work(bad, capsys):
   with pytest.raises(SystemExit) as exit_info:

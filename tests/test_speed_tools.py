@@ -231,8 +231,8 @@ def test_gpu_call_runs_stages_under_their_limits_and_packs_each(tmp_path):
 @pytest.mark.parametrize("stage, files", [
     ("speed", ["speed_kernels", "speed_train_step", "speed_profile_256",
                "speed_vs_transformers"]),
-    ("generate", ["generate_gpu"]), ("sweep-d128", ["sweep-d128"]),
-    ("sweep-d64-dkv", ["sweep-d64-dkv"]), ("doctor", [])])
+    ("generate", ["generate_gpu"]), ("generate-ours", ["generate_gpu"]),
+    ("sweep-d128", ["sweep-d128"]), ("sweep-d64-dkv", ["sweep-d64-dkv"]), ("decode", [])])
 def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files):
   """The stage's every command, as a GPU session runs it, on the CPU with tiny shapes
   (GPU_SESSION_DRY=1): a typo costs no GPU time. About 2 minutes each on 2 busy cores."""
@@ -250,9 +250,12 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
                for r in written["rows"])
     if stage == "sweep-d64-dkv":  # the dk/dv tiles only, beside the table's kernels
       assert {r["impl"].split("[")[0] for r in written["rows"]} == {"ours_mosaic", "mosaic_dkv"}
-  elif stage == "doctor":  # on the CPU: the XLA kernel rows and the step; the rest say why not
-    report = json.loads((tmp_path / "doctor.json").read_text())
-    assert report["passed"] and report["environment"] and report["checks"]
+    # the table as the sweep left it comes back with the stage (no row ran: unchanged)
+    assert (tmp_path / "mosaic_tiles.py").read_text() == (
+        REPO / "ulysses_jax" / "kernels" / "mosaic_tiles.py").read_text()
+  elif stage == "decode":  # the doctor's decode rows alone: on the CPU the one saying why not
+    report = json.loads((tmp_path / "decode.json").read_text())
+    assert [c["name"] for c in report["checks"]] == ["decode kernel vs XLA"]
   elif stage == "speed":
     step, = json.loads((tmp_path / "speed_train_step.json").read_text())["rows"]
     assert step["MFU"] > 0 and step["dtype"] == "bfloat16" and step["mlp_chunk"] == 8192
@@ -260,6 +263,10 @@ def test_gpu_session_stage_runs_end_to_end_on_tiny_shapes(tmp_path, stage, files
     profile = json.loads((tmp_path / "speed_profile_256.json").read_text())
     assert sum(r["ms"] for r in profile["rows"][:len(profile_step.CLASSES)]) == pytest.approx(
         profile["busy_ms"])
+  elif stage == "generate-ours":  # ours alone, batch 1 (the tiny shapes add batch 2)
+    rows = json.loads((tmp_path / "generate_gpu.json").read_text())["rows"]
+    assert rows and all(r["status"] == "ok" and r["ms_per_token"] > 0 for r in rows)
+    assert {r["hf_status"] for r in rows} == {"not run"}
   else:
     written = json.loads((tmp_path / "generate_gpu.json").read_text())
     prompts = [r for r in written["rows"] if "longest" not in r]
@@ -299,6 +306,30 @@ def test_the_sweep_prints_each_kernels_fastest_tile_as_a_table_row(capsys):
   printed = capsys.readouterr().out
   assert (f'("sm90", 64, True): ({", ".join(sources)}),  # S=16384: forward 2.500 ms '
           "(table's 3.000); dq 9.000 ms (table's 10.000)") in printed
+
+
+def test_a_sweep_cut_short_keeps_a_table_tile_that_ours_mosaic_timed_faster():
+  """The ``ours_mosaic`` row times the table's tiles: a dk/dv candidate slower than it does not
+  replace the table's tile though the tile's own row never ran; a faster one does. And the
+  rows run in the order ``--impls`` names them (``select``)."""
+  table_forward, table_dq, table_dkv = attention_kernels.mosaic_tiles.TABLE[("sm90", 64, True)]
+  candidate = next(t for t in attention_kernels.mosaic_tiles.candidates(64)["dkv"]
+                   if t != table_dkv)
+  row = lambda impl, ms: dict(impl=impl, S=16384, D=64, causal=True, status="ok", fwd_ms=3.0,
+                              fwd_bwd_ms=ms)
+  name = attention_kernels.mosaic_name("dkv", candidate)
+  key = "sm90,64,True,S=16384"
+  table = attention_kernels.mosaic_table([row("ours_mosaic", 10.0), row(name, 10.5)], [64])
+  assert table[key][0][2] == attention_kernels.tile_source(table_dkv)
+  assert table[key][1] == "S=16384: dkv 10.000 ms (table's 10.000)"
+  table = attention_kernels.mosaic_table([row("ours_mosaic", 10.0), row(name, 9.5)], [64])
+  assert table[key][0] == [attention_kernels.tile_source(t)
+                           for t in (table_forward, table_dq, candidate)]
+  names = ["ours_mosaic", "mosaic_dkv[64x128-12w-2st]",
+           "mosaic_dkv[64x128-12w-2st-accumulate_dq]", "cudnn"]
+  assert attention_kernels.select(names, ["ours_mosaic", "mosaic_dkv*accumulate_dq]",
+                                          "mosaic_dkv*"]) == names[:1] + names[2:0:-1]
+  assert attention_kernels.select(names, ["mosaic_dkv[64x128-12w-2st]"]) == [names[1]]
 
 
 def test_the_sweeps_table_rows_replace_the_tables_own_in_its_source(tmp_path):

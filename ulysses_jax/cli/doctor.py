@@ -1,9 +1,11 @@
-"""ulysses-doctor [--json PATH] [--seq_lens 4096,16384,65536] [--no_step]
-    [--mesh_seq P --mesh_ring R]
+"""ulysses-doctor [--json PATH] [--seq_lens 4096,16384,65536] [--no_kernels] [--no_decode]
+    [--no_step] [--mesh_seq P --mesh_ring R]
 
 (or ``python -m ulysses_jax.doctor``.) Checks this machine's devices for training: environment,
-every attention kernel against the dense reference and its TFLOP/s, and one small training
-step against aot's prediction and compiled memory (see ``ulysses_jax.doctor``). With
+every attention kernel against the dense reference and its TFLOP/s, the split-K decode kernel
+against XLA's decode and a copy's bandwidth (Hopper GPUs), and one small training step against
+aot's prediction and compiled memory (see ``ulysses_jax.doctor``); ``--no_kernels``,
+``--no_decode`` and ``--no_step`` leave a part out. With
 ``--mesh_ring`` R > 1 (and ``--mesh_seq`` P, default 1), also the ring check a run on that mesh
 does before its first step (``TrainConfig.mesh_seq``, ``mesh_ring``; the data axis takes the
 devices left), for every backend a ring runs. Exit codes (``ulysses_jax.cli``): 0 every check
@@ -13,6 +15,7 @@ passed, 1 a check failed, 2 bad arguments.
 import argparse
 
 from ulysses_jax import cli, metrics
+from ulysses_jax.doctor.decode import check as decode_check
 from ulysses_jax.doctor.timing import format_table
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.mesh import make_mesh
@@ -29,6 +32,9 @@ def parser() -> cli.Parser:
   p.add_argument("--seq_lens", type=_lengths, default=None,
                  help="comma-separated sequence lengths of the kernel rows (default: "
                       "4096,16384,65536 on GPUs, 512,1024 on CPUs)")
+  p.add_argument("--no_kernels", action="store_true",
+                 help="skip the attention kernels' rows (minutes on a GPU)")
+  p.add_argument("--no_decode", action="store_true", help="skip the decode kernel's rows")
   p.add_argument("--no_step", action="store_true", help="skip the training step")
   p.add_argument("--mesh_seq", type=_positive, default=1,
                  help="the ring check's seq axis (Ulysses, within a node); needs --mesh_ring")
@@ -55,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
       except ValueError as e:
         raise ConfigError(f"--mesh_seq/--mesh_ring: {e}") from e
     report = doctor.run(args.seq_lens, with_step=not args.no_step, on_row=_print_row,
-                        ring_mesh=ring_mesh, on_ring_row=_print_ring_row)
+                        ring_mesh=ring_mesh, on_ring_row=_print_ring_row,
+                        with_kernels=not args.no_kernels, with_decode=not args.no_decode,
+                        on_decode_row=_print_decode_row)
     print(format_report(report))
     if args.json:
       cli.write_json(args.json, report, default=str)
@@ -70,11 +78,12 @@ def format_report(report: dict) -> str:
   auto = report["auto_backend"]
   lines.append(f"attention_backend='auto' picks {auto['backend']}: {auto['reason']}"
                + (f" (falls back to {', '.join(auto['fallbacks'])})" if auto["fallbacks"] else ""))
-  lines += ["", f"attention kernels: bf16, head dim {report['head_dim']}; check: relative L2 "
-            f"error < {report['tolerance']} against the float32 dense reference",
-            report["flops_formula"], f"fa3_fwd_tflops: {report['fa3_source']}",
-            format_table([{**r, "status": r["status"][:60]} for r in report["kernels"]],
-                         KERNEL_COLUMNS)]
+  if report["kernels"]:
+    lines += ["", f"attention kernels: bf16, head dim {report['head_dim']}; check: relative L2 "
+              f"error < {report['tolerance']} against the float32 dense reference",
+              report["flops_formula"], f"fa3_fwd_tflops: {report['fa3_source']}",
+              format_table([{**r, "status": r["status"][:60]} for r in report["kernels"]],
+                           KERNEL_COLUMNS)]
   if "step" in report:
     s = report["step"]
     lines += ["", f"training step: {s['model']} ({s['layers']} layers), {s['seq_len']:,} "
@@ -113,6 +122,11 @@ def _print_row(row: dict) -> None:
   """One kernel row as it is done (the table at the end repeats them all)."""
   print("kernel " + " ".join(f"{c}={row[c]:.4g}" if isinstance(row.get(c), float)
                              else f"{c}={row.get(c)}" for c in KERNEL_COLUMNS), flush=True)
+
+
+def _print_decode_row(row: dict) -> None:
+  check = decode_check(row)
+  print(f"decode {check['name']}: {check['detail']}", flush=True)
 
 
 def _print_ring_row(row: dict) -> None:

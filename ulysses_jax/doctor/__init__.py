@@ -100,11 +100,14 @@ def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> li
 
 
 def run(seq_lens=None, with_step: bool = True, on_row=None, ring_mesh: Mesh | None = None,
-        on_ring_row=None) -> dict:
+        on_ring_row=None, with_kernels: bool = True, with_decode: bool = True,
+        on_decode_row=None) -> dict:
   """Every check on the devices of this process; the report (JSON-ready) with ``checks``
   (name, passed: True / False / None for "cannot run here", detail) and ``passed``.
   ``on_row`` as in ``kernel_rows``; with ``ring_mesh`` the ring check on it too
-  (``doctor.ring``), ``on_ring_row`` called as each of its rows is done."""
+  (``doctor.ring``), ``on_ring_row`` called as each of its rows is done; ``with_kernels``,
+  ``with_decode`` and ``with_step`` False leave out the attention kernels' rows, the decode
+  kernel's and the step (``on_decode_row`` as ``on_row``, for the decode rows)."""
   devices = jax.devices()
   on_gpu = target_lib.of_device(devices[0]).on_gpu
   seq_lens = seq_lens or (GPU_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
@@ -118,11 +121,13 @@ def run(seq_lens=None, with_step: bool = True, on_row=None, ring_mesh: Mesh | No
             "flops_formula": kernels_lib.FLOPS_FORMULA, "tolerance": kernels_lib.TOLERANCE,
             "fa3_source": FA3_SOURCE,
             "kernels": kernel_rows(devices[0], seq_lens, warmup=warmup, iters=iters,
-                                  on_row=on_row)}
+                                  on_row=on_row) if with_kernels else []}
   checks = [{"name": f"kernel {r['kernel']} S={r['S']} causal={r['causal']}",
              "passed": r["passed"], "detail": r["status"]} for r in report["kernels"]]
-  report["decode"] = decode_lib.decode_rows(devices[0], warmup=warmup, iters=iters)
-  checks += [decode_lib.check(row) for row in report["decode"]]
+  if with_decode:
+    report["decode"] = decode_lib.decode_rows(devices[0], warmup=warmup, iters=iters,
+                                              on_row=on_decode_row)
+    checks += [decode_lib.check(row) for row in report["decode"]]
   if ring_mesh is not None:
     report["ring"] = ring_lib.ring_rows(ring_mesh, HEAD_DIM, on_row=on_ring_row)
     checks += [{"name": f"ring {r['kernel']} {r['attention']}", "passed": r["passed"],

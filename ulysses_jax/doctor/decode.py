@@ -60,19 +60,26 @@ def _inputs(device, slots, head_dim):
 
 def decode_rows(device, *, slot_counts=SLOT_COUNTS, warmup: int = 2, iters: int = 10,
                 burst: int = BURST, interpret: bool = False, copy_bytes: int = COPY_BYTES,
-                variants=VARIANTS, wide_rows=WIDE_ROWS) -> list[dict]:
+                variants=VARIANTS, wide_rows=WIDE_ROWS, on_row=None) -> list[dict]:
   """``decode_row`` at each of ``slot_counts`` (head dim ``HEAD_DIM``, with ``variants``) and
   of ``wide_rows``, with the copy bandwidth of ``device`` timed once (``copy_bytes`` each
-  way); one row saying why where the kernel cannot run."""
+  way); one row saying why where the kernel cannot run. ``on_row(row)`` is called as each
+  row is done (a row with its variants takes seconds on a GPU)."""
   if not interpret and target_lib.of_device(device).generation != "sm90":
-    return [decode_row(device)]
-  copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters, burst=burst)
-  common = dict(warmup=warmup, iters=iters, burst=burst, interpret=interpret,
-                copy_gb_per_s=copy / 1e9)
-  return ([decode_row(device, slots=slots, variants=variants, **common)
-           for slots in slot_counts] +
-          [decode_row(device, slots=slots, head_dim=head_dim, variants={}, **common)
-           for head_dim, slots in wide_rows])
+    shapes = [dict()]
+  else:
+    copy = copy_bandwidth(device, copy_bytes, warmup=warmup, iters=iters, burst=burst)
+    common = dict(warmup=warmup, iters=iters, burst=burst, interpret=interpret,
+                  copy_gb_per_s=copy / 1e9)
+    shapes = ([dict(slots=slots, variants=variants, **common) for slots in slot_counts] +
+              [dict(slots=slots, head_dim=head_dim, variants={}, **common)
+               for head_dim, slots in wide_rows])
+  rows = []
+  for shape in shapes:
+    rows.append(decode_row(device, **shape))
+    if on_row:
+      on_row(rows[-1])
+  return rows
 
 
 def _kernel_options(options, slots, device, head_dim=HEAD_DIM):

@@ -89,6 +89,7 @@ def test_timed_steps_run_and_report(tmp_path):
   assert timed["fits"] and timed["step_s"] > 0
 
 
+@pytest.mark.slow
 def test_eval_forward_reaches_at_least_the_training_length_without_optimizer_state():
   setup = max_seqlen.Setup("tiny", "float32", data=1, seq=8, batch=1)
   budget = max_seqlen.compiled_bytes(setup, max_seqlen.MemoryConfig("full"), GRANULARITY)

@@ -144,7 +144,7 @@ SLOW = pytest.mark.slow
 EXAMPLES = {  # name: (check, the packages it needs, marks)
     "attention": (_attention, (), ()),
     "flax-model": (_flax_model, (), ()),
-    "llama-step": (_llama_step, (), ()),
+    "llama-step": (_llama_step, (), (SLOW,)),
     "moe": (_moe, (), (SLOW,)),
     "tiny-hf": (_tiny_hf, ("transformers",), ()),
     "chat-data": (_chat_data, ("jinja2",), ()),

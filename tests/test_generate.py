@@ -81,6 +81,7 @@ def references(tmp_path_factory):
   return get
 
 
+@pytest.mark.slow
 def test_command_line_matches_transformers_on_ulysses_x_ring(references, tmp_path, capsys):
   """The hold-out check's command: a windowed model, prompts of unequal lengths longer than
   the window, Ulysses x ring; the outputs stop at the config's EOS."""
@@ -301,6 +302,7 @@ def test_workdir_generates_from_its_checkpoint(references, tmp_path):
   assert [r["output_ids"] for r in result["results"]] == ref.expected
 
 
+@pytest.mark.slow
 def test_a_bf16_run_generates_in_bf16_unless_told(tmp_path, capsys):
   """``--workdir`` of a bfloat16 run computes and caches in bfloat16 (its LlamaConfig.dtype),
   and says so; ``--dtype`` still overrides, with a cache twice the size."""

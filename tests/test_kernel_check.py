@@ -197,6 +197,7 @@ def _first_record(workdir):
     return json.loads(f.readline())
 
 
+@pytest.mark.slow
 def test_the_trainer_falls_back_from_a_faulty_kernel_and_records_it(tmp_path, faulty_pallas,
                                                                      caplog):
   config = gin_config.read(["configs/tiny_cpu.gin"],

@@ -256,7 +256,8 @@ def test_remat_groups_give_same_gradients_and_keep_one_input_per_group(policy, c
   assert not [line for line in saved if f"[4,2,16,{config.hidden_dim}]" in line], saved
 
 
-@pytest.mark.parametrize("policy,group", [("full", 1), ("full", 2), ("full_offload", 2)])
+@pytest.mark.parametrize("policy,group", [pytest.param("full", 1, marks=pytest.mark.slow),
+                                          ("full", 2), ("full_offload", 2)])
 def test_remat_keeps_the_attention_residuals_for_identical_gradients(policy, group, capsys):
   """Rematerialised layers (and groups) keep attention's output and lse on the device, so the
   backward runs only attention's backward; under full_offload they are recomputed. Either way

@@ -115,6 +115,7 @@ def test_cli_errors_before_any_work(greedy, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_real_generation_fills_rulers_column(greedy, tmp_path, monkeypatch):
   """The plumbing of real greedy generation (a random model: what it writes is noise): each
   example's prediction and token count within niah's budget, its score RULER's metric of it,

@@ -205,6 +205,7 @@ def test_an_out_of_memory_side_is_a_row_not_the_end_of_the_run():
   assert vs_transformers.step_text(row, "torch") == "OOM"
 
 
+@pytest.mark.slow
 def test_gpu_call_runs_stages_under_their_limits_and_packs_each(tmp_path):
   """``benchmarks/gpu_call.sh`` as a device call runs it (GPU_SESSION_DRY=1, tiny shapes): the
   profile-decode stage, then speed with a 1-second limit, which ends it (exit 124) and still

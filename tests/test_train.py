@@ -170,6 +170,7 @@ def test_flops_per_token_formula():
 
 # ----------------------------------------------------------------------------- training
 
+@pytest.mark.slow
 def test_tiny_cpu_learns_and_writes_its_outputs(reference):
   workdir, out = reference
   records = _records(workdir)
@@ -199,6 +200,7 @@ def test_tiny_cpu_learns_and_writes_its_outputs(reference):
   assert _losses(workdir) == {r["step"]: r["loss"] for r in records}
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigkill_restarts_reproduce_the_uninterrupted_losses(reference, cache_dir,
                                                                         tmp_path):
   ref_dir, _ = reference
@@ -225,6 +227,7 @@ def test_sigterm_and_sigkill_restarts_reproduce_the_uninterrupted_losses(referen
   assert _losses(workdir) == _losses(ref_dir)  # exactly
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(reference, cache_dir, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(reference[0], workdir)

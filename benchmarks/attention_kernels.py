@@ -24,15 +24,21 @@ tile's the gradients and forward+backward). It ends with the table rows
 row's tiles were each timed beside the table's, which is among the candidates);
 ``--write-table`` also writes them into ``ulysses_jax/kernels/mosaic_tiles.py``, so that the
 commands after it run them. On an H200 a tile took 9-13 s when its row compiled and timed both
-phases (2026-11-27); now each compiles one, so the sweep of one head dim and mask at 16K tokens
-should take about 5 minutes (estimate; gpu_session.sh sweep).
+phases (2026-11-27) and about 12 s compiling one (2026-11-28). Our kernels' programs of a shape
+now compile first, in ``--compile-threads`` threads (default: one per core; their tracing and
+lowering, in Python, still one at a time), then each row checks and times its own, with
+nothing compiling beside it; the line "compiled N programs of M rows in T s" says what that
+took.
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
 
 import argparse
+import concurrent.futures
 import fnmatch
 import functools
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +46,8 @@ import jax.numpy as jnp
 from benchmarks.common import environment, print_table, write_json
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
-                                        measure, reference_on_rows, sampled_rows, throughput)
+                                        compile_phases, measure, reference_on_rows,
+                                        sampled_rows, throughput)
 from ulysses_jax.kernels import flash_hopper_backward, mosaic_tiles
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
 from ulysses_jax.doctor.timing import time_fn
@@ -50,6 +57,7 @@ SWEEP_BLOCKS = ((64, 64), (128, 64), (64, 128), (128, 128))
 # compile each: a sweep stage fits a GPU command).
 SWEPT_PHASES = {"mosaic_forward": ("forward",), "mosaic_dq": ("backward",),
                 "mosaic_dkv": ("backward",)}
+OURS = ("ours", "mosaic_")  # the rows of our kernels
 
 
 def implementations(causal, head_dim, *, interpret, sweep):
@@ -254,6 +262,8 @@ def main():
                       "and, on a Hopper GPU, every Mosaic tile of mosaic_tiles.candidates")
   parser.add_argument("--write-table", action="store_true", help="with --sweep: write the "
                       "fastest tiles into ulysses_jax/kernels/mosaic_tiles.py's TABLE")
+  parser.add_argument("--compile-threads", type=int, default=os.cpu_count(), help="threads "
+                      "compiling our kernels' programs ahead of their rows")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
   parser.add_argument("--json", default="", help="write the rows here as JSON "
                       "(nothing is written without it)")
@@ -299,14 +309,32 @@ def main():
         reference = reference_on_rows(q, k, v, d_out, rows, causal)
         flops = attention_flops(batch, seq_len, heads, head_dim, causal)
         impls = implementations(causal, head_dim, interpret=interpret, sweep=args.sweep)
-        for name in select(impls, requested):
+        names = select(impls, requested)
+        fns = {}
+        for name in names:
           try:
-            fn = impls[name]()
+            fns[name] = impls[name]()
           except Exception as e:  # noqa: BLE001
-            result = {"status": f"skipped: {type(e).__name__}: {e}".replace("\n", " ")}
+            fns[name] = {"status": f"skipped: {type(e).__name__}: {e}".replace("\n", " ")}
+        phases = {name: SWEPT_PHASES.get(name.split("[")[0], ("forward", "backward"))
+                  for name in names}
+        # Our kernels' programs compile first, in threads, and none while a row is timed (a
+        # thread holding the GIL would delay the timed calls' dispatch); cuDNN's and XLA's,
+        # whose compiles may autotune on the GPU, in their rows.
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as compiler:
+          programs = {name: compile_phases(compiler, fns[name], q, k, v, d_out, phases[name])
+                      for name in names
+                      if name.startswith(OURS) and not isinstance(fns[name], dict)}
+        print(f"  compiled {sum(map(len, programs.values()))} programs of {len(programs)} rows "
+              f"in {time.perf_counter() - start:.1f} s (--compile-threads {args.compile_threads})",
+              flush=True)
+        for name in names:
+          if isinstance(fns[name], dict):
+            result = fns[name]
           else:
-            result = measure(fn, q, k, v, d_out, rows, reference, warmup=warmup, iters=iters,
-                             phases=SWEPT_PHASES.get(name.split("[")[0], ("forward", "backward")))
+            result = measure(fns[name], q, k, v, d_out, rows, reference, warmup=warmup,
+                             iters=iters, phases=phases[name], programs=programs.get(name))
           row = {"impl": name, "S": seq_len, "D": head_dim, "causal": causal, "B": batch,
                  "H": heads, **result, **throughput(result, flops, peak)}
           times = "".join(f" {phase} {row[f'{phase}_ms']:.3f} ms" for phase in ("fwd", "fwd_bwd")
@@ -319,7 +347,7 @@ def main():
             write_json(args.json, rows_out, matmul_peak_tflops=peak, interpret=interpret)
           if args.write_table and (swept := mosaic_table(rows_out, head_dims)):
             write_mosaic_table({key: chosen for key, (chosen, _) in swept.items()}, quiet=True)
-        del reference
+        del reference, programs
 
   columns = ["impl", "S", "D", "causal", "fwd_ms", "fwd_tflops", "fwd_pct_peak", "fwd_bwd_ms",
              "fwd_bwd_tflops", "bwd_tflops", "bwd_pct_peak", "err_out", "err_grad", "status"]

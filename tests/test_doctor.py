@@ -1,5 +1,7 @@
 """python -m ulysses_jax.doctor on the CPU: what CI can check of the GPU-first command."""
 
+import concurrent.futures
+import functools
 import json
 
 import jax
@@ -145,6 +147,30 @@ def test_a_measurement_checks_and_times_only_the_phases_asked_for(phases, timed)
   columns = kernels_lib.throughput(result, kernels_lib.attention_flops(1, 128, 2, 16, True))
   assert ("fwd_ms" in columns, "fwd_bwd_ms" in columns) == ("fwd" in timed, "fwd_bwd" in timed)
   assert ("bwd_tflops" in columns) <= (timed == {"fwd", "fwd_bwd"})
+
+
+def test_programs_compiled_in_threads_measure_alike_and_a_failed_compile_is_the_rows_status():
+  """``benchmarks.attention_kernels`` compiles our kernels' programs in threads first
+  (``compile_phases``); a row then measures the same as one compiling its own, and a program
+  that fails to compile gives the row its reason, as inline."""
+  q, k, v, d_out = (jax.random.normal(key, (1, 128, 2, 16), jnp.bfloat16)
+                    for key in jax.random.split(jax.random.PRNGKey(1), 4))
+  rows = kernels_lib.sampled_rows(128)
+  reference = kernels_lib.reference_on_rows(q, k, v, d_out, rows, True)
+  fn = kernels_lib.backend_fn("xla", True, 16)
+
+  def broken(q, k, v):
+    raise ValueError("no such tile")
+  with concurrent.futures.ThreadPoolExecutor(2) as executor:
+    programs = [kernels_lib.compile_phases(executor, f, q, k, v, d_out) for f in (fn, broken)]
+  measure = functools.partial(kernels_lib.measure, q=q, k=k, v=v, d_out=d_out, rows=rows,
+                              reference=reference, warmup=0, iters=1)
+  threaded, inline = measure(fn, programs=programs[0]), measure(fn)
+  assert threaded["status"] == inline["status"] == "ok"
+  assert (threaded["err_out"], threaded["err_grad"]) == (inline["err_out"], inline["err_grad"])
+  assert {"fwd", "fwd_bwd"} <= set(threaded)
+  assert (measure(broken, programs=programs[1])["status"] == measure(broken)["status"]
+          == "forward skipped: ValueError: no such tile")
 
 
 def test_a_burst_sample_dispatches_its_calls_back_to_back_and_divides_by_them():

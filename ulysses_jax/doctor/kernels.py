@@ -41,26 +41,44 @@ def reference_on_rows(q, k, v, d_out, rows, causal):
     return jax.device_get((out, *vjp(f32(d_out[:, rows]))))
 
 
+def forward_backward(fn):
+  """``(q, k, v, d_out) -> (out, (dq, dk, dv))`` of ``fn(q, k, v) -> out``."""
+  def run(q, k, v, d_out):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return out, vjp(d_out)
+  return run
+
+
+def compile_phases(executor, fn, q, k, v, d_out, phases=("forward", "backward")) -> dict:
+  """``{phase: Future}`` of ``fn``'s forward and forward+backward programs (those of
+  ``phases``), compiled for these inputs by ``executor``'s threads, for ``measure``'s
+  ``programs``: XLA compiles with the GIL released, so several kernels' programs compile at
+  once (their tracing and lowering, in Python, one at a time)."""
+  programs = {"forward": (fn, (q, k, v)), "backward": (forward_backward(fn), (q, k, v, d_out))}
+  return {phase: executor.submit(lambda f, args: jax.jit(f).lower(*args).compile(),
+                                 *programs[phase]) for phase in phases}
+
+
 def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters,
-            phases=("forward", "backward")):
+            phases=("forward", "backward"), programs=None):
   """Checks ``fn(q, k, v) -> out`` against the sampled reference, then times forward and
   forward+backward (``phases``: the forward alone, or only the gradients and forward+backward,
-  one compile each, where only that phase changed).
+  one compile each, where only that phase changed). ``programs``: those phases already being
+  compiled (``compile_phases``); else they compile here.
 
   Any failure (compile, run, out of memory) ends the measurement with the reason as status;
   a failed check leaves that phase untimed.
   """
+  def program(phase):  # inside the try below: a failed compile's reason becomes the status
+    if programs is not None:
+      return programs[phase].result()
+    return jax.jit(fn if phase == "forward" else forward_backward(fn))
+
   row = {}
-  forward = jax.jit(fn)
-
-  @jax.jit
-  def forward_backward(q, k, v, d_out):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(d_out)
-
   phase = "forward"
   try:
     if "forward" in phases:
+      forward = program("forward")
       row["err_out"] = relative_error(forward(q, k, v)[:, rows], reference[0])
       if row["err_out"] > TOLERANCE:
         return {**row, "status": f"FAILED check: out error {row['err_out']:.2e}"}
@@ -68,13 +86,14 @@ def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters,
     if "backward" not in phases:
       return {**row, "status": "ok"}
     phase = "backward"
+    both = program("backward")
     sparse_d_out = jnp.zeros_like(d_out).at[:, rows].set(d_out[:, rows])
-    _, (dq, dk, dv) = forward_backward(q, k, v, sparse_d_out)
+    _, (dq, dk, dv) = both(q, k, v, sparse_d_out)
     row["err_grad"] = max(relative_error(dq[:, rows], reference[1]),
                           relative_error(dk, reference[2]), relative_error(dv, reference[3]))
     if row["err_grad"] > TOLERANCE:
       return {**row, "status": f"FAILED check: gradient error {row['err_grad']:.2e}"}
-    row["fwd_bwd"] = time_fn(forward_backward, q, k, v, d_out, warmup=warmup, iters=iters)
+    row["fwd_bwd"] = time_fn(both, q, k, v, d_out, warmup=warmup, iters=iters)
   except Exception as e:  # noqa: BLE001 - any failure means "skip, and say why"
     return {**row, "status": f"{phase} skipped: {type(e).__name__}: {e}".replace("\n", " ")}
   return {**row, "status": "ok"}

@@ -24,11 +24,11 @@ tile's the gradients and forward+backward). It ends with the table rows
 row's tiles were each timed beside the table's, which is among the candidates);
 ``--write-table`` also writes them into ``ulysses_jax/kernels/mosaic_tiles.py``, so that the
 commands after it run them. On an H200 a tile took 9-13 s when its row compiled and timed both
-phases (2026-11-27) and about 12 s compiling one (2026-11-28). Our kernels' programs of a shape
-now compile first, in ``--compile-threads`` threads (default: one per core; their tracing and
-lowering, in Python, still one at a time), then each row checks and times its own, with
-nothing compiling beside it; the line "compiled N programs of M rows in T s" says what that
-took.
+phases (2026-11-27) and about 12 s compiling one (2026-11-28). Now our kernels' rows go in
+groups of ``--compile-threads`` (default: 8, at most one a core): the group's programs compile
+at once, in that many threads (their tracing and lowering, in Python, still one at a time),
+then each of its rows is checked and timed with nothing compiling beside it; the line
+"compiled N programs of M rows in T s" says what the compiles took.
 Smoke test on CPU (interpret mode, tiny shapes):
   python -m benchmarks.attention_kernels --tiny
 """
@@ -229,6 +229,23 @@ def write_mosaic_table(table, path=mosaic_tiles.__file__, quiet=False):
     print(f"wrote {len(table)} rows into {path}")
 
 
+def compile_ahead(fns, phases, arrays, threads):
+  """``{name: {phase: Future} or None}`` for the rows ``fns`` (name -> ``fn(q, k, v)``, or a
+  skipped row's dict): our kernels' programs (``phases[name]``, for ``arrays`` ``(q, k, v,
+  d_out)``) compiled in ``threads`` threads, all done on return, so that none compiles while a
+  row is timed (a thread holding the GIL would delay the timed calls' dispatch). cuDNN's and
+  XLA's (None) compile in their rows: their compiles may autotune on the GPU."""
+  start = time.perf_counter()
+  ours = {name: fn for name, fn in fns.items() if name.startswith(OURS) and callable(fn)}
+  with concurrent.futures.ThreadPoolExecutor(threads) as compiler:
+    programs = {name: compile_phases(compiler, fn, *arrays, phases[name])
+                for name, fn in ours.items()}
+  if programs:
+    print(f"  compiled {sum(map(len, programs.values()))} programs of {len(programs)} rows in "
+          f"{time.perf_counter() - start:.1f} s (--compile-threads {threads})", flush=True)
+  return {name: programs.get(name) for name in fns}
+
+
 def select(names, patterns):
   """The ``names`` matching any of ``patterns``, in the patterns' order (then the names'): the
   order ``--impls`` asks for is the order they run in, so a run cut short has the first."""
@@ -262,8 +279,9 @@ def main():
                       "and, on a Hopper GPU, every Mosaic tile of mosaic_tiles.candidates")
   parser.add_argument("--write-table", action="store_true", help="with --sweep: write the "
                       "fastest tiles into ulysses_jax/kernels/mosaic_tiles.py's TABLE")
-  parser.add_argument("--compile-threads", type=int, default=os.cpu_count(), help="threads "
-                      "compiling our kernels' programs ahead of their rows")
+  parser.add_argument("--compile-threads", type=int, default=min(8, os.cpu_count() or 1),
+                      help="rows whose programs compile at once, in as many threads, before "
+                      "they are timed")
   parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode")
   parser.add_argument("--json", default="", help="write the rows here as JSON "
                       "(nothing is written without it)")
@@ -318,23 +336,17 @@ def main():
             fns[name] = {"status": f"skipped: {type(e).__name__}: {e}".replace("\n", " ")}
         phases = {name: SWEPT_PHASES.get(name.split("[")[0], ("forward", "backward"))
                   for name in names}
-        # Our kernels' programs compile first, in threads, and none while a row is timed (a
-        # thread holding the GIL would delay the timed calls' dispatch); cuDNN's and XLA's,
-        # whose compiles may autotune on the GPU, in their rows.
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as compiler:
-          programs = {name: compile_phases(compiler, fns[name], q, k, v, d_out, phases[name])
-                      for name in names
-                      if name.startswith(OURS) and not isinstance(fns[name], dict)}
-        print(f"  compiled {sum(map(len, programs.values()))} programs of {len(programs)} rows "
-              f"in {time.perf_counter() - start:.1f} s (--compile-threads {args.compile_threads})",
-              flush=True)
+        programs = {}
         for name in names:
+          if name not in programs:  # the next rows' programs, as many rows as threads
+            group = names[names.index(name):][:args.compile_threads]
+            programs = compile_ahead({n: fns[n] for n in group}, phases, (q, k, v, d_out),
+                                     args.compile_threads)
           if isinstance(fns[name], dict):
             result = fns[name]
           else:
             result = measure(fns[name], q, k, v, d_out, rows, reference, warmup=warmup,
-                             iters=iters, phases=phases[name], programs=programs.get(name))
+                             iters=iters, phases=phases[name], programs=programs[name])
           row = {"impl": name, "S": seq_len, "D": head_dim, "causal": causal, "B": batch,
                  "H": heads, **result, **throughput(result, flops, peak)}
           times = "".join(f" {phase} {row[f'{phase}_ms']:.3f} ms" for phase in ("fwd", "fwd_bwd")

@@ -213,6 +213,22 @@ def test_the_dkv_kernel_accumulates_dq_only_on_a_jax_that_can_build_it(monkeypat
   assert not any(t.accumulate_dq for t in mosaic_tiles.candidates(64)["dkv"])
 
 
+def test_a_table_row_accumulating_dq_runs_the_dq_kernel_on_a_jax_that_cannot(monkeypatch):
+  """A sweep on jax 0.11 or newer may write a dk/dv tile accumulating dq into the table; on
+  jax 0.10 the same tile runs without, and the row's dq tile computes dq."""
+  forward, dq, dkv = mosaic_tiles.TABLE[("sm90", 64, True)]
+  accumulating = dataclasses.replace(dkv, block_q=64, num_warps=12, accumulate_dq=True)
+  monkeypatch.setitem(mosaic_tiles.TABLE, ("sm90", 64, True), (forward, dq, accumulating))
+  plan = lambda: choose_tiles(16384, 64, causal=True, scale=1.0, forward_kernel="mosaic",
+                              backward_kernel="mosaic")
+  monkeypatch.setattr(flash_hopper_backward, "can_accumulate_dq", lambda: False)
+  older = plan()
+  assert older.dkv == dataclasses.replace(accumulating, accumulate_dq=False)
+  assert older.dq == dq
+  monkeypatch.setattr(flash_hopper_backward, "can_accumulate_dq", lambda: True)
+  assert plan().dkv == accumulating
+
+
 def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
   """The sweep times the table's own tiles beside the others (its winners never lose to the
   table in the same run), and every row of the table passes the checks a user's tiles do."""
@@ -220,6 +236,7 @@ def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
     candidates = mosaic_tiles.candidates(head_dim)
     for kernel, tile in zip(mosaic_tiles.KERNELS, tiles):
       if tile is not None:
+        tile = mosaic_tiles.buildable(tile)
         mosaic_tiles.check(kernel, tile, head_dim)
         assert tile in candidates[kernel], (generation, head_dim, causal, kernel, tile)
 

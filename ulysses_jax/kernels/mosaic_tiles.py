@@ -56,12 +56,21 @@ def _owned_and_streamed(kernel):
   return ("block_kv", "block_q") if kernel == "dkv" else ("block_q", "block_kv")
 
 
+def buildable(tile):
+  """``tile`` as this JAX builds it: a dk/dv tile accumulating dq (a table row a sweep on jax
+  0.11 or newer may write) runs without on older JAX, the row's dq tile computing dq."""
+  if tile.accumulate_dq and not flash_hopper_backward.can_accumulate_dq():
+    return dataclasses.replace(tile, accumulate_dq=False)
+  return tile
+
+
 def fit(tile, kernel, cap, block_q, block_kv):
   """The table's Mosaic ``tile`` for a sequence of at most ``cap`` (a power of two) tokens: no
   block beyond it, but at least 64 rows per compute warpgroup and 64 streamed; two compute
   warpgroups (128 owned rows) where three would pad a sequence shorter than
   ``THREE_WARPGROUPS_FROM`` too much. Blocks the caller gives replace the table's, with two
-  compute warpgroups and no ping-pong."""
+  compute warpgroups and no ping-pong. A tile this JAX cannot build: ``buildable``'s."""
+  tile = buildable(tile)
   owned, streamed = _owned_and_streamed(kernel)
   if block_q or block_kv:
     tile = Tile(block_q or tile.block_q, block_kv or tile.block_kv, 12, tile.num_stages)

@@ -136,6 +136,7 @@ TOL = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3}  # 16-bit probabilities; float32 s
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("name", CASES)
 def test_decode_kernel_matches_references(name):
   case, dtype, options = CASES[name]
@@ -184,6 +185,7 @@ def test_two_consumers_default_to_an_even_ring_that_fits():
                     reason="this JAX's GPU interpret mode has no race detector that models "
                            "TMA's async proxy (jax >= 0.12 has)")
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("slots,d,stages,consumers,v_layout", [
     (256, 64, 2, 1, "CD"), (640, 64, None, 1, "CD"), (640, 64, 4, 2, "CD"),
     (640, 64, None, 1, "DC"), (320, 256, None, 1, "CD")],
@@ -252,6 +254,8 @@ def test_decode_backend_choice():
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
+@pytest.mark.mosaic
 def test_decode_step_attention_with_the_kernel_equals_xla():
   """``cache_attention`` of a decode step over layer 1 of a two-layer stack: the kernel
   (interpreted) and XLA's path agree, with the new token's own k and v; row 1 holds 30 tokens
@@ -411,6 +415,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
 def test_the_kernels_cache_layout_holds_the_same_values_laid_out_like_the_keys():
   """Where the decode steps run the kernel (``decode_backend="mosaic"``, interpreted here) the
   cache keeps v like k (``v_layout == "CD"``): after a prefill in two chunks (the second

@@ -27,6 +27,9 @@ from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
                                                 flash_attention_backward)
 from ulysses_jax.kernels.flash_kernels import Tile
 
+# Interpret mode is slow: CI runs these after `make test`, on the newest JAX (`mosaic`).
+SLOW_MOSAIC = (pytest.mark.slow, pytest.mark.mosaic)
+
 
 def _assert_every_ring_refills(seq_len, tiles):
   """Even under the causal mask the last query tile (forward, dq) and the first key tile (dk/dv)
@@ -39,12 +42,11 @@ def _assert_every_ring_refills(seq_len, tiles):
 # The Hopper kernels: every length spans several 128-row tiles (the last partly padding) and
 # more key and query blocks than each kernel has pipeline slots, so every ring is refilled
 # (checked below); segments cross tiles.
-# All slow in interpret mode (CI runs them after `make test`); the full mask meets the Mosaic
-# backward in the test after this one.
+# All slow (SLOW_MOSAIC); the full mask meets the Mosaic backward in the test after this one.
 @pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments", [
-    pytest.param(600, True, (2, 1), 64, True, id="causal-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=pytest.mark.slow),
-    pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=pytest.mark.slow)])
+    pytest.param(600, True, (2, 1), 64, True, id="causal-gqa-packed", marks=SLOW_MOSAIC),
+    pytest.param(400, False, (2, 1), 64, True, id="full-gqa-packed", marks=SLOW_MOSAIC),
+    pytest.param(300, True, (2, 2), 128, False, id="causal-d128", marks=SLOW_MOSAIC)])
 def test_mosaic_kernels_match_reference(seq_len, causal, heads, head_dim, segments):
   plan = choose_tiles(seq_len, head_dim, causal=causal, scale=1.0, interpret=True,
                       forward_kernel="mosaic", backward_kernel="mosaic")
@@ -66,6 +68,7 @@ VARIANT_SEQ_LEN = 330  # 384 padded: two 192-row tiles (three warpgroups), three
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("tiles", [
     (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2)),
     (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3, pingpong=True),
@@ -88,6 +91,7 @@ def test_mosaic_tile_variants_match_reference(tiles):
 # two matmuls are stand-ins run one after the other; the hardware form is lowered below. Slow
 # (interpret mode); the race detector runs both forms too (newest JAX).
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("tile,causal", [
     (Tile(128, 64, 12, 2, overlap=True), True), (Tile(192, 128, 16, 2, overlap=True), False)],
     ids=["two-warpgroups-causal", "three-warpgroups-full"])
@@ -159,6 +163,7 @@ def test_overlap_is_a_forward_schedule_without_pingpong():
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_swept_mosaic_tile_lowers_for_hopper(head_dim):
   """Each tile of ``mosaic_tiles.candidates`` in its kernel (the others the table's), causal,
@@ -253,6 +258,7 @@ def test_mosaic_table_tiles_are_all_sweep_candidates_that_run():
 # block; GQA's dk/dv over a window's block range is the 200 case's, the refilled rings under a
 # causal mask ``test_mosaic_kernels_match_reference``'s. Slow like the Mosaic tests above.
 @pytest.mark.slow
+@pytest.mark.mosaic
 @pytest.mark.parametrize("window,seq_len,heads,sinks", [
     (1, 300, (1, 1), False), (50, 300, (1, 1), False), (200, 400, (2, 1), True),
     (1000, 300, (1, 1), False)], ids=["1", "50", "200-gqa-sinks", "1000"])
@@ -265,6 +271,7 @@ def test_mosaic_kernels_with_a_sliding_window_match_reference(window, seq_len, h
 
 
 @pytest.mark.slow
+@pytest.mark.mosaic
 def test_mosaic_kernels_skip_the_blocks_outside_the_window():
   """Blocks no query of a CTA sees through the window are neither copied nor computed: NaN
   there (where 0 * NaN would poison the result) cannot leak into that CTA's rows."""
@@ -304,8 +311,9 @@ def test_mosaic_kernels_skip_the_blocks_outside_the_window():
 
 
 # Rows that see no key (lse -inf) through either backward after the Mosaic forward.
-@pytest.mark.parametrize("backward_kernel", [pytest.param("triton", marks=pytest.mark.slow),
-                                             pytest.param("mosaic", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.mosaic
+@pytest.mark.parametrize("backward_kernel", ["triton", "mosaic"])
 def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
   q, k, v, d_out, _ = random_inputs(3, 1, 200, 2, 1, 64, dtype=jnp.bfloat16)
   q_ids = jnp.array([[0] * 50 + [1] * 100 + [2] * 50], jnp.int32)
@@ -321,7 +329,7 @@ def test_mosaic_forward_rows_with_no_visible_key_give_zero(backward_kernel):
 # flash_attention_backward as a ring step uses it: the gradients of one block of keys, given the
 # output and lse of the attention over all of them (two blocks here, packed segments crossing
 # from one to the other), written in the inputs' dtype; the two blocks' dq add up to the whole.
-@pytest.mark.parametrize("kernel", ["triton", pytest.param("mosaic", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("mosaic", marks=SLOW_MOSAIC)])
 def test_backward_of_key_blocks_adds_up_to_the_whole_gradient(kernel):
   q, k, v, d_out, segment_ids = random_inputs(12, 1, 512, 2, 1, 64, dtype=jnp.bfloat16,
                                               num_segments=4)

@@ -91,7 +91,7 @@ CASES = [pytest.param(1050, True, (2, 1), 64, True, None, None, id="causal-gqa-d
          pytest.param(600, False, (2, 1), 128, True, None, None, id="full-gqa-d128-packed"),
          pytest.param(600, True, (2, 2), 128, False, None, None, id="causal-mha-d128"),
          pytest.param(800, True, (2, 1), 128, True, 600, None, id="window600-gqa-d128-packed",
-                      marks=pytest.mark.slow),
+                      marks=(pytest.mark.slow, pytest.mark.mosaic)),
          pytest.param(900, True, (2, 1), 64, True, None, THREE_WARPGROUPS,
                       id="three-warpgroups-causal-gqa-d64-packed"),
          pytest.param(800, True, (2, 1), 64, True, None, PINGPONG,

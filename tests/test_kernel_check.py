@@ -74,6 +74,7 @@ def test_the_interpret_mode_kernels_pass(dtype):
 
 
 @pytest.mark.slow  # the Mosaic kernels in GPU interpret mode: 3 minutes on 2 busy cores
+@pytest.mark.mosaic
 def test_the_interpret_mode_mosaic_kernels_pass():
   check = kernel_check.check_backend("pallas_mosaic", dtype="bfloat16", **CASE)
   assert check.passed, check

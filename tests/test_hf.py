@@ -124,30 +124,32 @@ def check_load_and_round_trip(cls_name, overrides, mesh, tokens, tmp_path, *, ex
 
 
 # Windows of 5 tokens over 32: several windows long. (name: class, overrides, the layers'
-# windows we must read)
+# windows we must read, the mesh): Ulysses over 8 devices, data x seq, and Ulysses x ring
+# (seq 2, ring 4: 4-token ring chunks, so a 5-token window reaches into the previous ring
+# device's keys), each mesh under two families' windows.
 SLIDING_CASES = {
-    "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5), (5, 5)),
+    "mistral": ("MistralForCausalLM", dict(num_key_value_heads=2, sliding_window=5), (5, 5),
+                (1, 8)),
     "qwen2_max_window_layers": (
         "Qwen2ForCausalLM", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
-                                 max_window_layers=1), (None, 5, 5)),
+                                 max_window_layers=1), (None, 5, 5), (2, 4)),
     "qwen3_layer_types": (
         "Qwen3ForCausalLM", dict(num_key_value_heads=2, use_sliding_window=True,
                                  sliding_window=5,
-                                 layer_types=["sliding_attention", "full_attention"]), (5, None)),
+                                 layer_types=["sliding_attention", "full_attention"]), (5, None),
+        (1, 2, 4)),
     "qwen2_window_off": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=5),
-                         (None, None)),
+                         (None, None), (1, 8)),
     "ministral": ("MinistralForCausalLM", dict(
-        sliding_window=5, layer_types=["full_attention", "sliding_attention"]), (None, 5)),
-    "gemma3": ("Gemma3ForCausalLM", GEMMA3, (5, None, 5)),
+        sliding_window=5, layer_types=["full_attention", "sliding_attention"]), (None, 5),
+        (2, 4)),
+    "gemma3": ("Gemma3ForCausalLM", GEMMA3, (5, None, 5), (1, 2, 4)),
 }
 
 
-# Ulysses over 8 devices, data x seq, and Ulysses x ring (seq 2, ring 4: 4-token ring chunks,
-# so a 5-token window reaches into the previous ring device's keys).
-@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4), (1, 2, 4)])
 @pytest.mark.parametrize("case", SLIDING_CASES)
-def test_sliding_windows_load_and_round_trip(case, mesh_shape, tokens, tmp_path):
-  cls_name, overrides, windows = SLIDING_CASES[case]
+def test_sliding_windows_load_and_round_trip(case, tokens, tmp_path):
+  cls_name, overrides, windows, mesh_shape = SLIDING_CASES[case]
   model = check_load_and_round_trip(cls_name, overrides, make_mesh(*mesh_shape), tokens,
                                     tmp_path, exported_cls=cls_name)
   assert model.config.layer_windows() == windows

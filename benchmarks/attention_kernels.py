@@ -34,7 +34,6 @@ Smoke test on CPU (interpret mode, tiny shapes):
 """
 
 import argparse
-import concurrent.futures
 import fnmatch
 import functools
 import os
@@ -46,7 +45,7 @@ import jax.numpy as jnp
 from benchmarks.common import environment, print_table, write_json
 from ulysses_jax.attention.chunked import chunked_attention
 from ulysses_jax.doctor.kernels import (FLOPS_FORMULA, SAMPLED_ROWS, TOLERANCE, attention_flops,
-                                        compile_phases, measure, reference_on_rows,
+                                        compile_ahead, measure, reference_on_rows,
                                         sampled_rows, throughput)
 from ulysses_jax.kernels import flash_hopper_backward, mosaic_tiles
 from ulysses_jax.kernels.flash_attention import choose_tiles, flash_attention
@@ -229,17 +228,14 @@ def write_mosaic_table(table, path=mosaic_tiles.__file__, quiet=False):
     print(f"wrote {len(table)} rows into {path}")
 
 
-def compile_ahead(fns, phases, arrays, threads):
+def compile_ours(fns, phases, arrays, threads):
   """``{name: {phase: Future} or None}`` for the rows ``fns`` (name -> ``fn(q, k, v)``, or a
-  skipped row's dict): our kernels' programs (``phases[name]``, for ``arrays`` ``(q, k, v,
-  d_out)``) compiled in ``threads`` threads, all done on return, so that none compiles while a
-  row is timed (a thread holding the GIL would delay the timed calls' dispatch). cuDNN's and
+  skipped row's dict): our kernels' programs (``phases[name]``) compiled ahead for ``arrays``
+  ``(q, k, v, d_out)`` in ``threads`` threads (``doctor.kernels.compile_ahead``). cuDNN's and
   XLA's (None) compile in their rows: their compiles may autotune on the GPU."""
   start = time.perf_counter()
   ours = {name: fn for name, fn in fns.items() if name.startswith(OURS) and callable(fn)}
-  with concurrent.futures.ThreadPoolExecutor(threads) as compiler:
-    programs = {name: compile_phases(compiler, fn, *arrays, phases[name])
-                for name, fn in ours.items()}
+  programs = compile_ahead(ours, arrays, threads, phases)
   if programs:
     print(f"  compiled {sum(map(len, programs.values()))} programs of {len(programs)} rows in "
           f"{time.perf_counter() - start:.1f} s (--compile-threads {threads})", flush=True)
@@ -340,8 +336,8 @@ def main():
         for name in names:
           if name not in programs:  # the next rows' programs, as many rows as threads
             group = names[names.index(name):][:args.compile_threads]
-            programs = compile_ahead({n: fns[n] for n in group}, phases, (q, k, v, d_out),
-                                     args.compile_threads)
+            programs = compile_ours({n: fns[n] for n in group}, phases, (q, k, v, d_out),
+                                    args.compile_threads)
           if isinstance(fns[name], dict):
             result = fns[name]
           else:

@@ -1,6 +1,5 @@
 """python -m ulysses_jax.doctor on the CPU: what CI can check of the GPU-first command."""
 
-import concurrent.futures
 import functools
 import json
 
@@ -61,6 +60,34 @@ def test_doctor_exits_1_naming_a_kernel_that_disagrees_with_the_reference(monkey
   # each row is printed as it is done, before the report (a GPU's rows take minutes)
   assert 0 <= out.index("kernel kernel=xla chunked S=128 causal=True") < out.index("devices:")
   assert out.rstrip().splitlines()[-1].startswith("FAILED: kernel xla chunked S=128")
+
+
+def test_our_kernels_programs_compile_ahead_and_their_rows_check_and_time_as_inline(
+    monkeypatch):
+  """Per length the doctor compiles our kernels' programs first, in threads (both masks, both
+  phases), then checks and times every row; cuDNN's and XLA's rows compile in their rows. Our
+  kernels need a GPU: here they stand in as XLA's backend."""
+  import ulysses_jax.doctor as doctor
+  monkeypatch.setattr(doctor, "KERNELS", {"ours mosaic": "xla", "ours triton": "xla",
+                                          "cudnn": "cudnn", "xla chunked": "xla"})
+  compiled = []
+  real = kernels_lib.compile_ahead
+
+  def recorded(fns, arrays, threads, phases=None):
+    programs = real(fns, arrays, threads, phases)
+    compiled.append({case: sorted(p) for case, p in programs.items()})
+    return programs
+  monkeypatch.setattr(kernels_lib, "compile_ahead", recorded)
+  rows = doctor.kernel_rows(jax.devices()[0], [128], warmup=0, iters=1)
+  both = ["backward", "forward"]
+  assert compiled == [{(name, causal): both for causal in (True, False)
+                       for name in ("ours mosaic", "ours triton")}]
+  by_kernel = {(r["kernel"], r["causal"]): r for r in rows}
+  for causal in (True, False):
+    ours, xla = by_kernel["ours mosaic", causal], by_kernel["xla chunked", causal]
+    assert ours["passed"] is True and {"fwd_tflops", "fwd_bwd_tflops"} <= set(ours)
+    assert (ours["err_out"], ours["err_grad"]) == (xla["err_out"], xla["err_grad"])
+    assert by_kernel["cudnn", causal]["status"] == "needs a GPU"
 
 
 def test_doctor_runs_only_the_decode_rows_when_asked(tmp_path, capsys):
@@ -151,7 +178,7 @@ def test_a_measurement_checks_and_times_only_the_phases_asked_for(phases, timed)
 
 def test_programs_compiled_in_threads_measure_alike_and_a_failed_compile_is_the_rows_status():
   """``benchmarks.attention_kernels`` compiles our kernels' programs in threads first
-  (``compile_phases``); a row then measures the same as one compiling its own, and a program
+  (``compile_ahead``); a row then measures the same as one compiling its own, and a program
   that fails to compile gives the row its reason, as inline."""
   q, k, v, d_out = (jax.random.normal(key, (1, 128, 2, 16), jnp.bfloat16)
                     for key in jax.random.split(jax.random.PRNGKey(1), 4))
@@ -161,15 +188,14 @@ def test_programs_compiled_in_threads_measure_alike_and_a_failed_compile_is_the_
 
   def broken(q, k, v):
     raise ValueError("no such tile")
-  with concurrent.futures.ThreadPoolExecutor(2) as executor:
-    programs = [kernels_lib.compile_phases(executor, f, q, k, v, d_out) for f in (fn, broken)]
+  programs = kernels_lib.compile_ahead({"fn": fn, "broken": broken}, (q, k, v, d_out), 2)
   measure = functools.partial(kernels_lib.measure, q=q, k=k, v=v, d_out=d_out, rows=rows,
                               reference=reference, warmup=0, iters=1)
-  threaded, inline = measure(fn, programs=programs[0]), measure(fn)
+  threaded, inline = measure(fn, programs=programs["fn"]), measure(fn)
   assert threaded["status"] == inline["status"] == "ok"
   assert (threaded["err_out"], threaded["err_grad"]) == (inline["err_out"], inline["err_grad"])
   assert {"fwd", "fwd_bwd"} <= set(threaded)
-  assert (measure(broken, programs=programs[1])["status"] == measure(broken)["status"]
+  assert (measure(broken, programs=programs["broken"])["status"] == measure(broken)["status"]
           == "forward skipped: ValueError: no such tile")
 
 

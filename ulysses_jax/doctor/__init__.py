@@ -23,6 +23,7 @@ check says "needs a GPU". Exit status: 0 every check passed, 1 a check failed (t
 are listed), 2 bad arguments.
 """
 
+import os
 import platform
 import subprocess
 
@@ -43,6 +44,11 @@ HEAD_DIM = 128
 # name in the table -> backend of ulysses_attention (attention.backends)
 KERNELS = {"ours mosaic": "pallas_mosaic", "ours triton": "pallas", "cudnn": "cudnn",
            "xla chunked": "xla"}
+# Their programs (both masks, forward and forward+backward: 8) compile in threads before the
+# length's rows run: an H200 took over 200 s for the 4K and 16K rows (2026-11-28), and the
+# sweep's rows there spent most of their ~12 s compiling. cuDNN's and XLA's compile in their
+# rows (their compiles may autotune on the GPU, which timing other kernels beside disturbs).
+COMPILED_AHEAD = ("ours mosaic", "ours triton")
 # FlashAttention-3 (Shah et al., arXiv 2407.08608, Figure 5: forward pass, BF16, head dim 128,
 # without causal mask, H100 80GB SXM5, batch x S = 16K tokens, 2048 hidden), TFLOP/s as the
 # figure labels its bars. The paper's causal panel is not transcribed here.
@@ -68,9 +74,11 @@ def environment(devices: list) -> dict:
 def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> list[dict]:
   """One row per kernel, sequence length and mask: the check against the reference and the
   throughput (``passed`` None where the kernel cannot run on ``device``). ``on_row(row)`` is
-  called as each row is done (the command prints it: on a GPU the rows take minutes)."""
+  called as each row is done (the command prints it: on a GPU the rows take minutes). Per
+  length, our kernels' programs compile first, at once (``COMPILED_AHEAD``)."""
   target = target_lib.of_device(device)
   heads, tokens = (16, 16384) if target.on_gpu else (4, 1024)
+  threads = min(4 * len(COMPILED_AHEAD), os.cpu_count() or 1)
   rows = []
   for seq_len in seq_lens:
     batch = max(1, tokens // seq_len)
@@ -78,24 +86,30 @@ def kernel_rows(device, seq_lens, *, warmup: int, iters: int, on_row=None) -> li
     q, k, v, d_out = (jax.device_put(jax.random.normal(
         key, (batch, seq_len, heads, HEAD_DIM), jnp.bfloat16), device) for key in keys)
     rows_sampled = kernels_lib.sampled_rows(seq_len)
+    fns = {(name, causal): kernels_lib.backend_fn(backend, causal, HEAD_DIM)
+           for causal in (True, False) for name, backend in KERNELS.items()
+           if not kernels_lib.unavailable(backend, target)}
+    programs = kernels_lib.compile_ahead(
+        {case: fn for case, fn in fns.items() if case[0] in COMPILED_AHEAD}, (q, k, v, d_out),
+        threads)
     for causal in (True, False):
       reference = kernels_lib.reference_on_rows(q, k, v, d_out, rows_sampled, causal)
       flops = kernels_lib.attention_flops(batch, seq_len, heads, HEAD_DIM, causal)
       for name, backend in KERNELS.items():
         row = {"kernel": name, "S": seq_len, "causal": causal, "B": batch, "H": heads,
                "fa3_fwd_tflops": FA3_FORWARD_TFLOPS.get((seq_len, causal))}
-        unavailable = kernels_lib.unavailable(backend, target)
-        if unavailable:
-          row.update(status=unavailable, passed=None)
+        if (name, causal) not in fns:
+          row.update(status=kernels_lib.unavailable(backend, target), passed=None)
         else:
-          result = kernels_lib.measure(kernels_lib.backend_fn(backend, causal, HEAD_DIM), q, k,
-                                       v, d_out, rows_sampled, reference, warmup=warmup,
-                                       iters=iters)
+          result = kernels_lib.measure(fns[name, causal], q, k, v, d_out, rows_sampled,
+                                       reference, warmup=warmup, iters=iters,
+                                       programs=programs.get((name, causal)))
           row.update(**result, **kernels_lib.throughput(result, flops),
                      passed=result["status"] == "ok")
         rows.append(row)
         if on_row:
           on_row(row)
+    del programs
   return rows
 
 

@@ -7,6 +7,8 @@ for an output cotangent that is nonzero only on them, with the float32 dense ref
 only the sampled rows, so it fits at S = 64K. A kernel that fails the check is not timed.
 """
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,22 +51,33 @@ def forward_backward(fn):
   return run
 
 
-def compile_phases(executor, fn, q, k, v, d_out, phases=("forward", "backward")) -> dict:
-  """``{phase: Future}`` of ``fn``'s forward and forward+backward programs (those of
-  ``phases``), compiled for these inputs by ``executor``'s threads, for ``measure``'s
-  ``programs``: XLA compiles with the GIL released, so several kernels' programs compile at
-  once (their tracing and lowering, in Python, one at a time)."""
-  programs = {"forward": (fn, (q, k, v)), "backward": (forward_backward(fn), (q, k, v, d_out))}
-  return {phase: executor.submit(lambda f, args: jax.jit(f).lower(*args).compile(),
-                                 *programs[phase]) for phase in phases}
+PHASES = ("forward", "backward")
+
+
+def compile_ahead(fns, arrays, threads, phases=None) -> dict:
+  """``{name: {phase: Future}}``: the forward and forward+backward programs of ``fns`` (name ->
+  ``fn(q, k, v) -> out``; only the phases ``phases[name]`` where given), compiled for ``arrays``
+  ``(q, k, v, d_out)`` in ``threads`` threads, for ``measure``'s ``programs``. XLA compiles with
+  the GIL released, so several kernels' programs compile at once (their tracing and lowering,
+  in Python, one at a time). All are done on return, so that none compiles while a row is timed
+  (a thread holding the GIL would delay the timed calls' dispatch)."""
+  def compile_(f, args):
+    return jax.jit(f).lower(*args).compile()
+
+  programs = {"forward": lambda fn: (fn, arrays[:3]),
+              "backward": lambda fn: (forward_backward(fn), arrays)}
+  with concurrent.futures.ThreadPoolExecutor(threads) as compiler:
+    return {name: {phase: compiler.submit(compile_, *programs[phase](fn))
+                   for phase in (phases or {}).get(name, PHASES)}
+            for name, fn in fns.items()}
 
 
 def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters,
-            phases=("forward", "backward"), programs=None):
+            phases=PHASES, programs=None):
   """Checks ``fn(q, k, v) -> out`` against the sampled reference, then times forward and
   forward+backward (``phases``: the forward alone, or only the gradients and forward+backward,
-  one compile each, where only that phase changed). ``programs``: those phases already being
-  compiled (``compile_phases``); else they compile here.
+  one compile each, where only that phase changed). ``programs``: those phases' programs
+  compiled ahead (``compile_ahead``); else they compile here.
 
   Any failure (compile, run, out of memory) ends the measurement with the reason as status;
   a failed check leaves that phase untimed.

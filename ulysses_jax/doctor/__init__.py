@@ -45,9 +45,9 @@ HEAD_DIM = 128
 KERNELS = {"ours mosaic": "pallas_mosaic", "ours triton": "pallas", "cudnn": "cudnn",
            "xla chunked": "xla"}
 # Their programs (both masks, forward and forward+backward: 8) compile in threads before the
-# length's rows run: an H200 took over 200 s for the 4K and 16K rows (2026-11-28), and the
-# sweep's rows there spent most of their ~12 s compiling. cuDNN's and XLA's compile in their
-# rows (their compiles may autotune on the GPU, which timing other kernels beside disturbs).
+# length's rows run (on an H200 the 16 rows of 4K and 16K took about 190 s, 2026-11-28, and a
+# swept tile's row about 12 s, mostly compiling). cuDNN's and XLA's compile in their rows (their
+# compiles may autotune on the GPU, which timing other kernels beside disturbs).
 COMPILED_AHEAD = ("ours mosaic", "ours triton")
 # FlashAttention-3 (Shah et al., arXiv 2407.08608, Figure 5: forward pass, BF16, head dim 128,
 # without causal mask, H100 80GB SXM5, batch x S = 16K tokens, 2048 hidden), TFLOP/s as the

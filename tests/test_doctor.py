@@ -2,6 +2,7 @@
 
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -209,3 +210,18 @@ def test_a_burst_sample_dispatches_its_calls_back_to_back_and_divides_by_them():
   assert len(calls) == 1 + 2 * 3 and result["burst"] == 3
   assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"]
   assert timing.copy_bandwidth(jax.devices()[0], 1 << 20, warmup=1, iters=2, burst=2) > 0
+
+
+def test_slow_calls_stop_sampling_after_the_time_allowed_keeping_three():
+  calls = []
+
+  def slow(x):
+    calls.append(x)
+    time.sleep(0.05)
+    return x + 1
+  result = timing.time_fn(slow, jnp.ones(4), warmup=1, iters=10, max_s=0.12)
+  assert len(calls) == 1 + timing.MIN_SAMPLES == 1 + result["iters"]
+  result = timing.time_fn(slow, jnp.ones(4), warmup=0, iters=10, burst=2, max_s=0.35)
+  # three samples of two calls take at least 0.3 s, four at least 0.4
+  assert result["iters"] in (3, 4) and result["median_s"] >= 0.05
+  assert timing.time_fn(slow, jnp.ones(4), warmup=0, iters=2, max_s=0.0)["iters"] == 2

@@ -21,6 +21,7 @@ FLOPS_FORMULA = ("FLOPs: forward 4*B*S^2*H*D, backward 2.5x forward (forward+bac
                  "halved for causal; TFLOP/s = FLOPs / median wall time; bwd = (fwd+bwd) - fwd.")
 TOLERANCE = 2e-2    # relative L2 error vs the float32 reference, bf16 inputs
 SAMPLED_ROWS = 128
+TIMED_S = 3.0  # a phase's timed calls stop after this long (``time_fn``'s ``max_s``)
 
 
 def relative_error(actual, expected) -> float:
@@ -95,7 +96,7 @@ def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters,
       row["err_out"] = relative_error(forward(q, k, v)[:, rows], reference[0])
       if row["err_out"] > TOLERANCE:
         return {**row, "status": f"FAILED check: out error {row['err_out']:.2e}"}
-      row["fwd"] = time_fn(forward, q, k, v, warmup=warmup, iters=iters)
+      row["fwd"] = time_fn(forward, q, k, v, warmup=warmup, iters=iters, max_s=TIMED_S)
     if "backward" not in phases:
       return {**row, "status": "ok"}
     phase = "backward"
@@ -106,7 +107,8 @@ def measure(fn, q, k, v, d_out, rows, reference, *, warmup, iters,
                           relative_error(dk, reference[2]), relative_error(dv, reference[3]))
     if row["err_grad"] > TOLERANCE:
       return {**row, "status": f"FAILED check: gradient error {row['err_grad']:.2e}"}
-    row["fwd_bwd"] = time_fn(both, q, k, v, d_out, warmup=warmup, iters=iters)
+    row["fwd_bwd"] = time_fn(both, q, k, v, d_out, warmup=warmup, iters=iters,
+                             max_s=TIMED_S)
   except Exception as e:  # noqa: BLE001 - any failure means "skip, and say why"
     return {**row, "status": f"{phase} skipped: {type(e).__name__}: {e}".replace("\n", " ")}
   return {**row, "status": "ok"}

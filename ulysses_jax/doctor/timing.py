@@ -9,8 +9,17 @@ import jax
 import jax.numpy as jnp
 
 
-def time_fn(fn, *args, warmup: int = 2, iters: int = 10, burst: int = 1) -> dict:
+MIN_SAMPLES = 3  # what ``time_fn``'s ``max_s`` leaves at least
+
+
+def time_fn(fn, *args, warmup: int = 2, iters: int = 10, burst: int = 1,
+            max_s: float | None = None) -> dict:
   """Median and spread of wall time of ``fn(*args)``, blocking on its outputs each call.
+
+  ``max_s``: fewer than ``iters`` samples where the timed ones already took this long (at least
+  ``MIN_SAMPLES``): a call of seconds varies little, and ten of them cost a GPU session
+  minutes (XLA's attention at 65,536 tokens took 2.4 s a call on an H100). ``iters`` in the
+  result says how many ran.
 
   ``burst`` > 1: each sample dispatches ``burst`` calls back to back and blocks on the last,
   giving the time per call. A short program's host-side dispatch then overlaps the device
@@ -26,8 +35,10 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 10, burst: int = 1) -> dict
       fn(*args)
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - start) / burst)
+    if max_s is not None and len(times) >= MIN_SAMPLES and sum(times) * burst >= max_s:
+      break
   return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-          "iters": iters, "burst": burst}
+          "iters": len(times), "burst": burst}
 
 
 def copy_bandwidth(device, nbytes: int, *, warmup: int = 2, iters: int = 10,

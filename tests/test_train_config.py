@@ -27,14 +27,17 @@ FAST = ["LlamaConfig.preset = 'tiny'", "LlamaConfig.loss_chunk = 32", "DataConfi
 
 def test_unknown_or_misspelt_gin_names_are_errors(tmp_path):
   with pytest.raises(ValueError, match="Configurable 'TrainConfig' doesn't have a parameter "
-                     "named 'stepz'"):
+                     "named 'stepz'. Did you mean 'steps'?"):
     gin_config.parse([TINY], ["TrainConfig.stepz = 3"])
-  with pytest.raises(ValueError, match="No configurable matching 'TrianConfig'"):
+  with pytest.raises(ValueError, match="No configurable matching 'TrianConfig'. Did you mean "
+                     "'TrainConfig'?"):
     gin_config.parse([TINY], ["TrianConfig.steps = 3"])
+  with pytest.raises(ValueError, match=r"named 'zzz'.\n"):  # nothing near: no guess
+    gin_config.parse([TINY], ["TrainConfig.zzz = 3"])
   bad = tmp_path / "bad.gin"
   bad.write_text("include 'configs/tiny_cpu.gin'\nLlamaConfig.hiden_dim = 3\n")
   with pytest.raises(ValueError, match=r"(?s)'LlamaConfig' doesn't have a parameter named "
-                     r"'hiden_dim'.*bad.gin\", line 2"):
+                     r"'hiden_dim'. Did you mean 'hidden_dim'\?.*bad.gin\", line 2"):
     gin_config.parse([str(bad)], [])
   with pytest.raises(FileNotFoundError, match="gin file 'configs/nope.gin' not found"):
     gin_config.parse(["configs/nope.gin"], [])

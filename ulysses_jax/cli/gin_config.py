@@ -18,7 +18,9 @@ any directory).
 
 import contextlib
 import dataclasses
+import difflib
 import os
+import re
 
 import gin
 
@@ -88,6 +90,24 @@ def parse(files: list[str], params: list[str]):
     raise ConfigError(f"gin cannot parse {(e.text or '').strip()!r} ({where}): values are "
                       "Python literals, so strings need quotes, e.g. "
                       "--gin_param='LlamaConfig.remat_policy=\"full\"'") from e
+  except ValueError as e:  # gin: a configurable or parameter it does not know
+    raise ConfigError(_nearest_name(str(e))) from e
+
+
+def _nearest_name(message: str) -> str:
+  """Gin's message of an unknown configurable or parameter, its first line ending with the
+  nearest name it knows (as a typo most often is)."""
+  first, *rest = message.splitlines()
+  if unknown := re.match(r"Configurable '(\w+)' doesn't have a parameter named '(\w+)'", first):
+    config = {cls.__name__: cls for cls in CONFIG_CLASSES}.get(unknown[1])
+    known, name = [f.name for f in dataclasses.fields(config)] if config else [], unknown[2]
+  elif unknown := re.match(r"No configurable matching '([\w.]+)'", first):
+    known, name = [cls.__name__ for cls in CONFIG_CLASSES], unknown[1]
+  else:
+    return message
+  if nearest := difflib.get_close_matches(name, known, n=1):
+    first += f" Did you mean '{nearest[0]}'?"
+  return "\n".join([first, *rest])
 
 
 def build(cls):

@@ -92,8 +92,8 @@ def test_sliding_window_from_constructor_and_per_call(mesh_shape, head_chunks, c
   pos, seg = batch["positions"], batch["segment_ids"]
   loss = lambda x: jnp.sum(jnp.sin(attn(x, pos, seg, **call_kwargs)))
   dense_loss = lambda x: jnp.sum(jnp.sin(_dense_reference(attn, x, pos, seg, window)))
-  out, grad = jax.value_and_grad(loss)(x)
-  expected, expected_grad = jax.value_and_grad(dense_loss)(x)
+  out, grad = jax.jit(jax.value_and_grad(loss))(x)
+  expected, expected_grad = jax.jit(jax.value_and_grad(dense_loss))(x)
   assert relative_error(out, expected) < 1e-5
   assert relative_error(grad, expected_grad) < 1e-5
   other = _dense_reference(attn, x, pos, seg, 2 if window is None else None)

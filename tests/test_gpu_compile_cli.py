@@ -45,6 +45,7 @@ def test_cli_llama1b_128k_on_one_node(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.machine_jax  # its XLA ran attention's forward twice here before (Makefile)
 @pytest.mark.parametrize("accumulate_dq", [False, True], ids=["table", "dkv-accumulating-dq"])
 def test_llama1b_64k_on_one_gpu_runs_attention_forward_once_and_no_float32_gemm(
     monkeypatch, accumulate_dq):

@@ -21,6 +21,13 @@ def _cpu_compile_flags() -> str:
 CPU_COMPILE_FLAGS = _cpu_compile_flags()
 
 
+def older_cpu_fusion() -> bool:
+  """Whether this process compiles with XLA's older CPU fusion code generators (jax 0.10's tests):
+  they round the same computation differently in two programs (a forward and its recompute in
+  a backward), where the MLIR emitters give the same bits."""
+  return "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+
+
 def child_env(**overrides: str) -> dict:
   """This process's environment for a child on the CPU, with XLA's flags less the virtual device
   count: the child sets its own (the commands' --cpu_devices, or ``devices`` XLA_FLAGS)."""

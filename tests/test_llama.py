@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from attention_cases import large_sinks
+from child_env import older_cpu_fusion
 from model_cases import (MESHES, assert_trees_close, initial_state, loss_and_grads, mesh_of,
                          model_on, packed_batch, relative_error, tree_on_host)
 from ulysses_jax.attention.reference import dense_attention
@@ -262,7 +263,8 @@ def test_remat_keeps_the_attention_residuals_for_identical_gradients(policy, gro
   """Rematerialised layers (and groups) keep attention's output and lse on the device, so the
   backward runs only attention's backward; under full_offload they are recomputed. Either way
   the loss and gradients are bit for bit those of recomputing them (mesh 2x4, packed
-  documents)."""
+  documents); with XLA's older CPU code generators (the tests' flag on jax 0.10) within float32
+  rounding, as they round the forward and its recompute differently (here up to 2e-8 apart)."""
   config = preset("tiny-gqa", num_layers=2, remat_policy=policy, remat_group=group)
   state, mesh = initial_state(config), mesh_of(2, 4)
   batch = packed_batch(5, 2, 32, config.vocab_size)
@@ -270,8 +272,12 @@ def test_remat_keeps_the_attention_residuals_for_identical_gradients(policy, gro
   (loss, grads), (recomputed_loss, recomputed_grads) = (
       loss_and_grads(m, batch) for m in (
           model, model_on(config.replace(remat_keep_attention=False), mesh, state)))
-  assert loss == recomputed_loss
-  jax.tree.map(np.testing.assert_array_equal, grads, recomputed_grads)
+  if older_cpu_fusion():
+    assert relative_error(loss, recomputed_loss) < 1e-6
+    assert_trees_close(grads, recomputed_grads, rtol=1e-6)
+  else:
+    assert loss == recomputed_loss
+    jax.tree.map(np.testing.assert_array_equal, grads, recomputed_grads)
   saved = _saved_residuals(model, batch, capsys)
   # Per layer (per group and layer with groups) the kernel's output [B/data, S, Hq/seq, D]
   # and lse [B/data, Hq/seq, S] of each of the 8 devices (shard_map's residuals).

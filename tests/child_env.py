@@ -3,6 +3,8 @@
 import importlib.metadata
 import os
 
+OLDER_CPU_FUSION_FLAG = "--xla_cpu_use_fusion_emitters=false"
+
 
 def _cpu_compile_flags() -> str:
   """XLA's flags for compiling the tests' small programs on the CPU faster, which conftest.py
@@ -14,7 +16,7 @@ def _cpu_compile_flags() -> str:
   flags = ["--xla_backend_optimization_level=0"]
   jaxlib = tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
   if jaxlib < (0, 11):
-    flags.append("--xla_cpu_use_fusion_emitters=false")
+    flags.append(OLDER_CPU_FUSION_FLAG)
   return " ".join(flags)
 
 
@@ -25,7 +27,7 @@ def older_cpu_fusion() -> bool:
   """Whether this process compiles with XLA's older CPU fusion code generators (jax 0.10's tests):
   they round the same computation differently in two programs (a forward and its recompute in
   a backward), where the MLIR emitters give the same bits."""
-  return "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+  return OLDER_CPU_FUSION_FLAG in os.environ.get("XLA_FLAGS", "").split()
 
 
 def child_env(**overrides: str) -> dict:

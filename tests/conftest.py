@@ -109,6 +109,19 @@ def _no_stale_log_handler():
 
 
 @pytest.fixture
+def fresh_gpu_interpreter():
+  """GPU interpret mode keeps global state between kernels; on jax 0.12 a kernel run on two
+  devices (in shard_map) after one on a single device fails its barrier bookkeeping unless the
+  state is cleared in between: cleared before and after the test. (tests/test_hopper_races.py
+  clears it after its tests only: there, clearing it before made 1 to 3 of 16 race checks
+  fail on jax 0.12.0.1, 2026-11-28.)"""
+  from ulysses_jax.kernels import hopper_interpret  # pylint: disable=import-outside-toplevel
+  hopper_interpret.reset_state()
+  yield
+  hopper_interpret.reset_state()
+
+
+@pytest.fixture
 def fault(monkeypatch):
   """``fault(module, name, replacement)`` patches a function that jitted code calls (a fault
   hook). JAX's caches are cleared before and after: module-level jits (``ulysses_attention``'s)

@@ -23,14 +23,8 @@ from ulysses_jax.generate.attention import partial_attention
 from ulysses_jax.kernels import decode_hopper, hopper_interpret
 
 
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-  """GPU interpret mode keeps global state between kernels; on jax 0.12 a kernel run on two
-  devices (in shard_map) after one on a single device fails its barrier bookkeeping unless the
-  state is cleared in between."""
-  hopper_interpret.reset_state()
-  yield
-  hopper_interpret.reset_state()
+# GPU interpret mode's state cleared before and after each test (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_gpu_interpreter")
 
 
 def _inputs(seed, b, kv_heads, g, t, c, d, dtype):

@@ -17,18 +17,12 @@ from ulysses_jax.doctor import decode as decode_doctor
 from ulysses_jax import generate as gen
 from ulysses_jax.generate import attention as gen_attention
 from ulysses_jax.generate import cache as cache_lib
-from ulysses_jax.kernels import hopper_interpret, target
+from ulysses_jax.kernels import target
 from ulysses_jax.mesh import make_mesh
 
 
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-  """GPU interpret mode keeps global state between kernels; on jax 0.12 a kernel run on two
-  devices (in shard_map) after one on a single device fails its barrier bookkeeping unless the
-  state is cleared in between."""
-  hopper_interpret.reset_state()
-  yield
-  hopper_interpret.reset_state()
+# GPU interpret mode's state cleared before and after each test (conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_gpu_interpreter")
 
 
 def test_decode_backend_choice():

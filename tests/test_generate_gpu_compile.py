@@ -57,7 +57,9 @@ def test_one_sequence_decode_step_writes_no_projection_sized_product(overrides):
   """Batch 1, one token: the projections and the MLP (``layers.contract``) compile for an H100
   to GEMMs; no kernel writes a multiply's product as large as a projection's kernel, as XLA's
   multiply-and-reduce form of a one-row dot with a kernel under 10M elements does (Llama-3.2-1B's
-  q and o: 8 MiB a layer each, before ``contract`` gave the dot a second row)."""
+  q and o: 8 MiB a layer each, before ``contract`` gave the dot a second row). Each layer's
+  decode kernel hands its splits' partials to one fusion (``decode_hopper.combine_splits``;
+  three before)."""
   from ulysses_jax.aot import generate as aot_generate
   from ulysses_jax.models.config import preset
   config = preset("llama3.2-1b", num_layers=2, dtype="bfloat16", param_dtype="bfloat16",
@@ -70,6 +72,20 @@ def test_one_sequence_decode_step_writes_no_projection_sized_product(overrides):
       r"%\w*multiply\w* = \w+\[([\d,]*)\]\S* fusion\(", text)]
   smallest_kernel = config.hidden_dim * config.num_kv_heads * config.head_dim  # k's
   assert max(products, default=0) < smallest_kernel / 64, (products, smallest_kernel)
+  assert _fusions_reading_each_kernel(text) == [1] * config.num_layers
+
+
+def _fusions_reading_each_kernel(hlo_text):
+  """For each Mosaic kernel of the entry computation, how many fusions read its outputs."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  counts = []
+  for kernel in re.findall(r"%(\S+) = .* custom-call\(.*" + MOSAIC, entry):
+    outputs = [kernel, *re.findall(rf"%(\S+) = \S+ get-tuple-element\(%{re.escape(kernel)}\)",
+                                   entry)]
+    read = re.compile("|".join(rf"%{re.escape(name)}[,)]" for name in outputs))
+    counts.append(sum(bool(read.search(line)) for line in entry.splitlines()
+                      if re.search(r" fusion\(", line)))
+  return counts
 
 
 def test_gemma3_decode_step_reads_every_layer_with_the_kernel_at_head_dim_256():

@@ -131,6 +131,28 @@ def test_decode_kernel_matches_references(name):
   _check(case, dtype, TOL[dtype], **options)
 
 
+def test_splits_combine_exactly_over_far_apart_and_empty_partials():
+  """``combine_splits`` (one variadic reduce) against float64 NumPy: log-sum-exps 600 apart
+  (exp of their differences would overflow float32), empty partials (0, -inf) among seen
+  ones, and a row no split saw, which stays (0, -inf)."""
+  rng = np.random.default_rng(0)
+  o = rng.normal(size=(2, 3, 5, 4, 8)).astype(np.float32)
+  lse = rng.uniform(-300, 300, size=(2, 3, 5, 4)).astype(np.float32)
+  lse[0, 1, 2] = -np.inf
+  lse[1, 2, :, 3] = -np.inf
+  o[np.isneginf(lse)] = 0.0
+  got_o, got_lse = jax.jit(decode_hopper.combine_splits)(o, lse)
+  top = lse.max(axis=2, keepdims=True)
+  weight = np.exp(lse.astype(np.float64) - np.where(np.isfinite(top), top, 0.0))
+  total = weight.sum(axis=2)
+  seen = total > 0
+  want_o = (weight[..., None] * o).sum(axis=2) / np.where(seen, total, 1.0)[..., None]
+  want_lse = np.where(seen, top[:, :, 0] + np.log(np.where(seen, total, 1.0)), -np.inf)
+  np.testing.assert_allclose(got_o, want_o, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+  assert np.all(np.asarray(got_o)[1, 2, 3] == 0) and np.all(np.isneginf(got_lse[1, 2, 3]))
+
+
 def test_decode_kernel_refuses_what_it_cannot_take():
   q, k, v, q_pos, k_pos = _inputs(0, 1, 1, 1, 1, 128, 128, jnp.float32)
   with pytest.raises(ValueError, match="float32; the kernel takes bfloat16 or float16.*'xla'"):

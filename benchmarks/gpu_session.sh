@@ -89,8 +89,13 @@ mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 dry=${GPU_SESSION_DRY:-0}
-if [[ $dry == 1 ]]; then  # one CPU device, as one GPU
-  export JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=1
+if [[ $dry == 1 ]]; then  # one CPU device, as one GPU; the caller's other XLA flags kept (the
+  # tests' faster CPU compiles: tests/child_env.py)
+  flags=()
+  for flag in ${XLA_FLAGS:-}; do
+    [[ $flag == --xla_force_host_platform_device_count=* ]] || flags+=("$flag")
+  done
+  export JAX_PLATFORMS=cpu XLA_FLAGS="${flags[*]} --xla_force_host_platform_device_count=1"
 fi
 
 run() {  # run NAME ARGS...: one command, its output also in OUT_DIR/NAME.log

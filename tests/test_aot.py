@@ -272,6 +272,50 @@ def test_cost_counts_a_kernel_inside_a_fusion():
   assert ops["dsf"].flops == ops["att"].flops == 4 * 1 * 4 * 256 * 256 * 64 * 0.5
 
 
+_HLO_STACK = """\
+%slice_of_stack (stack: bf16[16,64,128], i: s32[]) -> bf16[1,64,128] {
+  %stack = bf16[16,64,128]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%stack, %i, %zero, /*index=3*/%zero), dynamic_slice_sizes={1,64,128}
+}
+
+%update_of_stack (stack: bf16[16,64,128], x: bf16[64,128], i: s32[]) -> bf16[16,64,128] {
+  %stack = bf16[16,64,128]{2,1,0} parameter(0)
+  %x = bf16[64,128]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %neg = bf16[64,128]{1,0} negate(%x)
+  %y = bf16[1,64,128]{2,1,0} bitcast(%neg)
+  ROOT %dus = bf16[16,64,128]{2,1,0} dynamic-update-slice(%stack, %y, %i, %zero, /*index=4*/%zero)
+}
+
+ENTRY %main (stack: bf16[16,64,128], x: bf16[64,128], i: s32[]) -> (bf16[1,64,128], bf16[1,64,128]) {
+  %stack = bf16[16,64,128]{2,1,0} parameter(0)
+  %x = bf16[64,128]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %read = bf16[1,64,128]{2,1,0} fusion(%stack, %i), kind=kLoop, calls=%slice_of_stack
+  %start = ((bf16[16,64,128]{2,1,0}, bf16[64,128]{1,0}, s32[]), bf16[16,64,128]{2,1,0}, u32[]) fusion-start(%stack, %x, %i), kind=kLoop, calls=%update_of_stack
+  %done = bf16[16,64,128]{2,1,0} fusion-done(%start)
+  %zero = s32[] constant(0)
+  %unfused = bf16[1,64,128]{2,1,0} dynamic-slice(%done, %i, %zero, %zero), dynamic_slice_sizes={1,64,128}
+  ROOT %t = (bf16[1,64,128]{2,1,0}, bf16[1,64,128]{2,1,0}) tuple(%read, %unfused)
+}
+"""
+
+
+def test_cost_counts_a_layers_slice_of_a_stack_not_the_stack():
+  """A layer scan's step reads its layer's slice of a stacked buffer and updates its slice in
+  place (XLA's dynamic-update-slice; here an asynchronous fusion, as jax 0.11.2 compiles them):
+  the slices' bytes, not the stack's 16 layers (read, written, and again at the fusion's done)."""
+  ops = {op.name: op for op in aot.cost.operations(_HLO_STACK)}
+  layer, index = 64 * 128 * 2, 4
+  assert set(ops) == {"read", "start", "unfused"}
+  assert ops["read"].bytes == layer + index + layer  # the slice read, the index, the slice out
+  assert ops["start"].bytes == layer + index + layer  # x read, the index, x's rows written
+  assert ops["unfused"].bytes == 2 * layer
+
+
 @pytest.mark.parametrize("kernel,matmuls", [("dq", 3), ("dkv", 4), ("dkv_dq", 5)])
 def test_cost_counts_each_backward_kernels_matmuls(kernel, matmuls):
   """dq recomputes QKᵀ and dO·Vᵀ beside dS·K; dk/dv runs four; dk/dv accumulating dq five."""

@@ -20,7 +20,11 @@ and counts a while loop's body once however often it runs. This walk does neithe
 * Bytes of an operation: its operands' and results' sizes (what a fusion reads from and
   writes to HBM), leaving out collectives (timed on the links instead), asynchronous copies
   (host offload: timed on PCIe from the memory analysis) and operations that move nothing
-  (parameters, tuples, bitcasts, constants).
+  (parameters, tuples, bitcasts, constants). An operand a fusion only slices counts the
+  slices' bytes, and a dynamic-update-slice, which XLA runs in place, its update's: each step
+  of a layer scan reads its layer's slice of the stacked weights and residuals and writes its
+  slice of the stacked residuals, not the stacks. An asynchronous fusion (``fusion-start``,
+  jax 0.11) is a fusion.
 """
 
 import math
@@ -30,7 +34,7 @@ from typing import NamedTuple
 from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.aot.hlo import array_bytes
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<shape>.+?) "
+_INSTRUCTION = re.compile(r"^\s*(?P<root>ROOT )?%(?P<name>\S+) = (?P<shape>.+?) "
                           r"(?P<op>[a-z][a-z0-9\-]*)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _ARRAY = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
@@ -137,6 +141,45 @@ def _grouped_flops(instruction, shapes) -> float:
   return 2.0 * rows[0] * math.prod(out[-2:] if len(out) == 3 else (rows[1], out[1]))
 
 
+def _operand_names(instruction) -> list[str]:
+  return re.findall(r"%([\w.\-]+)", instruction["operands"])
+
+
+def _fusion_bytes(computation, computations) -> int:
+  """Bytes a fusion reads and writes: each parameter whole, or only the slices taken of it, or
+  nothing where it is the buffer a dynamic-update-slice at the root writes into (in place);
+  each result whole, or only the update where it is such a dynamic-update-slice."""
+  instructions = computations.get(computation, [])
+  by_name = {i["name"]: i for i in instructions}
+  roots = [i for i in instructions if i["root"]]
+  if roots and roots[0]["op"] == "tuple":
+    roots = [by_name[name] for name in _operand_names(roots[0]) if name in by_name]
+  written, in_place = 0, set()
+  for root in roots:
+    if root["op"] == "dynamic-update-slice":
+      buffer, update = _operand_names(root)[:2]
+      in_place.add((buffer, root["name"]))
+      written += array_bytes(by_name[update]["shape"])
+    else:
+      written += array_bytes(root["shape"])
+  uses = {}
+  for i in instructions:
+    for position, name in enumerate(_operand_names(i)):
+      uses.setdefault(name, []).append((i, position))
+  read = 0
+  for parameter in (i for i in instructions if i["op"] == "parameter"):
+    used = uses.get(parameter["name"], [])
+    if used and all((parameter["name"], i["name"]) in in_place and position == 0
+                    for i, position in used):
+      continue
+    if used and all(i["op"] in ("slice", "dynamic-slice") and position == 0
+                    for i, position in used):
+      read += sum(array_bytes(i["shape"]) for i, _ in used)
+    else:
+      read += array_bytes(parameter["shape"])
+  return read + written
+
+
 def _flops(computation, computations) -> float:
   """FLOPs of a fused computation's dots and custom calls (nested fusions included): XLA's
   dynamic-slice fusion wraps a kernel's call (jax 0.11.2 copied the attention forward so)."""
@@ -191,11 +234,16 @@ def operations(hlo_text: str) -> list[Op]:
         continue
       if op in _FREE or _COLLECTIVE.search(op):
         continue
-      operands = [o.strip().lstrip("%") for o in i["operands"].split(",") if o.strip()]
-      nbytes = array_bytes(i["shape"]) + sum(array_bytes(shapes.get(o, "")) for o in operands)
-      if op == "fusion":
+      nbytes = array_bytes(i["shape"]) + sum(array_bytes(shapes.get(o, ""))
+                                             for o in _operand_names(i))
+      if op in ("fusion", "fusion-start"):
         callee = re.search(r"\bcalls=%([\w.\-]+)", attrs)
         flops = _flops(callee[1], computations) if callee else 0.0
+        nbytes = _fusion_bytes(callee[1], computations) if callee else nbytes
+      elif op == "dynamic-update-slice":  # in place: the update read and written
+        flops, nbytes = 0.0, 2 * array_bytes(shapes.get(_operand_names(i)[1], ""))
+      elif op == "dynamic-slice":
+        flops, nbytes = 0.0, 2 * array_bytes(i["shape"])
       elif op == "custom-call":
         flops = _custom_call_flops(i, shapes)
       elif op == "dot":

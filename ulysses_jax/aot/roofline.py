@@ -14,6 +14,8 @@ ASSUMPTIONS = (
     "every operation runs at the GPU's peak: max(FLOPs / dense bf16 tensor-core peak, "
     "bytes / HBM bandwidth), summed over the operations launched (no overlap between them)",
     "FLOPs: dots, cuBLAS GEMMs and our flash-attention kernels only (ulysses_jax.aot.cost)",
+    "bytes: each operation's inputs and outputs, of a stacked buffer only the slice it reads "
+    "or updates in place (ulysses_jax.aot.cost)",
     "collectives run after one another at the link's bandwidth per direction, per device: "
     "all-to-alls on NVLink (the seq axis stays in a node); all-gathers, reduce-scatters, "
     "all-reduces and ring permutes on InfiniBand when the cluster has several nodes, else NVLink",

@@ -275,9 +275,10 @@ def test_cost_counts_a_kernel_inside_a_fusion():
 _HLO_STACK = """\
 %slice_of_stack (stack: bf16[16,64,128], i: s32[]) -> bf16[1,64,128] {
   %stack = bf16[16,64,128]{2,1,0} parameter(0)
+  %view = bf16[16,64,128]{2,0,1} bitcast(%stack)
   %i = s32[] parameter(1)
   %zero = s32[] constant(0)
-  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%stack, %i, %zero, /*index=3*/%zero), dynamic_slice_sizes={1,64,128}
+  ROOT %ds = bf16[1,64,128]{2,1,0} dynamic-slice(%view, %i, %zero, /*index=3*/%zero), dynamic_slice_sizes={1,64,128}
 }
 
 %update_of_stack (stack: bf16[16,64,128], x: bf16[64,128], i: s32[]) -> bf16[16,64,128] {

@@ -148,24 +148,32 @@ def _operand_names(instruction) -> list[str]:
 def _fusion_bytes(computation, computations) -> int:
   """Bytes a fusion reads and writes: each parameter whole, or only the slices taken of it, or
   nothing where it is the buffer a dynamic-update-slice at the root writes into (in place);
-  each result whole, or only the update where it is such a dynamic-update-slice."""
+  each result whole, or only the update where it is such a dynamic-update-slice. Bitcasts
+  move nothing: a slice of a bitcast of a parameter is a slice of the parameter."""
   instructions = computations.get(computation, [])
   by_name = {i["name"]: i for i in instructions}
+
+  def source(name):  # the instruction a chain of bitcasts starts from
+    while by_name.get(name, {}).get("op") == "bitcast":
+      name = _operand_names(by_name[name])[0]
+    return name
+
   roots = [i for i in instructions if i["root"]]
   if roots and roots[0]["op"] == "tuple":
     roots = [by_name[name] for name in _operand_names(roots[0]) if name in by_name]
   written, in_place = 0, set()
-  for root in roots:
+  for root in (by_name[source(r["name"])] for r in roots):
     if root["op"] == "dynamic-update-slice":
       buffer, update = _operand_names(root)[:2]
-      in_place.add((buffer, root["name"]))
+      in_place.add((source(buffer), root["name"]))
       written += array_bytes(by_name[update]["shape"])
     else:
       written += array_bytes(root["shape"])
   uses = {}
   for i in instructions:
-    for position, name in enumerate(_operand_names(i)):
-      uses.setdefault(name, []).append((i, position))
+    if i["op"] != "bitcast":
+      for position, name in enumerate(_operand_names(i)):
+        uses.setdefault(source(name), []).append((i, position))
   read = 0
   for parameter in (i for i in instructions if i["op"] == "parameter"):
     used = uses.get(parameter["name"], [])

@@ -41,6 +41,34 @@ def test_cross_entropy_sums_match_numpy():
   assert sums.count == np.sum(np.asarray(labels) != IGNORE_LABEL)
 
 
+def test_cross_entropy_gradient_matches_float64_finite_differences():
+  """The logits' gradient (one elementwise pass, ``loss._sums_backward``) against central
+  differences of the float64 sums, the loss and the z-loss with different cotangents, on rows
+  with ignored labels."""
+  hidden, head, labels = _inputs(4)
+  logits = hidden @ head
+  cotangent = {"loss": 0.7, "z_loss": -1.3}
+  weight = 1e-2
+
+  def float64_objective(logits_f64):
+    loss, z_loss, _ = _numpy_sums(logits_f64, np.eye(V), labels, weight)
+    return cotangent["loss"] * loss + cotangent["z_loss"] * z_loss
+
+  _, vjp = jax.vjp(lambda x: cross_entropy_sums(x, labels, z_loss_weight=weight), logits)
+  (got,) = vjp(CrossEntropySums(loss=jnp.float32(cotangent["loss"]),
+                                z_loss=jnp.float32(cotangent["z_loss"]), count=jnp.float32(0)))
+  flat = np.asarray(logits, np.float64).reshape(-1)
+  want, eps = np.zeros_like(flat), 1e-6
+  for i in range(flat.size):
+    step = np.zeros_like(flat)
+    step[i] = eps
+    want[i] = (float64_objective((flat + step).reshape(logits.shape)) -
+               float64_objective((flat - step).reshape(logits.shape))) / (2 * eps)
+  assert relative_error(got, want.reshape(logits.shape)) < 1e-5
+  ignored = np.asarray(labels) == IGNORE_LABEL
+  assert ignored.any() and not np.asarray(got)[ignored].any()
+
+
 # (mesh, chunk): 6 local tokens per device on (2, 4) cut evenly (2) or padded (4, 5);
 # chunk > local length; and a single device.
 @pytest.mark.parametrize("mesh_shape,chunk", [((2, 4), 2), ((2, 4), 4), ((1, 8), 5),

@@ -8,6 +8,7 @@ whole batch, without valid tokens contributes zeros rather than NaN. ``token_los
 the per-token losses and top predictions (evaluation) from the same scan over chunks.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -45,16 +46,46 @@ def cross_entropy_sums(logits_BSV: jax.Array, labels_BS: jax.Array, *,
   Computed in float32 whatever the logits' dtype. Labels equal to ``IGNORE_LABEL`` count
   nowhere. ``z_loss_weight`` > 0 adds PaLM's ``z_loss_weight * logsumexp^2`` term.
   """
-  logits = logits_BSV.astype(jnp.float32)
-  valid = labels_BS != IGNORE_LABEL
+  loss, z_loss, count = _sums(logits_BSV.astype(jnp.float32), labels_BS, float(z_loss_weight))
+  return CrossEntropySums(loss=loss, z_loss=z_loss, count=count)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _sums(logits, labels, z_loss_weight):
+  """(loss, z_loss, count) of float32 logits; its gradient is one elementwise pass over the
+  logits (``_sums_backward``), where differentiating the label's gather would scatter into a
+  zeroed logits-sized buffer and add it to the softmax's gradient: passes over ``[c, V]``
+  float32 per loss chunk that a long sequence's step repeats hundreds of times."""
+  return _sums_forward(logits, labels, z_loss_weight)[0]
+
+
+def _sums_forward(logits, labels, z_loss_weight):
+  valid = labels != IGNORE_LABEL
   lse = jax.nn.logsumexp(logits, axis=-1)
-  label_logit = jnp.take_along_axis(logits, jnp.where(valid, labels_BS, 0)[..., None],
+  label_logit = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None],
                                     axis=-1)[..., 0]
   zero = jnp.zeros_like(lse)
-  return CrossEntropySums(
-      loss=jnp.sum(jnp.where(valid, lse - label_logit, zero)),
-      z_loss=jnp.sum(jnp.where(valid, z_loss_weight * lse * lse, zero)),
-      count=jnp.sum(valid, dtype=jnp.float32))
+  sums = (jnp.sum(jnp.where(valid, lse - label_logit, zero)),
+          jnp.sum(jnp.where(valid, z_loss_weight * lse * lse, zero)),
+          jnp.sum(valid, dtype=jnp.float32))
+  return sums, (logits, lse, labels)
+
+
+def _sums_backward(z_loss_weight, residuals, cotangents):
+  """d/d logits = softmax · (d_loss + 2 w lse d_z_loss) - one_hot(label) · d_loss on valid
+  rows, 0 on ignored ones."""
+  logits, lse, labels = residuals
+  d_loss, d_z_loss, _ = cotangents
+  valid = labels != IGNORE_LABEL
+  softmax_scale = jnp.where(valid, d_loss + 2 * z_loss_weight * lse * d_z_loss, 0.0)
+  vocab = jax.lax.broadcasted_iota(labels.dtype, logits.shape, logits.ndim - 1)
+  label_scale = jnp.where(valid, d_loss, 0.0)[..., None]
+  d_logits = (jnp.exp(logits - lse[..., None]) * softmax_scale[..., None]
+              - jnp.where(vocab == labels[..., None], label_scale, 0.0))
+  return d_logits, None
+
+
+_sums.defvjp(_sums_forward, _sums_backward)
 
 
 def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array, *,

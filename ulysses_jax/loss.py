@@ -101,11 +101,13 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
     mesh: the ``("data", "seq")`` mesh.
     chunk: tokens per device per step. A ``lax.scan`` walks all devices' local sequence
       slices together, ``chunk`` tokens at a time, so at most ``[B, P*chunk, V]`` float32
-      logits exist (P = seq axis); the backward pass recomputes each chunk's logits.
+      logits exist (P = seq axis); the backward pass recomputes each chunk's logits
+      (``_chunk_sums``).
     z_loss_weight: see ``cross_entropy_sums``.
   """
-  sums = lambda logits, labels: (
-      cross_entropy_sums(logits, labels, z_loss_weight=z_loss_weight), ())
+  def sums(hidden_BPcE, head_EV, labels_BPc):
+    loss, z_loss, count = _chunk_sums(hidden_BPcE, head_EV, labels_BPc, float(z_loss_weight))
+    return CrossEntropySums(loss=loss, z_loss=z_loss, count=count), ()
   return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
 
 
@@ -121,7 +123,8 @@ def token_losses(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array
                  mesh: Mesh, chunk: int) -> TokenLosses:
   """Each token's loss and top prediction, chunk by chunk as ``chunked_cross_entropy``
   walks them (same arguments): at most ``[B, P*chunk, V]`` logits exist."""
-  def per_token(logits_BPcV, labels_BPc):
+  def per_token(hidden_BPcE, head_EV, labels_BPc):
+    logits_BPcV = _logits(hidden_BPcE, head_EV)
     flat = logits_BPcV.reshape(-1, logits_BPcV.shape[-1])
     loss = jax.vmap(cross_entropy_sums)(flat, labels_BPc.reshape(-1)).loss
     predicted = logits_BPcV.argmax(-1).astype(jnp.int32)
@@ -132,9 +135,9 @@ def token_losses(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array
 
 
 def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk: int):
-  """The one scan over sequence chunks: ``chunk_fn(float32 logits [B, P, c, V], labels
-  [B, P, c]) -> (sums, per-token arrays [B, P, c])``, the chunk recomputed in the backward.
-  Returns (the sums added over the chunks, the per-token arrays as ``[B, S]``)."""
+  """The one scan over sequence chunks: ``chunk_fn(hidden [B, P, c, E], head [E, V], labels
+  [B, P, c]) -> (sums, per-token arrays [B, P, c])``. Returns (the sums added over the
+  chunks, the per-token arrays as ``[B, S]``)."""
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}.")
   if tuple(labels_BS.shape) != tuple(hidden_BSE.shape[:2]):
@@ -144,42 +147,49 @@ def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk:
   labels_NBPc = sharding.to_local_chunks(labels_BS, mesh=mesh, chunk=chunk,
                                          pad_value=IGNORE_LABEL)
 
-  @jax.checkpoint
-  def one_chunk(head_EV, hidden_BPcE, labels_BPc):
-    return chunk_fn(_logits(hidden_BPcE, head_EV), labels_BPc)
-
   def step(total, xs):
-    sums, per_token = one_chunk(head_EV, *xs)
+    hidden_BPcE, labels_BPc = xs
+    sums, per_token = chunk_fn(hidden_BPcE, head_EV, labels_BPc)
     return jax.tree.map(jnp.add, total, sums), per_token
 
   one = lambda x_N: jax.ShapeDtypeStruct(x_N.shape[1:], x_N.dtype)
-  sums_shape = jax.eval_shape(one_chunk, head_EV, one(hidden_NBPcE), one(labels_NBPc))[0]
+  sums_shape = jax.eval_shape(chunk_fn, one(hidden_NBPcE), head_EV, one(labels_NBPc))[0]
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
   total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
   s = labels_BS.shape[1]
   return total, jax.tree.map(lambda x: sharding.from_local_chunks(x, s, mesh=mesh), per_token_N)
 
 
-@jax.custom_vjp
 def _logits(hidden_BPcE: jax.Array, head_EV: jax.Array) -> jax.Array:
   """Float32 logits ``[B, P, c, V]`` of hidden states and the head, both in the compute dtype,
-  accumulated in float32. Its backward multiplies in the compute dtype too: the float32 logit
-  cotangent is rounded to it (a bfloat16 model's head then runs bfloat16 GEMMs with float32
-  accumulation, not float32 ones), and each gradient is accumulated in float32 and rounded
-  once to its input's dtype, as the plain product's would be."""
+  accumulated in float32."""
   return jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV, preferred_element_type=jnp.float32)
 
 
-def _logits_forward(hidden_BPcE, head_EV):
-  return _logits(hidden_BPcE, head_EV), (hidden_BPcE, head_EV)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunk_sums(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
+  """``_sums`` of one chunk's logits. Its residuals are the chunk's inputs and its
+  log-sum-exp, not its float32 logits: the backward recomputes the logits (one GEMM) but not
+  their max and sum. The backward multiplies in the compute dtype: the float32 logit
+  cotangent is rounded to it (a bfloat16 model's head then runs bfloat16 GEMMs with float32
+  accumulation, not float32 ones), and each gradient is accumulated in float32 and rounded once
+  to its input's dtype, as the plain product's would be."""
+  return _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight)[0]
 
 
-def _logits_backward(residuals, d_logits_BPcV):
-  hidden_BPcE, head_EV = residuals
+def _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
+  sums, (_, lse, _) = _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc, z_loss_weight)
+  return sums, (hidden_BPcE, head_EV, labels_BPc, lse)
+
+
+def _chunk_sums_backward(z_loss_weight, residuals, cotangents):
+  hidden_BPcE, head_EV, labels_BPc, lse = residuals
+  d_logits_BPcV, _ = _sums_backward(
+      z_loss_weight, (_logits(hidden_BPcE, head_EV), lse, labels_BPc), cotangents)
   d_BPcV = d_logits_BPcV.astype(jnp.promote_types(hidden_BPcE.dtype, head_EV.dtype))
   d_hidden = jnp.einsum("bpcv,ev->bpce", d_BPcV, head_EV, preferred_element_type=jnp.float32)
   d_head = jnp.einsum("bpce,bpcv->ev", hidden_BPcE, d_BPcV, preferred_element_type=jnp.float32)
-  return d_hidden.astype(hidden_BPcE.dtype), d_head.astype(head_EV.dtype)
+  return d_hidden.astype(hidden_BPcE.dtype), d_head.astype(head_EV.dtype), None
 
 
-_logits.defvjp(_logits_forward, _logits_backward)
+_chunk_sums.defvjp(_chunk_sums_forward, _chunk_sums_backward)

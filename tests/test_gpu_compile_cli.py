@@ -51,8 +51,9 @@ def test_llama1b_64k_on_one_gpu_runs_attention_forward_once_and_no_float32_gemm(
     monkeypatch, accumulate_dq):
   """Llama-3.2-1B, 65,536 tokens on one H100, remat "full": per layer one attention forward
   and its two backward kernels (the backward keeps the forward's output and lse), no float32 x
-  float32 product (the chunked head's backward multiplies in bfloat16), and it fits. With the
-  dk/dv kernel accumulating dq (a sweep candidate) one backward kernel."""
+  float32 product (the chunked head's gradients multiply in bfloat16), the head's logits
+  formed once (the gradients are formed in the forward scan), and it fits. With the dk/dv
+  kernel accumulating dq (a sweep candidate) one backward kernel."""
   from ulysses_jax.aot import cost
   from ulysses_jax.aot.report import device_breakdown
   from ulysses_jax.cli.gin_config import read
@@ -77,6 +78,10 @@ def test_llama1b_64k_on_one_gpu_runs_attention_forward_once_and_no_float32_gemm(
   f32_products = [p for p in cost.products(text)
                   if all(o.startswith("f32[") for o in p.operands)]
   assert not f32_products, f32_products
+  model = config.model
+  logits = [p for p in cost.products(text)
+            if p.shape.startswith(f"f32[{model.loss_chunk},{model.vocab_size}]")]
+  assert len(logits) == 1, logits
   assert sum(device_breakdown(compiled.memory_analysis()).values()) < (
       aot.gpu_spec("h100").budget_bytes)
 

@@ -1,5 +1,7 @@
 """Chunked cross-entropy over a sharded sequence against the plain full-logits loss."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,19 +72,21 @@ def test_cross_entropy_gradient_matches_float64_finite_differences():
 
 
 # (mesh, chunk): 6 local tokens per device on (2, 4) cut evenly (2) or padded (4, 5);
-# chunk > local length; and a single device.
+# chunk > local length; and a single device. Without a z-loss the gradients are formed in the
+# forward scan; with one, the backward recomputes the logits.
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
 @pytest.mark.parametrize("mesh_shape,chunk", [((2, 4), 2), ((2, 4), 4), ((1, 8), 5),
                                               ((4, 2), 100), ((1, 1), 7)])
-def test_chunked_matches_full_logits_values_and_gradients(mesh_shape, chunk):
+def test_chunked_matches_full_logits_values_and_gradients(mesh_shape, chunk, z_loss_weight):
   mesh = mesh_of(*mesh_shape)
   hidden, head, labels = _inputs(1)
 
   def chunked(hidden, head):
     return chunked_cross_entropy(hidden, head, labels, mesh=mesh, chunk=chunk,
-                                 z_loss_weight=1e-2).mean()
+                                 z_loss_weight=z_loss_weight).mean()
 
   def full(hidden, head):
-    return cross_entropy_sums(hidden @ head, labels, z_loss_weight=1e-2).mean()
+    return cross_entropy_sums(hidden @ head, labels, z_loss_weight=z_loss_weight).mean()
 
   value, grads = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1)))(hidden, head)
   want_value, want_grads = jax.value_and_grad(full, argnums=(0, 1))(hidden, head)
@@ -99,6 +103,29 @@ def test_chunked_never_builds_full_logits():
   # A chunk's logits are [B, P, chunk, V] = [4, 8, 3, 40]; nothing [4, 24, 40] is formed.
   assert "f32[4,8,3,40]" in jaxpr
   assert "f32[4,24,40]" not in jaxpr
+
+
+@pytest.mark.parametrize("z_loss_weight, logit_products", [(0.0, 1), (1e-2, 2)])
+def test_gradient_scales_with_any_cotangent_and_recomputes_logits_only_with_a_z_loss(
+    z_loss_weight, logit_products):
+  """The sums' gradients for cotangents other than the mean's (the loss's and the z-loss's
+  different, the count's nonzero) against the full logits'. Without a z-loss the chunks'
+  gradients are formed in the forward, while the logits exist: one logits product per chunk
+  in the differentiated program; with one, the backward forms the logits again."""
+  mesh = mesh_of(2, 4)
+  hidden, head, labels = _inputs(6)
+  cotangent = CrossEntropySums(loss=jnp.float32(0.7), z_loss=jnp.float32(-1.3),
+                               count=jnp.float32(2.0))
+  chunked = lambda h, w: chunked_cross_entropy(h, w, labels, mesh=mesh, chunk=2,
+                                               z_loss_weight=z_loss_weight)
+  full = lambda h, w: cross_entropy_sums(h @ w, labels, z_loss_weight=z_loss_weight)
+  got = jax.vjp(chunked, hidden, head)[1](cotangent)
+  want = jax.vjp(full, hidden, head)[1](cotangent)
+  for g, w in zip(got, want):
+    assert relative_error(g, w) < 1e-5
+  jaxpr = str(jax.make_jaxpr(lambda h, w: jax.vjp(chunked, h, w)[1](cotangent))(hidden, head))
+  # A chunk's logits [B, P, chunk, V] = [4, 4, 2, 40].
+  assert len(re.findall(r"f32\[4,4,2,40\] = dot_general", jaxpr)) == logit_products
 
 
 def test_ignored_tokens_count_nowhere_and_empty_shards_give_no_nan():

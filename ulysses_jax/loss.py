@@ -101,14 +101,21 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
     mesh: the ``("data", "seq")`` mesh.
     chunk: tokens per device per step. A ``lax.scan`` walks all devices' local sequence
       slices together, ``chunk`` tokens at a time, so at most ``[B, P*chunk, V]`` float32
-      logits exist (P = seq axis); the backward pass recomputes each chunk's logits
-      (``_chunk_sums``).
+      logits exist (P = seq axis). Differentiated, each chunk's gradients are formed in the
+      forward scan, while its logits exist, and the backward only scales them
+      (``_sums_with_gradients``); with a z-loss the backward recomputes each chunk's logits
+      instead (``_chunk_sums``).
     z_loss_weight: see ``cross_entropy_sums``.
   """
-  def sums(hidden_BPcE, head_EV, labels_BPc):
-    loss, z_loss, count = _chunk_sums(hidden_BPcE, head_EV, labels_BPc, float(z_loss_weight))
-    return CrossEntropySums(loss=loss, z_loss=z_loss, count=count), ()
-  return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
+  z_loss_weight = float(z_loss_weight)
+  if z_loss_weight:
+    def sums(hidden_BPcE, head_EV, labels_BPc):
+      return _chunk_sums(hidden_BPcE, head_EV, labels_BPc, z_loss_weight), ()
+    loss, z_loss, count = _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh,
+                                       chunk=chunk)[0]
+  else:
+    loss, z_loss, count = _sums_with_gradients(hidden_BSE, head_EV, labels_BS, mesh, chunk)
+  return CrossEntropySums(loss=loss, z_loss=z_loss, count=count)
 
 
 class TokenLosses(NamedTuple):
@@ -136,8 +143,8 @@ def token_losses(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array
 
 def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk: int):
   """The one scan over sequence chunks: ``chunk_fn(hidden [B, P, c, E], head [E, V], labels
-  [B, P, c]) -> (sums, per-token arrays [B, P, c])``. Returns (the sums added over the
-  chunks, the per-token arrays as ``[B, S]``)."""
+  [B, P, c]) -> (sums, per-token arrays [B, P, c, ...])``. Returns (the sums added over the
+  chunks, the per-token arrays as ``[B, S, ...]``)."""
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}.")
   if tuple(labels_BS.shape) != tuple(hidden_BSE.shape[:2]):
@@ -170,10 +177,7 @@ def _logits(hidden_BPcE: jax.Array, head_EV: jax.Array) -> jax.Array:
 def _chunk_sums(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
   """``_sums`` of one chunk's logits. Its residuals are the chunk's inputs and its
   log-sum-exp, not its float32 logits: the backward recomputes the logits (one GEMM) but not
-  their max and sum. The backward multiplies in the compute dtype: the float32 logit
-  cotangent is rounded to it (a bfloat16 model's head then runs bfloat16 GEMMs with float32
-  accumulation, not float32 ones), and each gradient is accumulated in float32 and rounded once
-  to its input's dtype, as the plain product's would be."""
+  their max and sum."""
   return _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight)[0]
 
 
@@ -184,12 +188,62 @@ def _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
 
 def _chunk_sums_backward(z_loss_weight, residuals, cotangents):
   hidden_BPcE, head_EV, labels_BPc, lse = residuals
-  d_logits_BPcV, _ = _sums_backward(
-      z_loss_weight, (_logits(hidden_BPcE, head_EV), lse, labels_BPc), cotangents)
-  d_BPcV = d_logits_BPcV.astype(jnp.promote_types(hidden_BPcE.dtype, head_EV.dtype))
-  d_hidden = jnp.einsum("bpcv,ev->bpce", d_BPcV, head_EV, preferred_element_type=jnp.float32)
-  d_head = jnp.einsum("bpce,bpcv->ev", hidden_BPcE, d_BPcV, preferred_element_type=jnp.float32)
+  d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc,
+                                      _logits(hidden_BPcE, head_EV), lse, z_loss_weight,
+                                      cotangents)
   return d_hidden.astype(hidden_BPcE.dtype), d_head.astype(head_EV.dtype), None
 
 
 _chunk_sums.defvjp(_chunk_sums_forward, _chunk_sums_backward)
+
+
+def _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse, z_loss_weight,
+                     cotangents):
+  """Float32 gradients of one chunk's sums to its hidden states and the head. They multiply
+  in the compute dtype: the float32 logit cotangent is rounded to it (a bfloat16 model's head
+  then runs bfloat16 GEMMs with float32 accumulation, not float32 ones)."""
+  d_logits_BPcV, _ = _sums_backward(z_loss_weight, (logits_BPcV, lse, labels_BPc), cotangents)
+  d_BPcV = d_logits_BPcV.astype(jnp.promote_types(hidden_BPcE.dtype, head_EV.dtype))
+  d_hidden = jnp.einsum("bpcv,ev->bpce", d_BPcV, head_EV, preferred_element_type=jnp.float32)
+  d_head = jnp.einsum("bpce,bpcv->ev", hidden_BPcE, d_BPcV, preferred_element_type=jnp.float32)
+  return d_hidden, d_head
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _sums_with_gradients(hidden_BSE, head_EV, labels_BS, mesh, chunk):
+  """(loss, z_loss = 0, count) of the chunked loss without a z-loss. Differentiated, the
+  forward scan also forms the gradients for a unit loss cotangent, chunk by chunk while the
+  logits exist (Liger's fused linear cross-entropy): ``d hidden [B, S, E]``, kept in
+  hidden's dtype in place of hidden itself, and ``d head [E, V]``, summed over the chunks in
+  float32 and rounded once to the head's dtype. The backward scales both by the loss's
+  cotangent: the head's three GEMMs per chunk where recomputing the logits takes four. The
+  gradient depends on the loss's cotangent alone only without a z-loss (a z-loss's would
+  need two more GEMMs per chunk)."""
+  def sums(hidden_BPcE, head_EV, labels_BPc):
+    return _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc, 0.0)[0], ()
+  return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
+
+
+def _sums_with_gradients_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk):
+  unit = (jnp.float32(1), jnp.float32(0), None)
+
+  def sums_and_gradients(hidden_BPcE, head_EV, labels_BPc):
+    logits_BPcV = _logits(hidden_BPcE, head_EV)
+    sums, (_, lse, _) = _sums_forward(logits_BPcV, labels_BPc, 0.0)
+    d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse,
+                                        0.0, unit)
+    return (sums, d_head), d_hidden.astype(hidden_BPcE.dtype)
+
+  (sums, d_head_EV), d_hidden_BSE = _over_chunks(sums_and_gradients, hidden_BSE, head_EV,
+                                                 labels_BS, mesh=mesh, chunk=chunk)
+  return sums, (d_hidden_BSE, d_head_EV.astype(head_EV.dtype))
+
+
+def _sums_with_gradients_backward(mesh, chunk, residuals, cotangents):
+  d_loss = cotangents[0]
+  scale = lambda unit: (d_loss * unit.astype(jnp.float32)).astype(unit.dtype)
+  d_hidden_BSE, d_head_EV = residuals
+  return scale(d_hidden_BSE), scale(d_head_EV), None
+
+
+_sums_with_gradients.defvjp(_sums_with_gradients_forward, _sums_with_gradients_backward)

@@ -12,14 +12,16 @@ prefill pass (one chunk of ``chunk_len`` tokens with chunked prefill):
   decode     weights + cache: a step's arguments; its temporaries (a row's logits, one
              layer's partial outputs) are megabytes and not counted
   prefill    weights + cache + the forward's working set of one layer at its peak, the MLP:
-             T·c·(3·F' + 3·E) for a dense layer (the layer input, its norm and the output
-             being formed, E each; gate, up and their product, F' each, F' = F times the MLP
-             tile's share of T), T·(c·k·(2·E + 3·I) + 8·X) for experts (the k copies of each
-             token and of its output; gate, up and product of width I; float32 router logits
-             and probabilities). Counted from the arrays, not fitted. Not counted: a
-             ring's incoming K and V blocks (the compiled 4M-token prefill on 32 H100s holds
-             0.28 GiB more temporaries than the 1M one on 8; training's ring term,
-             ``plan.model``, would add 2.5 GiB here, far more).
+             T·c·(2·F' + 3·E) for a dense layer (the layer input, its norm and the output
+             being formed, E each; gate and up, F' each, F' = F times the MLP tile's share of
+             T: the programs compiled on 2026-11-29 hold no third [T, F'] buffer for their
+             product), T·(c·k·(2·E + 3·I) + 8·X) for experts (the k copies of each token and
+             of its output; gate, up and product of width I; float32 router logits and
+             probabilities). Counted from the arrays, not fitted; 6 % above the compiled
+             dense prefills' temporaries (Llama-3.1-8B, 1M tokens on 8 H100s and 4M on 32,
+             jax 0.11.2 and 0.12.0.1). Not counted: a ring's incoming K and V blocks (the
+             4M-token prefill on 32 H100s compiles to the temporaries of the 1M one on 8;
+             training's ring term, ``plan.model``, would add 2.5 GiB here).
 
 Times, as ``aot.generate`` predicts them from the compiled programs (lower bounds: peak rates,
 no overlap), and at the planner's achieved rates (``plan.hardware.ACHIEVED``):
@@ -126,7 +128,7 @@ def _forward_working_per_token(model: Model, c: int, rows: int, tokens: int) -> 
   """Bytes per prompt token of one layer's forward at its peak, the MLP (docstring)."""
   e = model.hidden_dim
   tile = min(tokens, rows * model.mlp_chunk) if model.mlp_chunk else tokens
-  dense = c * (3 * model.mlp_dim * tile / tokens + 3 * e)
+  dense = c * (2 * model.mlp_dim * tile / tokens + 3 * e)
   if not model.moe_layers:
     return dense
   experts = (c * model.experts_per_token * (2 * e + 3 * model.expert_mlp_dim) * tile / tokens

@@ -73,12 +73,7 @@ GRID = tuple(
 def predict(config, devices: int) -> dict:
   """``plan.predict_memory`` for a read config (its model resolved) on ``devices`` devices."""
   cfg, model_cfg, data_cfg = config.train, config.model, config.data
-  sequence = cfg.mesh_seq * cfg.mesh_ring
-  layout = plan.Layout(data=devices // sequence if cfg.mesh_data == -1 else cfg.mesh_data,
-                       seq=cfg.mesh_seq, ring=cfg.mesh_ring, remat=model_cfg.remat_policy,
-                       offload_optimizer=cfg.offload_optimizer,
-                       remat_group=model_cfg.remat_group, offload_params=cfg.offload_params,
-                       attn_head_chunks=model_cfg.attn_head_chunks)
+  layout = plan.Layout.from_config(cfg, model_cfg, devices)
   return plan.predict_memory(
       plan.Model.from_config(model_cfg), layout, batch=data_cfg.batch_size // cfg.accum_steps,
       seq_len=data_cfg.seq_len, dtype=model_cfg.dtype, param_dtype=model_cfg.param_dtype,
@@ -114,11 +109,13 @@ def replan(path: str, layouts) -> list[dict]:
   for (gin_file, topology, params), row in zip(layouts, stored):
     config = gin_config.read([gin_file], list(params))
     slices, hosts, per_host = parse_topology(topology)
-    planned = predict(config, slices * hosts * per_host)["total"] / GIB
+    predicted = predict(config, slices * hosts * per_host)
+    planned, host = predicted["total"] / GIB, predicted["host"] / GIB
     least = min(row["compiled_device_gib"], row["under_pressure_gib"])
     rows.append({"config": row["config"], "cluster": row["cluster"],
                  "stored_plan_gib": row["plan_device_gib"], "plan_device_gib": round(planned, 2),
-                 "least_compiled_gib": least, "device_error": f"{planned / least - 1:+.1%}"})
+                 "least_compiled_gib": least, "device_error": f"{planned / least - 1:+.1%}",
+                 "plan_host_gib": round(host, 2), "compiled_host_gib": row["compiled_host_gib"]})
   return rows
 
 

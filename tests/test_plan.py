@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import pathlib
 
 import gin
@@ -69,20 +70,41 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
   assert abs(predicted / measured - 1) < 0.15, (predicted, measured)
 
 
-# Compiled for H100s on 2026-11-24 (jax 0.10.2, the compile given the budget's memory limit, the
-# ring squeezed) by `benchmarks.plan_vs_compiler` (CONFIGS): device
-# arguments + outputs + temporaries, the smaller of the step compiled as is and under memory
-# pressure (the footprint the planner predicts; see its module docstring), and host state +
-# host temporaries, GiB per device:
-# (config, (data, seq, ring) of its topology, --gin_param overrides, device GiB, host GiB).
-COMPILED_H100 = [
-    ("configs/llama8b_1gpu_1m.gin", (1, 1, 1), ["LlamaConfig.remat_group=4"], 63.21, 151.92),
-    ("configs/llama8b_1gpu_1m.gin", (1, 1, 1), [], 61.58, 199.92),
-    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=1"], 71.99, 102.99),
-    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), [], 68.14, 102.99),
-    ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=4"], 62.16, 102.99),
-    ("configs/llama8b_32gpu_32m.gin", (1, 8, 4), [], 65.34, 97.75),  # 2026-11-25, after d9fd7da
-]
+# The shipped GPU configs and a grid of their layouts compiled for H100s by
+# `benchmarks.plan_vs_compiler` (the compile-only GPU devices of the jax version named; the
+# smaller of the step compiled as is and under memory pressure, the footprint the planner
+# predicts; see its module docstring), replanned here with the planner as it is now. Each
+# layout's device figure within 10 %, and its host figure within 1 %, but the gaps below:
+# (JSON, layout) -> why the planner misses it.
+_KV_REPLICATED = ("over: head chunks whose KV heads are replicated over seq (2 or 4 KV heads "
+                  "per chunk on 8 GPUs), which the fitted 1.1 A per token counts as "
+                  "replicated. The planner errs toward 'does not fit'")
+PLANNER_VS_COMPILER = {
+    "plan_vs_compiler_jax0.11.2.json": {
+        "llama8b_8gpu_8m.gin": _KV_REPLICATED + " (+12.8 %)",
+        "llama8b_8gpu_8m.gin attn_head_chunks=4": _KV_REPLICATED + " (+12.2 %)"},
+    "plan_vs_compiler_jax0.12.0.1.json": {
+        "llama8b_8gpu_8m.gin attn_head_chunks=4": _KV_REPLICATED + " (+14.4 %)"},
+    "plan_vs_compiler_grid_jax0.11.2.json": {
+        "llama8b_8gpu_8m.gin seq_len=4194304 attn_head_chunks=2": _KV_REPLICATED + " (+13.4 %)",
+        "llama8b_1gpu_1m.gin seq_len=262144 attn_head_chunks=1": (
+            "over (+13.0 %): jax 0.11.2 compiles it to 22.89 GiB under memory pressure (0.10.2: "
+            "23.92, +8.2 %)")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANNER_VS_COMPILER))
+def test_memory_prediction_matches_the_gpu_compiler(name):
+  from benchmarks import plan_vs_compiler
+  layouts = plan_vs_compiler.GRID if "_grid" in name else plan_vs_compiler.CONFIGS
+  rows = plan_vs_compiler.replan(str(RESULTS / name), layouts)
+  assert len(rows) == len(layouts)
+  errors = {row["config"]: row["plan_device_gib"] / row["least_compiled_gib"] - 1
+            for row in rows}
+  assert {c for c, e in errors.items() if abs(e) > 0.10} == set(PLANNER_VS_COMPILER[name]), (
+      errors)
+  for row in rows:
+    assert row["plan_host_gib"] == pytest.approx(row["compiled_host_gib"], rel=0.01, abs=0.01)
 
 
 def _config_layout(gin_file, mesh_shape, params):
@@ -92,24 +114,11 @@ def _config_layout(gin_file, mesh_shape, params):
   finally:
     gin.clear_config()
   run, model, data = config.train, config.model, config.data
-  layout = plan.Layout(*mesh_shape, remat=model.remat_policy,
-                       offload_optimizer=run.offload_optimizer, remat_group=model.remat_group,
-                       offload_params=run.offload_params,
-                       attn_head_chunks=model.attn_head_chunks,
-                       keep_attention=model.remat_keep_attention)
+  layout = plan.Layout.from_config(run, model, math.prod(mesh_shape))
   sizes = dict(batch=data.batch_size // run.accum_steps, seq_len=data.seq_len,
                dtype=model.dtype, param_dtype=model.param_dtype,
                master_weights=run.master_weights)
   return plan.Model.from_config(model), layout, sizes
-
-
-@pytest.mark.parametrize("gin_file,mesh_shape,params,device_gib,host_gib", COMPILED_H100)
-def test_memory_prediction_matches_the_gpu_compiler(gin_file, mesh_shape, params, device_gib,
-                                                    host_gib):
-  model, layout, sizes = _config_layout(gin_file, mesh_shape, params)
-  predicted = plan.predict_memory(model, layout, **sizes)
-  assert predicted["total"] / 2**30 == pytest.approx(device_gib, rel=0.1)
-  assert predicted["host"] / 2**30 == pytest.approx(host_gib, rel=0.1)
 
 
 # The mixture-of-experts fine-tunes compiled for 8 H100s (device arguments + outputs +
@@ -174,7 +183,10 @@ def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():
   # d9fd7da, compiled 2026-11-25). The compiler counts every byte, the
   # planner (P-1)/P of the all-to-all (a device keeps its own part).
   traffic = {}
-  for gin_file, mesh_shape, params, _, _ in COMPILED_H100[1:]:
+  for gin_file, mesh_shape, params in (
+      ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=1"]),
+      ("configs/llama8b_8gpu_8m.gin", (1, 8, 1), ["LlamaConfig.attn_head_chunks=4"]),
+      ("configs/llama8b_32gpu_32m.gin", (1, 8, 4), [])):
     model, layout, sizes = _config_layout(gin_file, mesh_shape, params)
     step = plan.predict_step(model, layout, hardware=plan.Hardware.of("h100"), **sizes)
     traffic[layout.ring, layout.attn_head_chunks] = (

@@ -90,6 +90,11 @@ PLANNER_VS_COMPILER = {
         "llama8b_1gpu_1m.gin seq_len=262144 attn_head_chunks=1": (
             "over (+13.0 %): jax 0.11.2 compiles it to 22.89 GiB under memory pressure (0.10.2: "
             "23.92, +8.2 %)")},
+    "plan_vs_compiler_grid_jax0.12.0.1.json": {
+        "llama8b_1gpu_1m.gin seq_len=262144 attn_head_chunks=1": (
+            "over (+12.8 %): 22.93 GiB under memory pressure"),
+        "llama8b_1gpu_1m.gin seq_len=786432 attn_head_chunks=2": (
+            "over (+11.7 %): jax 0.12.0.1 compiles it to 47.07 GiB as is (0.11.2: 55.50)")},
 }
 
 

@@ -98,7 +98,7 @@ ring's squeeze, far over any GPU), and gpt-oss-20b (16 to 25 % under at 2M and 4
 0.10.2 and 0.12.0.1: its compiled peak holds the layer's input in float32 twice and five
 copies of q and the attention output, counted by no term here). Compiled again with jax
 0.11.2 and 0.12.0.1 (2026-11-29; ``tests/test_plan.py`` replans the JSONs): within 10 % but
-five over-predictions of 12-14 %, four of them head chunks whose KV heads are replicated over
+seven over-predictions of 11.7-14.4 %, four of them head chunks whose KV heads are replicated over
 ``seq`` (``1.1·A`` counts K and V as replicated; which buffers the compiled peaks do without
 was not read).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the

@@ -96,11 +96,7 @@ layouts at -1.4 and +3.7 %. Not captured: n = 8 on one GPU (compiled 65.9 GiB, p
 61.0; the planner tries n <= 4), the ring with n = 1 at 1M tokens per GPU (-23 % before the
 ring's squeeze, far over any GPU), and gpt-oss-20b (16 to 25 % under at 2M and 4M tokens, jax
 0.10.2 and 0.12.0.1: its compiled peak holds the layer's input in float32 twice and five
-copies of q and the attention output, counted by no term here). Compiled again with jax
-0.11.2 and 0.12.0.1 (2026-11-29; ``tests/test_plan.py`` replans the JSONs): within 10 % but
-seven over-predictions of 11.7-14.4 %, four of them head chunks whose KV heads are replicated over
-``seq`` (``1.1·A`` counts K and V as replicated; which buffers the compiled peaks do without
-was not read).
+copies of q and the attention output, counted by no term here).
 7.5·F' is the earlier fit to XLA's CPU buffer assignment (``tests/test_plan.py`` checks the
 total against ``compiled.memory_analysis()`` on CPU, untiled MLP); the GPU configs tile the
 MLP, so F' is small there. ``remat="none"`` keeps every layer's working set instead (a
@@ -250,13 +246,11 @@ class Layout:
 
   @classmethod
   def from_config(cls, train, model, devices: int) -> "Layout":
-    """The layout a ``TrainConfig`` and ``LlamaConfig`` train with on ``devices`` devices
-    (``mesh_data=-1``: the devices the sequence axes leave)."""
-    data = devices // (train.mesh_seq * train.mesh_ring) if train.mesh_data == -1 else (
-        train.mesh_data)
-    return cls(data, train.mesh_seq, train.mesh_ring, remat=model.remat_policy,
-               offload_optimizer=train.offload_optimizer, remat_group=model.remat_group,
-               offload_params=train.offload_params, attn_head_chunks=model.attn_head_chunks,
+    """The layout a ``TrainConfig`` and ``LlamaConfig`` train with on ``devices`` devices."""
+    sequence = train.mesh_seq * train.mesh_ring
+    data = devices // sequence if train.mesh_data == -1 else train.mesh_data
+    return cls(data, train.mesh_seq, train.mesh_ring, model.remat_policy, train.offload_optimizer,
+               model.remat_group, train.offload_params, model.attn_head_chunks,
                keep_attention=model.remat_keep_attention)
 
   @property

@@ -2,6 +2,12 @@
 decode step and the mixture-of-experts layer (marked ``gpu_compile``, as
 ``tests/test_gpu_compile.py``)."""
 
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from test_gpu_compile import MOSAIC, pytestmark  # noqa: F401  (the marks apply here too)
 from ulysses_jax import aot, make_mesh
 
@@ -55,3 +61,33 @@ def test_experts_compile_to_grouped_mosaic_kernels_not_a_dense_product():
   assert sum(op.count * op.flops for op in cost.operations(dense.as_text())) > 20 * grouped
   assert (dense.memory_analysis().temp_size_in_bytes
           > 10 * compiled.memory_analysis().temp_size_in_bytes)
+
+
+def _collective_shapes(text, kind):
+  """The result shapes (``"bf16[512,64]"``, ...) of every ``kind`` collective in an HLO text,
+  sync or async (an async start's result lists its operands' shapes too)."""
+  return [shape for line in text.splitlines() if f" {kind}(" in line or f" {kind}-start(" in line
+          for shape in re.findall(r"\w+\[[\d,]*\]", line.split(f" {kind}")[0])]
+
+
+def test_fsdp_gathers_move_bfloat16_parameters():
+  """The FSDP all-gathers of a bfloat16 train step on 8 H100s move bfloat16 parameters, not
+  float32 ones cast after the gather, and the gradients go back by a reduce-scatter. A tied
+  table is cast twice (lookup and head): with only the replicated constraint after the casts
+  XLA gathered it in float32 and all-reduced its gradient (``sharding.gather`` pins each cast
+  to the parameter's shards)."""
+  from ulysses_jax import sharding
+  from ulysses_jax.models.llama import Llama, preset
+  config = preset("tiny", tie_embeddings=True, dtype="bfloat16", vocab_size=512, hidden_dim=64)
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  make = lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0))
+  graphdef, shardings = sharding._abstract(make, mesh, sharding.DEFAULT_RULES)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       nnx.split(nnx.eval_shape(make))[1], shardings)
+  tokens = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+  loss = lambda s, t: nnx.merge(graphdef, s).loss(t, t).mean()
+  text = jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text()
+  gathered = _collective_shapes(text, "all-gather")
+  assert "bf16[512,8]" in gathered, gathered  # the table's shard
+  assert not [s for s in gathered if s.startswith("f32")], gathered
+  assert "bf16[512,8]" in _collective_shapes(text, "reduce-scatter")  # its gradient

@@ -83,7 +83,7 @@ class Dense(nnx.Module):
 
   def compute_kernel(self) -> jax.Array:
     """The kernel in the compute dtype, replicated (one all-gather)."""
-    return sharding.gather(self.kernel[...].astype(self.dtype), self.mesh)
+    return sharding.gather(self.kernel[...], self.dtype, self.mesh)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """``[..., *in_shape]`` -> ``[..., *out_shape]`` in the compute dtype."""

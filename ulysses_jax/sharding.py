@@ -223,12 +223,23 @@ def constrain(x, axes: tuple[str | None, ...], mesh: Mesh, rules: Rules = DEFAUL
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def gather(x, mesh: Mesh):
-  """All-gathers a (FSDP-sharded) parameter: replicated on every device of ``mesh``.
+def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
+           rules: Rules = DEFAULT_RULES):
+  """An FSDP-sharded parameter ``x`` cast to ``dtype`` and all-gathered: replicated on every
+  device of ``mesh``. The transpose reduces the gradient back to the parameter's shards.
 
-  Callers cast to the compute dtype first, so the all-gather moves compute-dtype bytes. The
-  transpose reduces the gradient back to the parameter's sharding.
+  With the parameter's logical ``axes`` the cast is pinned to its own shards first. Without,
+  XLA may gather the float32 parameter and cast it gathered: it did so with Llama-3.2-1B's
+  tied table (cast twice, for the lookup and the head; 0.98 GiB per micro-batch on 8 GPUs
+  where bfloat16 moves half), and all-reduced some untied tables' gradients
+  (``llama8b_8gpu_8m.gin``'s, the MoE fine-tunes') that pinned are reduce-scattered. The
+  layers' kernels are not pinned: they were gathered in bfloat16 already, and pinning them
+  moved XLA's schedule (``llama8b_8gpu_8m.gin`` +1.0 GiB per GPU with jax 0.12.0.1;
+  ``benchmarks/RESULTS.md``, "Parameters gathered in the compute dtype").
   """
+  x = x.astype(dtype)
+  if axes is not None:
+    x = constrain(x, axes, mesh, rules)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 

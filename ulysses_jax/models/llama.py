@@ -262,7 +262,12 @@ class Llama(nnx.Module):
     """``[E, V]`` output projection in the compute dtype, all-gathered (replicated)."""
     if self.lm_head is not None:
       return self.lm_head.compute_kernel()
-    return sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh).T
+    return self._compute_table().T
+
+  def _compute_table(self) -> jax.Array:
+    """The embedding ``[V, E]`` in the compute dtype, all-gathered (replicated)."""
+    return sharding.gather(self.embedding[...], self.config.dtype, self.mesh,
+                           axes=("vocab", "embed"), rules=self.rules)
 
   def _check_inputs(self, tokens, positions, segment_ids):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -337,7 +342,7 @@ class Llama(nnx.Module):
     """The embeddings of int ``[B, S]`` tokens: ``[B, S, E]`` in the compute dtype (times
     sqrt(E) with ``embed_scale``), sharded (data, seq)."""
     # Gathering the table first keeps the lookup local to each (data, seq) shard.
-    table_VE = sharding.gather(self.embedding[...].astype(self.config.dtype), self.mesh)
+    table_VE = self._compute_table()
     x_BSE = jnp.take(table_VE, tokens_BS, axis=0)
     if self.config.embed_scale:
       x_BSE = x_BSE * jnp.asarray(self.config.hidden_dim ** 0.5, self.config.dtype)

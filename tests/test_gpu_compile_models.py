@@ -74,8 +74,8 @@ def test_fsdp_gathers_move_bfloat16_parameters():
   """The FSDP all-gathers of a bfloat16 train step on 8 H100s move bfloat16 parameters, not
   float32 ones cast after the gather, and the gradients go back by a reduce-scatter. A tied
   table is cast twice (lookup and head): with only the replicated constraint after the casts
-  XLA gathered it in float32 and all-reduced its gradient (``sharding.gather`` pins each cast
-  to the parameter's shards)."""
+  XLA gathered it in float32 and all-reduced its gradient (``sharding.gather`` now pins the
+  table's casts to its shards)."""
   from ulysses_jax import sharding
   from ulysses_jax.models.llama import Llama, preset
   config = preset("tiny", tie_embeddings=True, dtype="bfloat16", vocab_size=512, hidden_dim=64)

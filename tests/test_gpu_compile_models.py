@@ -80,10 +80,10 @@ def test_fsdp_gathers_move_bfloat16_parameters():
   from ulysses_jax.models.llama import Llama, preset
   config = preset("tiny", tie_embeddings=True, dtype="bfloat16", vocab_size=512, hidden_dim=64)
   mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
-  make = lambda: Llama(config, mesh=mesh, rngs=nnx.Rngs(0))
-  graphdef, shardings = sharding._abstract(make, mesh, sharding.DEFAULT_RULES)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, mesh=mesh,
+                                                           rngs=nnx.Rngs(0))))
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                       nnx.split(nnx.eval_shape(make))[1], shardings)
+                       state, sharding.tree_shardings(state, mesh))
   tokens = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
   loss = lambda s, t: nnx.merge(graphdef, s).loss(t, t).mean()
   text = jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text()

@@ -7,6 +7,8 @@ wraps more than twice (checked against the plan's block ranges), and compares wi
 reference.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,17 +83,16 @@ def test_detector_reports_a_ring_refill_without_the_proxy_fence():
 # of a block (64, 128); the least that wraps every ring twice (D = 64 causal: 4 slots in dq and
 # dk/dv, D = 128: 2); segment ids are sorted random documents, so they cross tiles. The window of
 # 600 starts the later CTAs' streams past block 0 and cuts blocks at its lower edge (masked), yet
-# still wraps every ring twice (slow: 13 s forward, 48 s backward on 2 cores). The tile variants
-# of the sweep: three compute warpgroups in every kernel (900 tokens pad to 1152: six 192-row
-# tiles), and the ping-pong schedule of the forward and dq.
+# still wraps every ring twice. The tile variants of the sweep: three compute warpgroups in every
+# kernel (900 tokens pad to 1152: six 192-row tiles), and the ping-pong schedule of the forward
+# and dq.
 THREE_WARPGROUPS = (Tile(192, 128, 16, 2), Tile(192, 64, 16, 2), Tile(64, 192, 16, 2))
 PINGPONG = (Tile(128, 64, 12, 2, pingpong=True), Tile(128, 64, 12, 3, pingpong=True),
             Tile(64, 128, 12, 3))
 CASES = [pytest.param(1050, True, (2, 1), 64, True, None, None, id="causal-gqa-d64-packed"),
          pytest.param(600, False, (2, 1), 128, True, None, None, id="full-gqa-d128-packed"),
          pytest.param(600, True, (2, 2), 128, False, None, None, id="causal-mha-d128"),
-         pytest.param(800, True, (2, 1), 128, True, 600, None, id="window600-gqa-d128-packed",
-                      marks=(pytest.mark.slow, pytest.mark.mosaic)),
+         pytest.param(800, True, (2, 1), 128, True, 600, None, id="window600-gqa-d128-packed"),
          pytest.param(900, True, (2, 1), 64, True, None, THREE_WARPGROUPS,
                       id="three-warpgroups-causal-gqa-d64-packed"),
          pytest.param(800, True, (2, 1), 64, True, None, PINGPONG,
@@ -155,15 +156,6 @@ def _assert_close(name, actual, expected):
   assert err < BF16_TOL, f"{name}: relative error {err:.2e} >= {BF16_TOL:.0e}"
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles", CASES + OVERLAP)
-def test_forward_kernel_has_no_race(seq_len, causal, heads, head_dim, segments, window, tiles):
-  q, k, v, _, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments, window,
-                                             tiles)
-  with _race_checked():
-    out = jax.jit(_attention(causal, segment_ids, window, tiles))(q, k, v)
-  _assert_close("out", out, _reference(causal, segment_ids, window, q, k, v))
-
-
 # The dk/dv kernel accumulating dq (its dS^T tile rewritten every block, read by wgmma): causal
 # GQA, packed, its ring of two slots wrapped more than twice per head.
 ACCUMULATE_DQ = [pytest.param(600, True, (2, 1), 64, True, None,
@@ -172,17 +164,33 @@ ACCUMULATE_DQ = [pytest.param(600, True, (2, 1), 64, True, None,
                               id="accumulate-dq-causal-gqa-d64-packed")]
 
 
-@pytest.mark.parametrize("seq_len,causal,heads,head_dim,segments,window,tiles",
-                         CASES + ACCUMULATE_DQ)
-def test_dq_and_dkv_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window,
-                                         tiles):
-  """One backward pass runs both kernels; a race names the kernel's source line."""
+def _checking(passes, *checked):
+  """``(case..., passes)``: which passes of each case run under the race detector. Slow: a
+  case's forward and backward take 20 to 36 s on 2 cores (jax 0.12.0.1, -n 2, 2026-11-29), up
+  to twice that in CI, which runs them in test-newest-jax beside the other slow Mosaic tests."""
+  return [pytest.param(*case.values, passes, id=case.id,
+                       marks=(pytest.mark.slow, pytest.mark.mosaic)) for case in checked]
+
+
+# Every case's forward and backward; the forward alone of OVERLAP (their backward kernels are
+# those of CASES) and the backward alone of ACCUMULATE_DQ (its forward tile is the table's).
+@pytest.mark.parametrize(
+    "seq_len,causal,heads,head_dim,segments,window,tiles,passes",
+    _checking(("forward", "backward"), *CASES) + _checking(("forward",), *OVERLAP)
+    + _checking(("backward",), *ACCUMULATE_DQ))
+def test_kernels_have_no_race(seq_len, causal, heads, head_dim, segments, window, tiles, passes):
+  """The forward kernel, then one backward pass from its output (the dq and dk/dv kernels, or
+  the one accumulating dq), each under the race detector where ``passes`` names it, and each
+  compared with the dense reference; a race names the kernel's source line."""
   q, k, v, d_out, segment_ids = _inputs_and_plan(seq_len, causal, heads, head_dim, segments,
                                                  window, tiles)
-  # The forward, unchecked
-  _, backward = jax.vjp(_attention(causal, segment_ids, window, tiles), q, k, v)
-  with _race_checked():
-    grads = jax.jit(backward)(d_out)
-  _, *expected = _reference(causal, segment_ids, window, q, k, v, d_out)
-  for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
-    _assert_close(name, actual, wanted)
+  attention = _attention(causal, segment_ids, window, tiles)
+  with _race_checked() if "forward" in passes else contextlib.nullcontext():
+    out, backward = jax.vjp(attention, q, k, v)
+  _assert_close("out", out, _reference(causal, segment_ids, window, q, k, v))
+  if "backward" in passes:
+    with _race_checked():
+      grads = jax.jit(backward)(d_out)
+    _, *expected = _reference(causal, segment_ids, window, q, k, v, d_out)
+    for name, actual, wanted in zip(("dq", "dk", "dv"), grads, expected):
+      _assert_close(name, actual, wanted)

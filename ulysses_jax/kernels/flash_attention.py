@@ -322,11 +322,11 @@ def _validate_kernels(forward_kernel, backward_kernel, q, block_q, block_kv, sli
 
 
 # The kernels' calls are jitted (the plan static): a program that calls the same kernel at
-# several sites (a ring's step cases, a remat policy's recompute, head chunks) traces and lowers
-# it once, where it lowered it at every site: a Mosaic kernel takes about a second of CPU time.
-# The hybrid's gradient (ring 2 x seq 4 H100s) compiled twice, with and without the kept
-# residuals (test_rematerialised_attention_backward_runs_no_forward_kernel[hybrid], jax
-# 0.12.0.1, -n 2): 32.1 -> 14.7 s.
+# several sites (a ring's step cases, the forward recomputed by a remat policy) traces and
+# lowers it once, where it lowered it at every site. The hybrid's gradient (ring 2 x seq 4
+# H100s) compiled twice, with and without the kept residuals
+# (test_rematerialised_attention_backward_runs_no_forward_kernel[hybrid], jax 0.12.0.1, -n 2):
+# 32.1 -> 14.7 s.
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(plan, q, k, v, q_seg, kv_seg):
   if plan.forward_kernel == "mosaic":

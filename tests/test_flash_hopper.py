@@ -21,7 +21,8 @@ from attention_cases import (BF16_TOL, check_flash_against_reference, flash_outp
 from benchmarks.kernel_resources import lowering_target
 from ulysses_jax import ulysses_attention
 from ulysses_jax.attention.reference import dense_attention
-from ulysses_jax.kernels import flash_hopper_backward, mosaic_tiles, wgmma_forms
+from ulysses_jax.kernels import (flash_hopper, flash_hopper_backward, mosaic_tiles,
+                                 wgmma_forms)
 from ulysses_jax.kernels.flash_attention import (choose_tiles, flash_attention,
                                                 flash_attention_backward)
 from ulysses_jax.kernels.flash_kernels import Tile
@@ -155,25 +156,45 @@ def test_dkv_kernel_accumulating_dq_lowers_for_hopper_as_the_only_backward_kerne
 @pytest.mark.mosaic
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_swept_mosaic_tile_lowers_for_hopper(head_dim):
-  """Each tile of ``mosaic_tiles.candidates`` in its kernel (the others the table's), causal,
-  packed, through Mosaic GPU's lowering, which also checks the CTA's shared memory against
-  Hopper's 227 KiB: a sweep on a GPU times only tiles that lower. Of tiles that differ only in
-  their ring's slots the deepest (the most shared memory; the program is the same). A forward
-  tile lowers the forward alone, a dq or dk/dv tile the gradient. About 40 s in all."""
+  """Each tile of ``mosaic_tiles.candidates`` in its kernel alone, causal, packed, through
+  Mosaic GPU's lowering, which also checks the CTA's shared memory against Hopper's 227 KiB: a
+  sweep on a GPU times only tiles that lower. Of tiles that differ only in their ring's slots
+  the deepest (the most shared memory; the program is the same). About 40 s for the three
+  head dims (jax 0.12.0.1, 2 cores), where lowering each tile in the whole gradient took 66."""
   backward = "mosaic" if head_dim in flash_hopper_backward.HEAD_DIMS else "triton"
   plan = choose_tiles(1000, head_dim, causal=True, scale=1.0, generation="sm90",
                       forward_kernel="mosaic", backward_kernel=backward)
-  for i, (kernel, tiles) in enumerate(mosaic_tiles.candidates(head_dim).items()):
+  for kernel, tiles in mosaic_tiles.candidates(head_dim).items():
     deepest = {dataclasses.replace(t, num_stages=0): t for t in sorted(
         tiles, key=lambda t: t.num_stages)}
     for tile in deepest.values():
-      chosen = [plan.forward, plan.dq, plan.dkv]
-      chosen[i] = tile
-      gradient = kernel != "forward"
-      kernels = _lowered_kernels(head_dim, True, True, None, backward, tiles=tuple(chosen),
-                                 gradient=gradient)
-      assert kernels == (3 if gradient and backward == "mosaic" else 1) - (
-          tile.accumulate_dq), (kernel, tile)
+      mosaic_tiles.check(kernel, tile, head_dim)
+      chosen = {**dict(zip(mosaic_tiles.KERNELS, (plan.forward, plan.dq, plan.dkv))),
+                kernel: tile}
+      tiled = choose_tiles(1000, head_dim, causal=True, scale=1.0, tiles=tuple(chosen.values()),
+                           forward_kernel="mosaic", backward_kernel="mosaic")
+      assert _lowered_kernel(kernel, tiled, head_dim) == 1, (kernel, tile)
+
+
+def _lowered_kernel(kernel, plan, head_dim):
+  """Mosaic GPU calls in one kernel of ``plan`` (``mosaic_tiles.KERNELS``) lowered alone for
+  Hopper, on padded packed inputs (batch 2, GQA 4:2): the other two are not lowered."""
+  sp = plan.padded_len
+  q = jax.ShapeDtypeStruct((2, sp, 4, head_dim), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, sp, 2, head_dim), jnp.bfloat16)
+  rows = jax.ShapeDtypeStruct((2, 4, sp), jnp.float32)  # lse2 and delta
+  ids = jax.ShapeDtypeStruct((2, sp), jnp.int32)
+  if kernel == "forward":
+    call, args = lambda q, k, v, ids: flash_hopper.forward(plan, q, k, v, ids, ids), (q, kv, kv,
+                                                                                       ids)
+  else:
+    backward = {"dq": flash_hopper_backward.backward_dq,
+                "dkv": flash_hopper_backward.backward_dkv}[kernel]
+    call = lambda q, k, v, rows, ids: backward(plan, q, k, v, q, rows, rows, ids, ids, q.dtype)
+    args = (q, kv, kv, rows, ids)
+  with lowering_target(90):
+    lowered = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
+  return lowered.as_text().count("custom_call @mosaic_gpu")
 
 
 # The Hopper kernels with a sliding window, against the dense reference, packed segments
@@ -330,9 +351,9 @@ def test_mosaic_kernels_lower_for_hopper(head_dim, causal, segments, window):
   assert kernels == (3 if backward == "mosaic" else 1), kernels
 
 
-def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None, gradient=True):
-  """Mosaic GPU calls in the gradient (or the forward alone) of our attention lowered for
-  Hopper (batch 2, 1000 tokens, GQA 4:2)."""
+def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None):
+  """Mosaic GPU calls in the gradient of our attention lowered for Hopper (batch 2, 1000
+  tokens, GQA 4:2)."""
   q = jax.ShapeDtypeStruct((2, 1000, 4, head_dim), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 1000, 2, head_dim), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((2, 1000), jnp.int32) if segments else None
@@ -343,6 +364,6 @@ def _lowered_kernels(head_dim, causal, segments, window, backward, tiles=None, g
                           sliding_window=window, tiles=tiles)
     return out.astype(jnp.float32).sum()
   with lowering_target(90):
-    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if gradient else loss)
+    jitted = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     lowered = jitted.trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",))
   return lowered.as_text().count("custom_call @mosaic_gpu")

@@ -188,16 +188,19 @@ def test_bfloat16_head_multiplies_in_bfloat16_and_matches_float32_within_its_rou
     assert got.dtype == jnp.bfloat16 and relative_error(got, want) < 1e-2
 
 
-def test_bfloat16_head_gradient_is_summed_over_many_chunks_in_float32():
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
+def test_bfloat16_head_gradient_is_summed_over_many_chunks_in_float32(z_loss_weight):
   """512 chunks of 16 tokens, bfloat16: the head's gradient, summed over the chunks in
-  float32 and rounded once, is that of the float32 copies within 5e-3 (summed in bfloat16, as
-  the backward did before the gradients moved into the forward scan: 3.3e-2)."""
+  float32 and rounded once, is that of the float32 copies within 5e-3 (summed in bfloat16:
+  3.3e-2 without a z-loss, as the backward did before the gradients moved into the forward
+  scan; 3.2e-2 with one, before its backward scanned the chunks itself)."""
   mesh = mesh_of(1, 1)
   keys = jax.random.split(jax.random.key(7), 3)
   hidden = jax.random.normal(keys[0], (1, 8192, 32)).astype(jnp.bfloat16)
   head = (jax.random.normal(keys[1], (32, 64)) / np.sqrt(32)).astype(jnp.bfloat16)
   labels = jax.random.randint(keys[2], (1, 8192), 0, 64)
-  f = lambda h, w: chunked_cross_entropy(h, w, labels, mesh=mesh, chunk=16).loss
+  f = lambda h, w: chunked_cross_entropy(h, w, labels, mesh=mesh, chunk=16,
+                                         z_loss_weight=z_loss_weight).mean()
   grad = jax.jit(jax.grad(f, argnums=1))
   got = grad(hidden, head)
   want = grad(hidden.astype(jnp.float32), head.astype(jnp.float32))

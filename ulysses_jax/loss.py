@@ -102,19 +102,12 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
     chunk: tokens per device per step. A ``lax.scan`` walks all devices' local sequence
       slices together, ``chunk`` tokens at a time, so at most ``[B, P*chunk, V]`` float32
       logits exist (P = seq axis). Differentiated, each chunk's gradients are formed in the
-      forward scan, while its logits exist, and the backward only scales them
-      (``_sums_with_gradients``); with a z-loss the backward recomputes each chunk's logits
-      instead (``_chunk_sums``).
+      forward scan, while its logits exist, and the backward only scales them; with a z-loss
+      the backward recomputes each chunk's logits instead (``_chunked_sums``).
     z_loss_weight: see ``cross_entropy_sums``.
   """
-  z_loss_weight = float(z_loss_weight)
-  if z_loss_weight:
-    def sums(hidden_BPcE, head_EV, labels_BPc):
-      return _chunk_sums(hidden_BPcE, head_EV, labels_BPc, z_loss_weight), ()
-    loss, z_loss, count = _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh,
-                                       chunk=chunk)[0]
-  else:
-    loss, z_loss, count = _sums_with_gradients(hidden_BSE, head_EV, labels_BS, mesh, chunk)
+  loss, z_loss, count = _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk,
+                                      float(z_loss_weight))
   return CrossEntropySums(loss=loss, z_loss=z_loss, count=count)
 
 
@@ -141,10 +134,11 @@ def token_losses(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array
   return _over_chunks(per_token, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[1]
 
 
-def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk: int):
+def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *inputs_BS, mesh: Mesh, chunk: int):
   """The one scan over sequence chunks: ``chunk_fn(hidden [B, P, c, E], head [E, V], labels
-  [B, P, c]) -> (sums, per-token arrays [B, P, c, ...])``. Returns (the sums added over the
-  chunks, the per-token arrays as ``[B, S, ...]``)."""
+  [B, P, c], *inputs [B, P, c]) -> (sums, per-token arrays [B, P, c, ...])``, where
+  ``inputs_BS`` are more per-token arrays ``[B, S]``. Returns (the sums added over the chunks,
+  the per-token arrays as ``[B, S, ...]``)."""
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}.")
   if tuple(labels_BS.shape) != tuple(hidden_BSE.shape[:2]):
@@ -153,16 +147,17 @@ def _over_chunks(chunk_fn, hidden_BSE, head_EV, labels_BS, *, mesh: Mesh, chunk:
   hidden_NBPcE = sharding.to_local_chunks(hidden_BSE, mesh=mesh, chunk=chunk)
   labels_NBPc = sharding.to_local_chunks(labels_BS, mesh=mesh, chunk=chunk,
                                          pad_value=IGNORE_LABEL)
+  inputs_NBPc = tuple(sharding.to_local_chunks(x, mesh=mesh, chunk=chunk) for x in inputs_BS)
 
   def step(total, xs):
-    hidden_BPcE, labels_BPc = xs
-    sums, per_token = chunk_fn(hidden_BPcE, head_EV, labels_BPc)
+    sums, per_token = chunk_fn(xs[0], head_EV, *xs[1:])
     return jax.tree.map(jnp.add, total, sums), per_token
 
   one = lambda x_N: jax.ShapeDtypeStruct(x_N.shape[1:], x_N.dtype)
-  sums_shape = jax.eval_shape(chunk_fn, one(hidden_NBPcE), head_EV, one(labels_NBPc))[0]
+  sums_shape = jax.eval_shape(chunk_fn, one(hidden_NBPcE), head_EV, one(labels_NBPc),
+                              *map(one, inputs_NBPc))[0]
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), sums_shape)
-  total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc))
+  total, per_token_N = jax.lax.scan(step, zeros, (hidden_NBPcE, labels_NBPc, *inputs_NBPc))
   s = labels_BS.shape[1]
   return total, jax.tree.map(lambda x: sharding.from_local_chunks(x, s, mesh=mesh), per_token_N)
 
@@ -171,30 +166,6 @@ def _logits(hidden_BPcE: jax.Array, head_EV: jax.Array) -> jax.Array:
   """Float32 logits ``[B, P, c, V]`` of hidden states and the head, both in the compute dtype,
   accumulated in float32."""
   return jnp.einsum("bpce,ev->bpcv", hidden_BPcE, head_EV, preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunk_sums(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
-  """``_sums`` of one chunk's logits. Its residuals are the chunk's inputs and its
-  log-sum-exp, not its float32 logits: the backward recomputes the logits (one GEMM) but not
-  their max and sum."""
-  return _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight)[0]
-
-
-def _chunk_sums_forward(hidden_BPcE, head_EV, labels_BPc, z_loss_weight):
-  sums, (_, lse, _) = _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc, z_loss_weight)
-  return sums, (hidden_BPcE, head_EV, labels_BPc, lse)
-
-
-def _chunk_sums_backward(z_loss_weight, residuals, cotangents):
-  hidden_BPcE, head_EV, labels_BPc, lse = residuals
-  d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc,
-                                      _logits(hidden_BPcE, head_EV), lse, z_loss_weight,
-                                      cotangents)
-  return d_hidden.astype(hidden_BPcE.dtype), d_head.astype(head_EV.dtype), None
-
-
-_chunk_sums.defvjp(_chunk_sums_forward, _chunk_sums_backward)
 
 
 def _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse, z_loss_weight,
@@ -209,29 +180,40 @@ def _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse, z_loss_
   return d_hidden, d_head
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _sums_with_gradients(hidden_BSE, head_EV, labels_BS, mesh, chunk):
-  """(loss, z_loss = 0, count) of the chunked loss without a z-loss. Differentiated, the
-  forward scan also forms the gradients for a unit loss cotangent, chunk by chunk while the
-  logits exist (Liger's fused linear cross-entropy): ``d hidden [B, S, E]``, kept in
-  hidden's dtype in place of hidden itself, and ``d head [E, V]``, summed over the chunks in
-  float32 and rounded once to the head's dtype. The backward scales both by the loss's
-  cotangent: the head's three GEMMs per chunk where recomputing the logits takes four. The
-  gradient depends on the loss's cotangent alone only without a z-loss (a z-loss's would
-  need two more GEMMs per chunk)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight):
+  """(loss, z_loss, count) of the chunked loss. Differentiated, the gradients leave as
+  ``d hidden [B, S, E]`` in hidden's dtype and ``d head [E, V]``, summed over the chunks in
+  float32 and rounded once to the head's dtype (summed in bfloat16, a long sequence's hundreds
+  of chunks would lose most of its bits).
+
+  Without a z-loss the gradient depends on the loss's cotangent alone, so the forward scan forms
+  it for a unit cotangent, chunk by chunk while the logits exist (Liger's fused linear
+  cross-entropy), and the backward scales it: three head GEMMs per chunk. With one the forward
+  keeps each token's log-sum-exp and the backward scans the chunks again, recomputing their
+  logits: four GEMMs per chunk (forming the gradients of both cotangents in the forward would
+  take five)."""
   def sums(hidden_BPcE, head_EV, labels_BPc):
-    return _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc, 0.0)[0], ()
+    return _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc, z_loss_weight)[0], ()
   return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
 
 
-def _sums_with_gradients_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk):
+def _chunked_sums_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight):
+  if z_loss_weight:
+    def sums_and_lse(hidden_BPcE, head_EV, labels_BPc):
+      sums, (_, lse_BPc, _) = _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc,
+                                            z_loss_weight)
+      return sums, lse_BPc
+    sums, lse_BS = _over_chunks(sums_and_lse, hidden_BSE, head_EV, labels_BS, mesh=mesh,
+                                chunk=chunk)
+    return sums, (hidden_BSE, head_EV, labels_BS, lse_BS)
   unit = (jnp.float32(1), jnp.float32(0), None)
 
   def sums_and_gradients(hidden_BPcE, head_EV, labels_BPc):
     logits_BPcV = _logits(hidden_BPcE, head_EV)
-    sums, (_, lse, _) = _sums_forward(logits_BPcV, labels_BPc, 0.0)
-    d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse,
-                                        0.0, unit)
+    sums, (_, lse_BPc, _) = _sums_forward(logits_BPcV, labels_BPc, 0.0)
+    d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV,
+                                        lse_BPc, 0.0, unit)
     return (sums, d_head), d_hidden.astype(hidden_BPcE.dtype)
 
   (sums, d_head_EV), d_hidden_BSE = _over_chunks(sums_and_gradients, hidden_BSE, head_EV,
@@ -239,11 +221,22 @@ def _sums_with_gradients_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk):
   return sums, (d_hidden_BSE, d_head_EV.astype(head_EV.dtype))
 
 
-def _sums_with_gradients_backward(mesh, chunk, residuals, cotangents):
+def _chunked_sums_backward(mesh, chunk, z_loss_weight, residuals, cotangents):
+  if z_loss_weight:
+    hidden_BSE, head_EV, labels_BS, lse_BS = residuals
+
+    def gradients(hidden_BPcE, head_EV, labels_BPc, lse_BPc):
+      d_hidden, d_head = _chunk_gradients(hidden_BPcE, head_EV, labels_BPc,
+                                          _logits(hidden_BPcE, head_EV), lse_BPc,
+                                          z_loss_weight, cotangents)
+      return d_head, d_hidden.astype(hidden_BPcE.dtype)
+    d_head_EV, d_hidden_BSE = _over_chunks(gradients, hidden_BSE, head_EV, labels_BS, lse_BS,
+                                           mesh=mesh, chunk=chunk)
+    return d_hidden_BSE, d_head_EV.astype(head_EV.dtype), None
   d_loss = cotangents[0]
   scale = lambda unit: (d_loss * unit.astype(jnp.float32)).astype(unit.dtype)
   d_hidden_BSE, d_head_EV = residuals
   return scale(d_hidden_BSE), scale(d_head_EV), None
 
 
-_sums_with_gradients.defvjp(_sums_with_gradients_forward, _sums_with_gradients_backward)
+_chunked_sums.defvjp(_chunked_sums_forward, _chunked_sums_backward)

@@ -403,6 +403,32 @@ def test_async_collectives_count_their_results_only():
       "reduce-scatter": 0, "collective-permute": 4 * 8 * 4}
 
 
+def test_links_carry_what_each_device_sends_by_the_ring_algorithms():
+  """The roofline times what a device sends (``sent=True``), not a collective's result: over
+  a group of n an all-gather sends (n-1)/n of its result, a reduce-scatter n-1 times it, an
+  all-reduce 2(n-1)/n, an all-to-all (n-1)/n, a permute all of it."""
+  from ulysses_jax.aot import hlo
+  text = "\n".join([
+      "ENTRY %main () -> f32[] {",
+      "  %a = bf16[64]{0} all-gather(%x), replica_groups=[2,4]<=[8]",
+      "  %b = f32[8]{0} reduce-scatter(%y), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add",
+      "  %c = f32[16]{0} all-reduce(%w), replica_groups=[1,8]<=[8], to_apply=%add",
+      "  %d = bf16[32]{0} all-to-all(%v), replica_groups=[2,4]<=[8]",
+      "  %e = f32[4]{0} collective-permute(%u), source_target_pairs={{0,1},{1,0}}",
+      # Shardy's groups (jax 0.11 on): the axes named after the mesh; one of size 1 moves nothing.
+      "  %f = f32[8]{0} reduce-scatter(%t), replica_groups=mesh['data'=2,'seq'=4] {'seq'}, "
+      "use_global_device_ids=true, dimensions={0}, to_apply=%add",
+      "  %g = f32[8]{0} all-reduce(%t), replica_groups=mesh['data'=1,'seq'=8] {'data'}, "
+      "use_global_device_ids=true, to_apply=%add",
+      "}"])
+  assert hlo.executed_collective_bytes(text) == {
+      "all-gather": 128, "reduce-scatter": 32 + 32, "all-reduce": 64, "all-to-all": 64,
+      "collective-permute": 16}
+  assert hlo.executed_collective_bytes(text, sent=True) == {
+      "all-gather": 96, "reduce-scatter": 7 * 32 + 3 * 32, "all-reduce": 112, "all-to-all": 48,
+      "collective-permute": 16}
+
+
 def test_cli_refuses_a_topology_the_config_does_not_use(capsys, monkeypatch):
   from ulysses_jax.cli import aot as cli
   monkeypatch.setattr(cli, "gpu_devices", lambda gpu, topology: jax.devices()[:8])

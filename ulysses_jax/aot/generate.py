@@ -127,18 +127,17 @@ def _program_report(name, lowered, io_bytes, gpu, nodes, model_flops, num_device
             "collective_bytes": collectives,
             "flops": sum(op.count * op.flops for op in ops),
             "compile_s": time.perf_counter() - start}
-  across = gpu.network_bandwidth if nodes > 1 else gpu.nvlink_bandwidth
-  link_s = sum(n / (gpu.nvlink_bandwidth if kind == "all-to-all" else across)
-               for kind, n in collectives.items())
+  sent = hlo.executed_collective_bytes(text, sent=True)
   if name == "prefill":
-    prediction = roofline.predict(gpu, ops, collectives, 0, nodes, model_flops, num_devices)
+    prediction = roofline.predict(gpu, ops, sent, 0, nodes, model_flops, num_devices)
     report["predicted_s"] = prediction.step_s
     report["predicted_compute_s"] = prediction.compute_s
     report["predicted_collective_s"] = prediction.collective_s
   else:
     report["unread_expert_bytes"] = unread_bytes
     report["bytes_read"] = device["arguments"] - unread_bytes
-    report["predicted_s"] = report["bytes_read"] / gpu.memory_bandwidth + link_s
+    report["predicted_s"] = (report["bytes_read"] / gpu.memory_bandwidth
+                             + roofline.link_seconds(gpu, sent, nodes))
   return report
 
 

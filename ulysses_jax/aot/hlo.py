@@ -1,7 +1,8 @@
 """Collective traffic read from a compiled program's HLO text.
 
-Used by tests (which collectives a program contains) and by ``benchmarks/comm_volume.py``
-(how many bytes each device moves, ``executed_collective_bytes``). Backends may split one
+Used by tests (which collectives a program contains), by ``benchmarks/comm_volume.py``
+(how many bytes each device moves, ``executed_collective_bytes``) and by the roofline (what
+each device sends, ``executed_collective_bytes(..., sent=True)``). Backends may split one
 collective into a tuple of pieces (the CPU compiler turns a P-way all-to-all into P
 operands); the bytes of all pieces are summed. Collectives over single-device groups move
 nothing and are left out. Note that the CPU compiler also widens bfloat16 collectives to
@@ -10,6 +11,7 @@ float32; GPU compilers do not. GPU compilers emit asynchronous pairs (``all-to-a
 """
 
 import collections
+import math
 import re
 
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
@@ -22,6 +24,8 @@ _INSTRUCTION = re.compile(
 _ARRAY = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([0-9,]*)\]")
 _LISTED_GROUPS = re.compile(r"replica_groups=\{(\{[0-9,]*\}(?:,\{[0-9,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[[0-9]+,([0-9]+)\]<=")
+# Shardy's form (jax 0.11 on): the mesh, then the axes a group spans, a sub-axis as 'x':(k)m.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
 _CALLEES = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|true_computation|"
                       r"false_computation)=(\{[^}]*\}|%[\w.\-]+)")
@@ -66,18 +70,46 @@ def _group_size(line: str) -> int | None:
   if listed:
     return max(len(group.split(",")) for group in re.findall(r"\{([0-9,]*)\}", listed[1]))
   iota = _IOTA_GROUPS.search(line)
-  return int(iota[1]) if iota else None
+  if iota:
+    return int(iota[1])
+  mesh = _MESH_GROUPS.search(line)
+  if not mesh:
+    return None
+  sizes = {name: int(n) for name, n in re.findall(r"'(\w+)'=(\d+)", mesh[1])}
+  return math.prod(int(sub) if sub else sizes[name]
+                   for name, sub in re.findall(r"'(\w+)'(?::\(\d+\)(\d+))?", mesh[2]))
+
+
+# What each device of a group of n sends per byte of the collective's result, by the ring
+# algorithms NCCL runs: an all-gather passes on the n-1 pieces it does not hold; a
+# reduce-scatter passes n-1 partial sums of its result's size; an all-reduce is both over its
+# size; an all-to-all keeps one of n pieces; a permute sends what it receives.
+_SENT_PER_RESULT_BYTE = {
+    "all-gather": lambda n: (n - 1) / n, "reduce-scatter": lambda n: n - 1,
+    "all-reduce": lambda n: 2 * (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1}
+
+
+def _instructions(hlo_text: str) -> list[tuple[str, str, int, int | None]]:
+  """``(op, result shape text, result bytes, group size)`` per collective instruction."""
+  found = []
+  for line in hlo_text.splitlines():
+    match = _INSTRUCTION.match(line)
+    if match and (group := _group_size(line)) != 1:
+      shape = _result_shape(match["op"], match["shape"], bool(match["start"]))
+      found.append((match["op"], shape, array_bytes(shape), group))
+  return found
 
 
 def collectives(hlo_text: str) -> list[tuple[str, str, int]]:
   """``(op, result shape text, result bytes)`` for each collective instruction, per device."""
-  found = []
-  for line in hlo_text.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match and _group_size(line) != 1:
-      shape = _result_shape(match["op"], match["shape"], bool(match["start"]))
-      found.append((match["op"], shape, array_bytes(shape)))
-  return found
+  return [(op, shape, nbytes) for op, shape, nbytes, _ in _instructions(hlo_text)]
+
+
+def _sent_bytes(op: str, result_bytes: int, group: int | None) -> float:
+  """Bytes one device sends for a collective (``_SENT_PER_RESULT_BYTE``); its result's where
+  the instruction names no groups (a permute's pairs, or all devices)."""
+  return result_bytes * (_SENT_PER_RESULT_BYTE[op](group) if group else 1)
 
 
 def collective_bytes(hlo_text: str) -> dict[str, int]:
@@ -90,9 +122,11 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   return totals
 
 
-def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
+def executed_collective_bytes(hlo_text: str, sent: bool = False) -> dict[str, int]:
   """Result bytes per device summed by collective kind, counting each collective as often
-  as it runs: one inside a while loop counts once per iteration.
+  as it runs: one inside a while loop counts once per iteration. ``sent``: the bytes each
+  device sends instead, by the ring algorithms (``_SENT_PER_RESULT_BYTE``; a reduce-scatter
+  over 8 devices sends 7 times its result), what the links carry.
 
   Walks the calls from the entry computation (while bodies and conditions, calls,
   conditional branches, reducers), weighting each computation by the product of the trip
@@ -114,8 +148,8 @@ def executed_collective_bytes(hlo_text: str) -> dict[str, int]:
   totals = dict.fromkeys(COLLECTIVES, 0)
 
   def visit(computation, weight):
-    for op, _, nbytes in collectives("\n".join(lines[computation])):
-      totals[op] += weight * nbytes
+    for op, _, nbytes, group in _instructions("\n".join(lines[computation])):
+      totals[op] += weight * (round(_sent_bytes(op, nbytes, group)) if sent else nbytes)
     for callee, trips in calls[computation]:
       visit(callee, weight * trips)
 

@@ -107,8 +107,8 @@ def describe(compiled, built: TrainStep, gpu: Gpu, nodes: int, compile_s: float 
   flops = sum(op.count * op.flops for op in ops)
   num_devices = built.mesh.size
   model_flops = flops_per_token(built.model_config, built.seq_len) * built.tokens_per_step
-  prediction = roofline.predict(gpu, ops, collectives, host_bytes, nodes, model_flops,
-                                num_devices)
+  prediction = roofline.predict(gpu, ops, hlo.executed_collective_bytes(text, sent=True),
+                                host_bytes, nodes, model_flops, num_devices)
   return {
       "gpu": gpu.name, "devices": num_devices, "mesh": dict(built.mesh.shape),
       "fits": device_bytes <= gpu.budget_bytes,

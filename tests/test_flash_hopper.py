@@ -185,8 +185,8 @@ def _lowered_kernel(kernel, plan, head_dim):
   rows = jax.ShapeDtypeStruct((2, 4, sp), jnp.float32)  # lse2 and delta
   ids = jax.ShapeDtypeStruct((2, sp), jnp.int32)
   if kernel == "forward":
-    call, args = lambda q, k, v, ids: flash_hopper.forward(plan, q, k, v, ids, ids), (q, kv, kv,
-                                                                                       ids)
+    call = lambda q, k, v, ids: flash_hopper.forward(plan, q, k, v, ids, ids)
+    args = (q, kv, kv, ids)
   else:
     backward = {"dq": flash_hopper_backward.backward_dq,
                 "dkv": flash_hopper_backward.backward_dkv}[kernel]

@@ -397,9 +397,13 @@ def test_async_collectives_count_their_results_only():
       "  %b = (f32[4,8]{1,0}, f32[4,8]{1,0}, u32[], u32[]) collective-permute-start(%y), "
       "source_target_pairs={{0,1},{1,0}}",
       "  %c = (bf16[4,8]{1,0}, bf16[32,8]{1,0}) all-gather-start(%z), replica_groups=[1,8]<=[8]",
-      "  %d = f32[16]{0} all-reduce-start(%w), replica_groups=[1,8]<=[8], to_apply=%add"])
+      "  %d = f32[16]{0} all-reduce-start(%w), replica_groups=[1,8]<=[8], to_apply=%add",
+      # jax 0.11 on: an all-reduce start returns its operands too.
+      "  %e = ((f32[2048,64]{1,0}), f32[2048,64]{1,0}) all-reduce-start(%v), "
+      "replica_groups=mesh['axis_0'=8] {'axis_0'}, to_apply=%add"])
   assert hlo.collective_bytes(text) == {
-      "all-to-all": 64 * 8 * 128 * 2, "all-gather": 32 * 8 * 2, "all-reduce": 16 * 4,
+      "all-to-all": 64 * 8 * 128 * 2, "all-gather": 32 * 8 * 2,
+      "all-reduce": 16 * 4 + 2048 * 64 * 4,
       "reduce-scatter": 0, "collective-permute": 4 * 8 * 4}
 
 

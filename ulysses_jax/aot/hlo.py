@@ -57,11 +57,14 @@ def _tuple_elements(shape_text: str) -> list[str]:
 
 
 def _result_shape(op: str, shape_text: str, is_start: bool) -> str:
-  """The results of a collective: for an async start (but all-reduce's, which returns its
-  results alone) the tuple's elements after the operands, without scalar sync flags."""
-  if not is_start or op == "all-reduce":
+  """The results of a collective: for an async start the tuple's elements after the
+  operands, without scalar sync flags. An all-reduce start returned its results alone up to
+  jax 0.10 and returns ``((operands), results)`` from jax 0.11 on: only a leading tuple of
+  operands is dropped there."""
+  elements = _tuple_elements(shape_text)
+  if not is_start or (op == "all-reduce" and not elements[0].startswith("(")):
     return shape_text
-  return ", ".join(e for e in _tuple_elements(shape_text)[1:] if not re.fullmatch(r"u32\[\]", e))
+  return ", ".join(e for e in elements[1:] if not re.fullmatch(r"u32\[\]", e))
 
 
 def _group_size(line: str) -> int | None:

@@ -2,10 +2,12 @@
 decode step and the mixture-of-experts layer (marked ``gpu_compile``, as
 ``tests/test_gpu_compile.py``)."""
 
+import math
 import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 from flax import nnx
 
 from test_gpu_compile import MOSAIC, pytestmark  # noqa: F401  (the marks apply here too)
@@ -75,7 +77,8 @@ def test_fsdp_gathers_move_bfloat16_parameters():
   float32 ones cast after the gather, and the gradients go back by a reduce-scatter. A tied
   table is cast twice (lookup and head): with only the replicated constraint after the casts
   XLA gathered it in float32 and all-reduced its gradient (``sharding.gather`` now pins the
-  table's casts to its shards)."""
+  table's casts to its shards). The head's float32 gradient and the lookup's go back together
+  by one reduce-scatter (``chunked_cross_entropy``'s ``head_sharding``), not all-reduced."""
   from ulysses_jax import sharding
   from ulysses_jax.models.llama import Llama, preset
   config = preset("tiny", tie_embeddings=True, dtype="bfloat16", vocab_size=512, hidden_dim=64)
@@ -88,6 +91,45 @@ def test_fsdp_gathers_move_bfloat16_parameters():
   loss = lambda s, t: nnx.merge(graphdef, s).loss(t, t).mean()
   text = jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text()
   gathered = _collective_shapes(text, "all-gather")
-  assert "bf16[512,8]" in gathered, gathered  # the table's shard
+  table_shard = {"bf16[512,8]", "bf16[8,512]"}  # [V, E/8], or as the head's [E/8, V]
+  assert table_shard & set(gathered), gathered
   assert not [s for s in gathered if s.startswith("f32")], gathered
-  assert "bf16[512,8]" in _collective_shapes(text, "reduce-scatter")  # its gradient
+  assert "f32[8,512]" in _collective_shapes(text, "reduce-scatter")  # its gradient
+  all_reduced = _collective_shapes(text, "all-reduce")
+  assert not [s for s in all_reduced if s.startswith("f32[") and
+              math.prod(int(d) for d in s[4:-1].split(",") if d) >= 512 * 64], all_reduced
+
+
+@pytest.mark.parametrize("reduced_to_shards", [True, False])
+def test_the_heads_gradient_is_reduce_scattered_once_after_the_loss_chunks(reduced_to_shards):
+  """The head's float32 gradient, summed over 4 loss chunks per device on 8 H100s, leaves the
+  loss by one reduce-scatter to the parameter's shards (``chunked_cross_entropy``'s
+  ``head_sharding``): not an all-reduce of the whole head (as without it), and not a
+  reduce-scatter per chunk (as when the shards' constraint reaches into the scan)."""
+  from ulysses_jax import loss as loss_lib
+  from ulysses_jax import sharding
+  from ulysses_jax.aot import hlo
+  embed, vocab = 64, 512
+  mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
+  shards = sharding.logical_sharding((embed, vocab), ("embed", "vocab"), mesh)
+
+  def loss(head_EV, hidden_BSE, labels_BS):
+    head_EV = sharding.gather(head_EV, jnp.bfloat16, mesh)
+    return loss_lib.chunked_cross_entropy(
+        hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=32,
+        head_sharding=shards if reduced_to_shards else None).mean()
+
+  batch = sharding.logical_sharding((1, 1024), ("act_batch", "act_seq"), mesh)
+  args = (jax.ShapeDtypeStruct((embed, vocab), jnp.float32, sharding=shards),
+          jax.ShapeDtypeStruct((1, 1024, embed), jnp.bfloat16,
+                               sharding=sharding.logical_sharding(
+                                   (1, 1024, embed), ("act_batch", "act_seq", None), mesh)),
+          jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=batch))
+  text = jax.jit(jax.grad(loss), out_shardings=shards).lower(*args).compile().as_text()
+  moved = hlo.executed_collective_bytes(text)
+  head_bytes = embed * vocab * 4
+  if reduced_to_shards:
+    assert moved["reduce-scatter"] == head_bytes // 8, moved
+    assert moved["all-reduce"] < head_bytes // 8, moved
+  else:
+    assert moved["all-reduce"] >= head_bytes, moved

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax import sharding
 from ulysses_jax.data.packing import IGNORE_LABEL
@@ -89,8 +89,8 @@ _sums.defvjp(_sums_forward, _sums_backward)
 
 
 def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: jax.Array, *,
-                          mesh: Mesh, chunk: int,
-                          z_loss_weight: float = 0.0) -> CrossEntropySums:
+                          mesh: Mesh, chunk: int, z_loss_weight: float = 0.0,
+                          head_sharding: NamedSharding | None = None) -> CrossEntropySums:
   """``cross_entropy_sums(hidden @ head, labels)`` in sequence chunks.
 
   Args:
@@ -105,9 +105,12 @@ def chunked_cross_entropy(hidden_BSE: jax.Array, head_EV: jax.Array, labels_BS: 
       forward scan, while its logits exist, and the backward only scales them; with a z-loss
       the backward recomputes each chunk's logits instead (``_chunked_sums``).
     z_loss_weight: see ``cross_entropy_sums``.
+    head_sharding: the FSDP shards of the head's parameter (``[E, V]``), if it is sharded:
+      its gradient, summed over every device's tokens, is reduce-scattered to them once
+      after the scan over chunks (``_to_head_shards``); None leaves it replicated.
   """
   loss, z_loss, count = _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk,
-                                      float(z_loss_weight))
+                                      float(z_loss_weight), head_sharding)
   return CrossEntropySums(loss=loss, z_loss=z_loss, count=count)
 
 
@@ -180,8 +183,8 @@ def _chunk_gradients(hidden_BPcE, head_EV, labels_BPc, logits_BPcV, lse, z_loss_
   return d_hidden, d_head
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight, head_sharding):
   """(loss, z_loss, count) of the chunked loss. Differentiated, the gradients leave as
   ``d hidden [B, S, E]`` in hidden's dtype and ``d head [E, V]``, summed over the chunks in
   float32 and rounded once to the head's dtype (summed in bfloat16, a long sequence's hundreds
@@ -198,7 +201,22 @@ def _chunked_sums(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight):
   return _over_chunks(sums, hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk)[0]
 
 
-def _chunked_sums_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight):
+def _to_head_shards(d_head_EV, mesh: Mesh, head_sharding: NamedSharding | None):
+  """The head's float32 gradient, summed over the chunks on each device, summed over the
+  devices into ``head_sharding``. Replicated first, so that XLA keeps each device's partial
+  sum in the scan, all-reduces it once after it and turns the all-reduce and the slice of
+  each device's shard into one reduce-scatter. Constrained to the shards alone, the
+  constraint reaches into the scan, and XLA reduce-scattered every chunk's gradient:
+  Llama-3.2-1B at 128K tokens on 8 GPUs, 16 chunks per micro-batch, each [2048, 128256] in
+  float32."""
+  if head_sharding is None:
+    return d_head_EV
+  d_head_EV = jax.lax.with_sharding_constraint(d_head_EV, NamedSharding(mesh, P()))
+  return jax.lax.with_sharding_constraint(d_head_EV, head_sharding)
+
+
+def _chunked_sums_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_weight,
+                          head_sharding):
   if z_loss_weight:
     def sums_and_lse(hidden_BPcE, head_EV, labels_BPc):
       sums, (_, lse_BPc, _) = _sums_forward(_logits(hidden_BPcE, head_EV), labels_BPc,
@@ -218,10 +236,11 @@ def _chunked_sums_forward(hidden_BSE, head_EV, labels_BS, mesh, chunk, z_loss_we
 
   (sums, d_head_EV), d_hidden_BSE = _over_chunks(sums_and_gradients, hidden_BSE, head_EV,
                                                  labels_BS, mesh=mesh, chunk=chunk)
+  d_head_EV = _to_head_shards(d_head_EV, mesh, head_sharding)
   return sums, (d_hidden_BSE, d_head_EV.astype(head_EV.dtype))
 
 
-def _chunked_sums_backward(mesh, chunk, z_loss_weight, residuals, cotangents):
+def _chunked_sums_backward(mesh, chunk, z_loss_weight, head_sharding, residuals, cotangents):
   if z_loss_weight:
     hidden_BSE, head_EV, labels_BS, lse_BS = residuals
 
@@ -232,6 +251,7 @@ def _chunked_sums_backward(mesh, chunk, z_loss_weight, residuals, cotangents):
       return d_head, d_hidden.astype(hidden_BPcE.dtype)
     d_head_EV, d_hidden_BSE = _over_chunks(gradients, hidden_BSE, head_EV, labels_BS, lse_BS,
                                            mesh=mesh, chunk=chunk)
+    d_head_EV = _to_head_shards(d_head_EV, mesh, head_sharding)
     return d_hidden_BSE, d_head_EV.astype(head_EV.dtype), None
   d_loss = cotangents[0]
   scale = lambda unit: (d_loss * unit.astype(jnp.float32)).astype(unit.dtype)

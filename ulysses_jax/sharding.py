@@ -21,6 +21,7 @@ through the rules, mesh-axis names (``"data"``, ``("data", "seq")``, ...) as the
 parameters without it are replicated.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -217,10 +218,15 @@ def constrain(x, axes: tuple[str | None, ...], mesh: Mesh, rules: Rules = DEFAUL
   A dimension that its mesh axes do not divide (e.g. a sequence of odd length) is left
   unconstrained for XLA to lay out, rather than raising.
   """
+  return jax.lax.with_sharding_constraint(x, logical_sharding(x.shape, axes, mesh, rules))
+
+
+def logical_sharding(shape, axes: tuple[str | None, ...], mesh: Mesh,
+                     rules: Rules = DEFAULT_RULES) -> NamedSharding:
+  """The sharding ``constrain`` gives an array of ``shape`` with the logical ``axes``."""
   spec = logical_to_spec(axes, rules, mesh)
-  spec = P(*(a if a is None or size % _num_shards(a, mesh) == 0 else P.UNCONSTRAINED
-             for size, a in zip(x.shape, spec)))
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return NamedSharding(mesh, P(*(a if a is None or size % _num_shards(a, mesh) == 0
+                                 else P.UNCONSTRAINED for size, a in zip(shape, spec))))
 
 
 def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
@@ -239,9 +245,33 @@ def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
   ``benchmarks/RESULTS.md``, "Parameters gathered in the compute dtype").
   """
   x = x.astype(dtype)
-  if axes is not None:
-    x = constrain(x, axes, mesh, rules)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+  if axes is None:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
+  shards = logical_sharding(x.shape, axes, mesh, rules)
+  return _replicated(jax.lax.with_sharding_constraint(x, shards), shards)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _replicated(x, shards: NamedSharding):
+  """``x`` (sharded as ``shards``) replicated; its gradient is constrained to ``shards`` alone.
+  The transpose of a replicated constraint is a replicated constraint, which made XLA form
+  the whole gradient on every device first: for Llama-3.2-1B's tied table on 8 GPUs, each
+  device scatter-added every local token's gradient into a whole [128256, 2048] bfloat16
+  table and reduce-scattered it. Now each device scatter-adds into its own [128256, 256]
+  shard (the hidden states' gradients reach it by all-to-all), and the head's gradient joins
+  it there (``loss.chunked_cross_entropy``'s ``head_sharding``)."""
+  return jax.lax.with_sharding_constraint(x, NamedSharding(shards.mesh, P()))
+
+
+def _replicated_forward(x, shards):
+  return _replicated(x, shards), None
+
+
+def _replicated_backward(shards, _, gradient):
+  return (jax.lax.with_sharding_constraint(gradient, shards),)
+
+
+_replicated.defvjp(_replicated_forward, _replicated_backward)
 
 
 def batch_spec(mesh: Mesh, seq_len: int) -> P:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, traverse_util
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ulysses_jax import loss as loss_lib
 from ulysses_jax import sharding
@@ -264,6 +264,12 @@ class Llama(nnx.Module):
       return self.lm_head.compute_kernel()
     return self._compute_table().T
 
+  def _head_sharding(self) -> NamedSharding:
+    """The FSDP shards of the ``[E, V]`` head parameter (a tied table's, transposed)."""
+    c = self.config
+    return sharding.logical_sharding((c.hidden_dim, c.vocab_size), ("embed", "vocab"),
+                                     self.mesh, self.rules)
+
   def _compute_table(self) -> jax.Array:
     """The embedding ``[V, E]`` in the compute dtype, all-gathered (replicated)."""
     return sharding.gather(self.embedding[...], self.config.dtype, self.mesh,
@@ -388,7 +394,8 @@ class Llama(nnx.Module):
     labels_BS = sharding.constrain(labels_BS, _ACT_BS, self.mesh, self.rules)
     sums = loss_lib.chunked_cross_entropy(hidden_BSE, self.lm_head_kernel(), labels_BS,
                                           mesh=self.mesh, chunk=self.config.loss_chunk,
-                                          z_loss_weight=z_loss_weight)
+                                          z_loss_weight=z_loss_weight,
+                                          head_sharding=self._head_sharding())
     if stats is None:
       return sums
     return sums._replace(router_aux=load_balancing_loss(stats), expert_counts=stats.counts)

@@ -77,8 +77,8 @@ def test_fsdp_gathers_move_bfloat16_parameters():
   float32 ones cast after the gather, and the gradients go back by a reduce-scatter. A tied
   table is cast twice (lookup and head): with only the replicated constraint after the casts
   XLA gathered it in float32 and all-reduced its gradient (``sharding.gather`` now pins the
-  table's casts to its shards). The head's float32 gradient and the lookup's go back together
-  by one reduce-scatter (``chunked_cross_entropy``'s ``head_sharding``), not all-reduced."""
+  table's casts to its shards). The head's float32 gradient goes back to the table's shards by
+  a reduce-scatter (``chunked_cross_entropy``'s ``head_sharding``), not an all-reduce."""
   from ulysses_jax import sharding
   from ulysses_jax.models.llama import Llama, preset
   config = preset("tiny", tie_embeddings=True, dtype="bfloat16", vocab_size=512, hidden_dim=64)
@@ -104,32 +104,33 @@ def test_fsdp_gathers_move_bfloat16_parameters():
 def test_the_heads_gradient_is_reduce_scattered_once_after_the_loss_chunks(reduced_to_shards):
   """The head's float32 gradient, summed over 4 loss chunks per device on 8 H100s, leaves the
   loss by one reduce-scatter to the parameter's shards (``chunked_cross_entropy``'s
-  ``head_sharding``): not an all-reduce of the whole head (as without it), and not a
-  reduce-scatter per chunk (as when the shards' constraint reaches into the scan)."""
+  ``head_sharding``), and no whole head moves but the forward's gather. Without
+  ``head_sharding`` the shards' constraint of the gather's transpose reaches into the scan:
+  a reduce-scatter per chunk (before ``sharding.gather`` had it, an all-reduce of the whole
+  head, as ``test_fsdp_gathers_move_bfloat16_parameters`` checks)."""
   from ulysses_jax import loss as loss_lib
   from ulysses_jax import sharding
   from ulysses_jax.aot import hlo
-  embed, vocab = 64, 512
+  embed, vocab, tokens, chunk = 64, 512, 1024, 32
   mesh = make_mesh(1, 8, devices=aot.gpu_devices("h100", "1x1x8"))
   shards = sharding.logical_sharding((embed, vocab), ("embed", "vocab"), mesh)
 
   def loss(head_EV, hidden_BSE, labels_BS):
-    head_EV = sharding.gather(head_EV, jnp.bfloat16, mesh)
+    head_EV = sharding.gather(head_EV, jnp.bfloat16, mesh, axes=("embed", "vocab"))
     return loss_lib.chunked_cross_entropy(
-        hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=32,
+        hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk,
         head_sharding=shards if reduced_to_shards else None).mean()
 
-  batch = sharding.logical_sharding((1, 1024), ("act_batch", "act_seq"), mesh)
+  act = lambda shape, axes: sharding.logical_sharding(shape, axes, mesh)
   args = (jax.ShapeDtypeStruct((embed, vocab), jnp.float32, sharding=shards),
-          jax.ShapeDtypeStruct((1, 1024, embed), jnp.bfloat16,
-                               sharding=sharding.logical_sharding(
-                                   (1, 1024, embed), ("act_batch", "act_seq", None), mesh)),
-          jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=batch))
+          jax.ShapeDtypeStruct((1, tokens, embed), jnp.bfloat16,
+                               sharding=act((1, tokens, embed), ("act_batch", "act_seq", None))),
+          jax.ShapeDtypeStruct((1, tokens), jnp.int32,
+                               sharding=act((1, tokens), ("act_batch", "act_seq"))))
   text = jax.jit(jax.grad(loss), out_shardings=shards).lower(*args).compile().as_text()
   moved = hlo.executed_collective_bytes(text)
-  head_bytes = embed * vocab * 4
-  if reduced_to_shards:
-    assert moved["reduce-scatter"] == head_bytes // 8, moved
-    assert moved["all-reduce"] < head_bytes // 8, moved
-  else:
-    assert moved["all-reduce"] >= head_bytes, moved
+  gradient_shard = embed * vocab * 4 // 8
+  assert moved["all-gather"] == embed * vocab * 2, moved  # the bfloat16 head, forward
+  assert moved["all-reduce"] < gradient_shard, moved
+  chunks = tokens // 8 // chunk
+  assert moved["reduce-scatter"] == gradient_shard * (1 if reduced_to_shards else chunks), moved

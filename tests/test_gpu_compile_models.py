@@ -104,10 +104,10 @@ def test_fsdp_gathers_move_bfloat16_parameters():
 def test_the_heads_gradient_is_reduce_scattered_once_after_the_loss_chunks(reduced_to_shards):
   """The head's float32 gradient, summed over 4 loss chunks per device on 8 H100s, leaves the
   loss by one reduce-scatter to the parameter's shards (``chunked_cross_entropy``'s
-  ``head_sharding``), and no whole head moves but the forward's gather. Without
-  ``head_sharding`` the shards' constraint of the gather's transpose reaches into the scan:
-  a reduce-scatter per chunk (before ``sharding.gather`` had it, an all-reduce of the whole
-  head, as ``test_fsdp_gathers_move_bfloat16_parameters`` checks)."""
+  ``head_sharding``), and no whole head moves but the forward's gather (the gradient stays in
+  the shards: ``sharding.gather``'s ``gradient_in_shards``). Without ``head_sharding`` the
+  shards' constraint of the gather's transpose reaches into the scan: a reduce-scatter per
+  chunk."""
   from ulysses_jax import loss as loss_lib
   from ulysses_jax import sharding
   from ulysses_jax.aot import hlo
@@ -116,7 +116,8 @@ def test_the_heads_gradient_is_reduce_scattered_once_after_the_loss_chunks(reduc
   shards = sharding.logical_sharding((embed, vocab), ("embed", "vocab"), mesh)
 
   def loss(head_EV, hidden_BSE, labels_BS):
-    head_EV = sharding.gather(head_EV, jnp.bfloat16, mesh, axes=("embed", "vocab"))
+    head_EV = sharding.gather(head_EV, jnp.bfloat16, mesh, axes=("embed", "vocab"),
+                              gradient_in_shards=True)
     return loss_lib.chunked_cross_entropy(
         hidden_BSE, head_EV, labels_BS, mesh=mesh, chunk=chunk,
         head_sharding=shards if reduced_to_shards else None).mean()

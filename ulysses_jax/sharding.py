@@ -230,7 +230,7 @@ def logical_sharding(shape, axes: tuple[str | None, ...], mesh: Mesh,
 
 
 def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
-           rules: Rules = DEFAULT_RULES):
+           rules: Rules = DEFAULT_RULES, gradient_in_shards: bool = False):
   """An FSDP-sharded parameter ``x`` cast to ``dtype`` and all-gathered: replicated on every
   device of ``mesh``. The transpose reduces the gradient back to the parameter's shards.
 
@@ -243,35 +243,39 @@ def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
   layers' kernels are not pinned: they were gathered in bfloat16 already, and pinning them
   moved XLA's schedule (``llama8b_8gpu_8m.gin`` +1.0 GiB per GPU with jax 0.12.0.1;
   ``benchmarks/RESULTS.md``, "Parameters gathered in the compute dtype").
+
+  ``gradient_in_shards`` (with ``axes``): the transpose constrains the gradient to the
+  shards alone, for a gradient that arrives reduced to them (the LM head's,
+  ``loss.chunked_cross_entropy``'s ``head_sharding``); the transpose of the replicated
+  constraint made XLA all-gather it again (0.98 GiB per step, ``llama8b_512k.gin``). Not for
+  the embedding table: its lookup's gradient constrained so has XLA move the hidden states'
+  gradients to the table's columns, which jax 0.10's partitioner does by replicating them.
   """
   x = x.astype(dtype)
   if axes is None:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
   shards = logical_sharding(x.shape, axes, mesh, rules)
-  return _replicated(jax.lax.with_sharding_constraint(x, shards), shards)
+  x = jax.lax.with_sharding_constraint(x, shards)
+  if gradient_in_shards:
+    return _replicated_gradient_in_shards(x, shards)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _replicated(x, shards: NamedSharding):
-  """``x`` (sharded as ``shards``) replicated; its gradient is constrained to ``shards`` alone.
-  The transpose of a replicated constraint is a replicated constraint, which made XLA form
-  the whole gradient on every device first: for Llama-3.2-1B's tied table on 8 GPUs, each
-  device scatter-added every local token's gradient into a whole [128256, 2048] bfloat16
-  table and reduce-scattered it. Now each device scatter-adds into its own [128256, 256]
-  shard (the hidden states' gradients reach it by all-to-all), and the head's gradient joins
-  it there (``loss.chunked_cross_entropy``'s ``head_sharding``)."""
+def _replicated_gradient_in_shards(x, shards: NamedSharding):
+  """``x`` replicated; its gradient constrained to ``shards`` alone (``gather``)."""
   return jax.lax.with_sharding_constraint(x, NamedSharding(shards.mesh, P()))
 
 
 def _replicated_forward(x, shards):
-  return _replicated(x, shards), None
+  return _replicated_gradient_in_shards(x, shards), None
 
 
 def _replicated_backward(shards, _, gradient):
   return (jax.lax.with_sharding_constraint(gradient, shards),)
 
 
-_replicated.defvjp(_replicated_forward, _replicated_backward)
+_replicated_gradient_in_shards.defvjp(_replicated_forward, _replicated_backward)
 
 
 def batch_spec(mesh: Mesh, seq_len: int) -> P:

@@ -260,14 +260,12 @@ class Llama(nnx.Module):
     self.rules = rules
 
   def lm_head_kernel(self) -> jax.Array:
-    """``[E, V]`` output projection in the compute dtype, all-gathered (replicated). Gathered
-    with its axes, like the table, so that its gradient goes straight back to its shards
-    (``sharding.gather``): gathered as a ``Dense`` kernel, the gradient the loss
-    reduce-scatters was all-gathered again in bfloat16 (0.98 GiB per step for
-    ``llama8b_512k.gin``)."""
+    """``[E, V]`` output projection in the compute dtype, all-gathered (replicated). An untied
+    head's gradient, which the loss reduces to its shards, stays in them
+    (``sharding.gather``'s ``gradient_in_shards``)."""
     if self.lm_head is not None:
       return sharding.gather(self.lm_head.kernel[...], self.config.dtype, self.mesh,
-                             axes=_HEAD, rules=self.rules)
+                             axes=_HEAD, rules=self.rules, gradient_in_shards=True)
     return self._compute_table().T
 
   def _head_sharding(self) -> NamedSharding:

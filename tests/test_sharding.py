@@ -129,3 +129,9 @@ def test_indivisible_parameter_raises_with_the_fix():
   with pytest.raises(ValueError, match=r"\['embedding'\].*size 36, not divisible by the 8 "
                                        r"shards of mesh axes \('data', 'seq'\)"):
     init_llama(preset("tiny", hidden_dim=36, head_dim=8), mesh_of(2, 4))
+
+
+def test_gather_keeping_the_gradient_in_shards_needs_the_axes():
+  with pytest.raises(ValueError, match=r"gradient_in_shards needs the parameter's logical "
+                                       r"axes: pass axes="):
+    sharding.gather(jnp.ones((8, 16)), jnp.bfloat16, mesh_of(1, 8), gradient_in_shards=True)

@@ -251,6 +251,9 @@ def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
   the embedding table: its lookup's gradient constrained so has XLA move the hidden states'
   gradients to the table's columns, which jax 0.10's partitioner does by replicating them.
   """
+  if gradient_in_shards and axes is None:
+    raise ValueError("gradient_in_shards needs the parameter's logical axes: pass axes=(...), "
+                     "one name per dimension, as the parameter was created with.")
   x = x.astype(dtype)
   if axes is None:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))

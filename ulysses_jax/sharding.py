@@ -253,7 +253,7 @@ def gather(x, dtype, mesh: Mesh, *, axes: tuple[str | None, ...] | None = None,
   """
   if gradient_in_shards and axes is None:
     raise ValueError("gradient_in_shards needs the parameter's logical axes: pass axes=(...), "
-                     "one name per dimension, as the parameter was created with.")
+                     "one name per dimension, as the parameter was created with (got axes=None).")
   x = x.astype(dtype)
   if axes is None:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ulysses_jax import make_mesh, plan
+from ulysses_jax import aot, make_mesh, plan
 from ulysses_jax.hf import config as hf_config
 from ulysses_jax.cli import gin_config
 from ulysses_jax.gpus import GPUS
@@ -360,3 +360,34 @@ def test_the_planner_keeps_attention_residuals_where_they_fit_and_else_recompute
   args = SimpleNamespace(accum_steps=1, dtype="bfloat16", seq_len=2**19, batch=1, init_from="")
   assert plan_text.settings(row, args)["LlamaConfig.remat_keep_attention"] is False
   assert "recomputes attention's forward" in plan_text.recommendation(row, args)
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not aot.cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
+def test_recomputed_flops_match_the_gpu_compiler_for_each_remat_policy_and_mlp_tile():
+  """The FLOPs the planner adds for rematerialising, against the train step compiled for one
+  H100, bfloat16, attention kept: "full" recomputes the layers but their down projections (not
+  the embedding or the LM head), "save_names" not q, k and v either; a tiled MLP
+  (``mlp_chunk``) recomputes its gate and up projections in the backward under "none" too;
+  "none" without tiles recomputes nothing. Differences between the compiles cancel what all
+  run (the attention kernels, whose compiled FLOPs the planner counts otherwise)."""
+  from ulysses_jax.aot.report import compile_config
+  from ulysses_jax.data.pipeline import DataConfig
+  from ulysses_jax.run_config import RunConfig, TrainConfig
+  seq_len = 2048
+  base = SMALL.replace(dtype="bfloat16", vocab_size=8192, loss_chunk=512)
+  hardware = plan.Hardware.of("h100")
+  compiled, predicted = {}, {}
+  for remat, mlp_chunk in (("full", 512), ("save_names", 512), ("none", 512), ("none", 0)):
+    config = base.replace(remat_policy=remat, mlp_chunk=mlp_chunk)
+    run = RunConfig(train=TrainConfig(platform="gpu", mesh_data=1, mesh_seq=1), model=config,
+                    data=DataConfig(seq_len=seq_len, batch_size=1))
+    compiled[remat, mlp_chunk] = compile_config(run, "h100", "1x1x1")["flops"]
+    step = plan.predict_step(plan.Model.from_config(config), plan.Layout(1, 1, 1, remat),
+                             batch=1, seq_len=seq_len, hardware=hardware)
+    predicted[remat, mlp_chunk] = step["compute_s"] * hardware.flops
+  for more, less in ((("full", 512), ("none", 512)), (("save_names", 512), ("none", 512)),
+                     (("none", 512), ("none", 0))):
+    extra = compiled[more] - compiled[less]
+    assert extra > 0 and predicted[more] - predicted[less] == pytest.approx(extra, rel=0.02), (
+        more, less, compiled, predicted)

@@ -4,13 +4,15 @@ of them, host transfers (``predict_step``).
 Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs, K the sum over layers of the keys a query sees on
 average (S/2 causal, about W with a sliding window W: ``reference.mean_visible_keys``; padded
 heads compute too; with the expert placement the expert matmuls ``plan.moe.flops_factor`` times
-over, every slot of the dispatch blocks), plus one forward when rematerialising, one more with
-remat groups (both without attention's when the layers keep its residuals,
-``Layout.keep_attention``), and the attention layer (projections and attention) once more with
-head chunks. Passes over attention: the forward, the backward, and one more forward for each
-of: rematerialising and remat groups (unless the layers keep attention's residuals), head
-chunks (each chunk recomputes its attention in the backward). Each ring step also rescales a
-float32 ``[T, Hq', D]`` accumulator in HBM.
+over, every slot of the dispatch blocks), plus one forward of the layers when rematerialising
+(not the embedding, the LM head or the layers' down projections), one more with remat groups
+(both without attention's when the layers keep its residuals, ``Layout.keep_attention``), the
+MLPs' gate and up projections once more without rematerialising when they are tiled
+(``mlp_chunk``: each tile is recomputed in its backward), and the attention layer (projections
+and attention) once more with head chunks. Passes over attention: the forward, the backward,
+and one more forward for each of: rematerialising and remat groups (unless the layers keep
+attention's residuals), head chunks (each chunk recomputes its attention in the backward). Each
+ring step also rescales a float32 ``[T, Hq', D]`` accumulator in HBM.
 
 What overlaps (an assumption each; ``ASSUMPTIONS``): the all-to-alls and the all-gather-KV
 baseline's gathers sit between attention and the rest of the layer and are exposed whole. The
@@ -79,11 +81,23 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   extra_experts = (moe.flops_factor(model, placement, layout.seq) - 1) * moe.run_params(model)
   forward = 2 * (model.compute_params + model.moe_layers * extra_experts) * t + attn_flops
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
-  recompute = {"full": forward, "full_offload": forward, "save_names": forward - projections,
-               "offload": forward - projections, "none": 0}[layout.remat]
+  # Rematerialising recomputes the layers, not the embedding or the LM head, and of a layer
+  # not its last matmul, the MLP's down projection, whose output the backward does not need.
+  # A tiled MLP (``mlp_chunk``) checkpoints each tile: the tile's backward runs its gate and
+  # up projections again under every policy, "none" included.
+  embedding = model.vocab_size * e * (1 if model.tie_embeddings else 2)
+  layers = forward - 2 * embedding * t
+  expert_mlp = moe.run_params(model) + extra_experts
+  mlp = 2 * t * ((n_layers - model.moe_layers) * 3 * e * model.mlp_dim
+                 + model.moe_layers * (expert_mlp + e * model.num_experts))
+  down = 2 * t * ((n_layers - model.moe_layers) * e * model.mlp_dim
+                  + model.moe_layers * expert_mlp / 3)
+  recompute = {"full": layers - down, "full_offload": layers - down,
+               "save_names": layers - projections - down, "offload": layers - projections - down,
+               "none": mlp - down if model.mlp_chunk else 0}[layout.remat]
   # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
   attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
-  compute = (3 * forward + recompute + forward * regroup + attention_layer * rechunk
+  compute = (3 * forward + recompute + layers * regroup + attention_layer * rechunk
              - (forward_passes - attention_passes) * attn_flops) / hardware.flops
   # Attention runs in every forward pass it is not kept from and twice over in the backward.
   attention = (attention_passes + 2) * attn_flops / hardware.flops
@@ -123,7 +137,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
                _term("matmuls", compute - attention, hidden_by=None)]
   for x in collectives.values():
     hidden_s = hidden.get(x.name, 0.0)
-    breakdown.append({**x.describe(), "term": x.name, "seconds": x.seconds - hidden_s,
+    breakdown.append({**x.describe(), "term": x.name, "seconds": max(0.0, x.seconds - hidden_s),
                       "busy_s": x.seconds, "hidden_s": hidden_s,
                       "hidden_by": {"ring": "attention"}.get(x.name, "compute")
                       if x.name in hidden else None})

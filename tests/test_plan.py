@@ -45,6 +45,8 @@ MEMORY_CASES = [
     ({}, "full", (2, 4), 16, 512),
     pytest.param({}, "full", (8, 1), 8, 512, marks=pytest.mark.slow),
     pytest.param({}, "save_names", (1, 8), 16, 512, marks=pytest.mark.slow),
+    pytest.param({}, "save_dots", (1, 8), 16, 512, marks=pytest.mark.slow),
+    pytest.param({"mlp_chunk": 16}, "save_dots", (1, 8), 16, 512, marks=pytest.mark.slow),
     pytest.param({"hidden_dim": 1024, "num_heads": 16, "num_kv_heads": 8}, "full", (1, 8), 16,
                  512, marks=pytest.mark.slow),
     pytest.param({"mlp_chunk": 16}, "full", (1, 8), 16, 512,
@@ -369,8 +371,9 @@ def test_recomputed_flops_match_the_gpu_compiler_for_each_remat_policy_and_mlp_t
   H100, bfloat16, attention kept: "full" recomputes the layers but their down projections (not
   the embedding or the LM head), "save_names" not q, k and v either; a tiled MLP
   (``mlp_chunk``) recomputes its gate and up projections in the backward under "none" too;
-  "none" without tiles recomputes nothing. Differences between the compiles cancel what all
-  run (the attention kernels, whose compiled FLOPs the planner counts otherwise)."""
+  "none" without tiles and "save_dots" with them recompute nothing. Differences between the
+  compiles cancel what all run (the attention kernels, whose compiled FLOPs the planner counts
+  otherwise)."""
   from ulysses_jax.aot.report import compile_config
   from ulysses_jax.data.pipeline import DataConfig
   from ulysses_jax.run_config import RunConfig, TrainConfig
@@ -378,7 +381,8 @@ def test_recomputed_flops_match_the_gpu_compiler_for_each_remat_policy_and_mlp_t
   base = SMALL.replace(dtype="bfloat16", vocab_size=8192, loss_chunk=512)
   hardware = plan.Hardware.of("h100")
   compiled, predicted = {}, {}
-  for remat, mlp_chunk in (("full", 512), ("save_names", 512), ("none", 512), ("none", 0)):
+  for remat, mlp_chunk in (("full", 512), ("save_names", 512), ("none", 512), ("none", 0),
+                           ("save_dots", 512)):
     config = base.replace(remat_policy=remat, mlp_chunk=mlp_chunk)
     run = RunConfig(train=TrainConfig(platform="gpu", mesh_data=1, mesh_seq=1), model=config,
                     data=DataConfig(seq_len=seq_len, batch_size=1))
@@ -387,7 +391,7 @@ def test_recomputed_flops_match_the_gpu_compiler_for_each_remat_policy_and_mlp_t
                              batch=1, seq_len=seq_len, hardware=hardware)
     predicted[remat, mlp_chunk] = step["compute_s"] * hardware.flops
   for more, less in ((("full", 512), ("none", 512)), (("save_names", 512), ("none", 512)),
-                     (("none", 512), ("none", 0))):
+                     (("none", 512), ("none", 0)), (("none", 512), ("save_dots", 512))):
     extra = compiled[more] - compiled[less]
     assert extra > 0 and predicted[more] - predicted[less] == pytest.approx(extra, rel=0.02), (
         more, less, compiled, predicted)

@@ -38,6 +38,7 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          ``Model.expert_placement``; so are the experts'
                                          working set and dispatch blocks)
   saved      L'·T·c·E [+ L·T·c·(2Hq + 2Hkv)·D with save_names]   residuals kept for the
+             [+ L·T·c·((Hq + 2Hkv)·D + E + 2F) with save_dots]
              + L·T·Hq'·n·(D·c + 4)       backward: L' layer inputs, L' = L, or L/k + k with
                                          groups of k layers (``remat_group``; the k of the
                                          group being recomputed); ``offload`` keeps the named
@@ -325,6 +326,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
              + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names")
+             + t * c * _dots_per_token(model) * (layout.remat == "save_dots")
              + kept_attention_bytes(model, layout, t, c))
   attn_len = seq_len // layout.ring  # keys per step on each device
   block = min(_XLA_BLOCK, attn_len)
@@ -424,6 +426,15 @@ def _kept_layer_inputs(model, layout):
 def _named_per_token(model):
   """Elements per token per layer of q, k, v and the attention output (``remat_names``)."""
   return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+
+
+def _dots_per_token(model):
+  """Elements per token that ``save_dots`` keeps over the layers: every layer's q, k, v and
+  output projections' results, and a dense MLP's gate and up projections', tiled or not (the
+  layer's policy reaches into the tiles; the experts' grouped matmuls are no dots)."""
+  e, f = model.hidden_dim, model.mlp_dim
+  projections = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim + e
+  return (model.num_layers * projections + (model.num_layers - model.moe_layers) * 2 * f)
 
 
 def kept_attention_bytes(model, layout, t, c):

@@ -27,7 +27,7 @@ from ulysses_jax.plan.hardware import Hardware
 from ulysses_jax.plan.model import Layout, Model, predict_memory
 from ulysses_jax.plan.step import predict_step
 
-REMATS = ("full", "full_offload", "save_names", "offload", "none")
+REMATS = ("full", "full_offload", "save_names", "offload", "save_dots", "none")
 REMAT_GROUPS = (1, 2, 4, 8)  # layers per rematerialised group
 # Attention head chunks. Not 8: for Llama-3.1-8B on one H100 (1,048,576 tokens) 8 chunks
 # compiled to more memory than 4 (65.9 vs 63.2 GiB), where the model predicts less.

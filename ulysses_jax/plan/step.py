@@ -4,15 +4,17 @@ of them, host transfers (``predict_step``).
 Compute: 6·params·T + 12·K·n·Hq'·D·T FLOPs, K the sum over layers of the keys a query sees on
 average (S/2 causal, about W with a sliding window W: ``reference.mean_visible_keys``; padded
 heads compute too; with the expert placement the expert matmuls ``plan.moe.flops_factor`` times
-over, every slot of the dispatch blocks), plus one forward of the layers when rematerialising
-(not the embedding, the LM head or the layers' down projections), one more with remat groups
+over, every slot of the dispatch blocks), plus one forward of the layers under "full" and
+"save_names" (less q, k and v) and their offloading forms (not the embedding, the LM head or
+the layers' down projections), one more with remat groups
 (both without attention's when the layers keep its residuals, ``Layout.keep_attention``), the
-MLPs' gate and up projections once more without rematerialising when they are tiled
-(``mlp_chunk``: each tile is recomputed in its backward), and the attention layer (projections
-and attention) once more with head chunks. Passes over attention: the forward, the backward,
-and one more forward for each of: rematerialising and remat groups (unless the layers keep
-attention's residuals), head chunks (each chunk recomputes its attention in the backward). Each
-ring step also rescales a float32 ``[T, Hq', D]`` accumulator in HBM.
+MLPs' gate and up projections once more under "none" when they are tiled (``mlp_chunk``:
+each tile is recomputed in its backward), the experts' under "save_dots", and the attention
+layer (projections and attention) once more with head chunks. Passes over attention: the
+forward, the backward, and one more forward for each of: rematerialising and remat groups
+(unless the layers keep attention's residuals), head chunks (each chunk recomputes its
+attention in the backward). Each ring step also rescales a float32 ``[T, Hq', D]`` accumulator
+in HBM.
 
 What overlaps (an assumption each; ``ASSUMPTIONS``): the all-to-alls and the all-gather-KV
 baseline's gathers sit between attention and the rest of the layer and are exposed whole. The
@@ -83,18 +85,20 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   projections = 2 * n_layers * e * (model.num_heads + 2 * model.num_kv_heads) * d * t
   # Rematerialising recomputes the layers, not the embedding or the LM head, and of a layer
   # not its last matmul, the MLP's down projection, whose output the backward does not need.
-  # A tiled MLP (``mlp_chunk``) checkpoints each tile: the tile's backward runs its gate and
-  # up projections again under every policy, "none" included.
+  # A tiled MLP (``mlp_chunk``) checkpoints each tile: without a layer policy ("none") the
+  # tile's backward runs its gate and up projections again. "save_dots" keeps every matmul's
+  # output, tiles or not (the layer's policy reaches into the tiles), but the experts' grouped
+  # matmuls (no dots); it recomputes attention, taken off below where the layers keep it.
   embedding = model.vocab_size * e * (1 if model.tie_embeddings else 2)
   layers = forward - 2 * embedding * t
-  expert_mlp = moe.run_params(model) + extra_experts
-  mlp = 2 * t * ((n_layers - model.moe_layers) * 3 * e * model.mlp_dim
-                 + model.moe_layers * (expert_mlp + e * model.num_experts))
-  down = 2 * t * ((n_layers - model.moe_layers) * e * model.mlp_dim
-                  + model.moe_layers * expert_mlp / 3)
+  dense_layers, expert_mlp = n_layers - model.moe_layers, moe.run_params(model) + extra_experts
+  dense_up = 2 * t * dense_layers * 2 * e * model.mlp_dim  # gate and up
+  experts_up = 2 * t * model.moe_layers * (2 * expert_mlp / 3 + e * model.num_experts)
+  down = 2 * t * (dense_layers * e * model.mlp_dim + model.moe_layers * expert_mlp / 3)
   recompute = {"full": layers - down, "full_offload": layers - down,
                "save_names": layers - projections - down, "offload": layers - projections - down,
-               "none": mlp - down if model.mlp_chunk else 0}[layout.remat]
+               "save_dots": attn_flops + experts_up,
+               "none": dense_up + experts_up if model.mlp_chunk else 0}[layout.remat]
   # A head chunk's backward recomputes its projections (q, k, v, output) and attention.
   attention_layer = attn_flops + projections + 2 * n_layers * e * model.num_heads * d * t
   compute = (3 * forward + recompute + layers * regroup + attention_layer * rechunk

@@ -367,26 +367,32 @@ def test_the_planner_keeps_attention_residuals_where_they_fit_and_else_recompute
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not aot.cuda_plugin_installed(), reason="needs JAX's CUDA plugin")
 def test_recomputed_flops_match_the_gpu_compiler_for_each_remat_policy_and_mlp_tile():
-  """The FLOPs the planner adds for rematerialising, against the train step compiled for one
-  H100, bfloat16, attention kept: "full" recomputes the layers but their down projections (not
-  the embedding or the LM head), "save_names" not q, k and v either; a tiled MLP
-  (``mlp_chunk``) recomputes its gate and up projections in the backward under "none" too;
+  """The FLOPs the planner adds for rematerialising, against the gradient of the loss compiled
+  for one H100, bfloat16, attention kept: "full" recomputes the layers but their down
+  projections (not the embedding or the LM head), "save_names" not q, k and v either; a tiled
+  MLP (``mlp_chunk``) recomputes its gate and up projections in the backward under "none" too;
   "none" without tiles and "save_dots" with them recompute nothing. Differences between the
   compiles cancel what all run (the attention kernels, whose compiled FLOPs the planner counts
   otherwise)."""
-  from ulysses_jax.aot.report import compile_config
-  from ulysses_jax.data.pipeline import DataConfig
-  from ulysses_jax.run_config import RunConfig, TrainConfig
+  from flax import nnx
+  from ulysses_jax import sharding
+  from ulysses_jax.aot import cost
   seq_len = 2048
   base = SMALL.replace(dtype="bfloat16", vocab_size=8192, loss_chunk=512)
+  mesh = make_mesh(1, 1, devices=aot.gpu_devices("h100", "1x1x1"))
+  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
   hardware = plan.Hardware.of("h100")
   compiled, predicted = {}, {}
   for remat, mlp_chunk in (("full", 512), ("save_names", 512), ("none", 512), ("none", 0),
                            ("save_dots", 512)):
     config = base.replace(remat_policy=remat, mlp_chunk=mlp_chunk)
-    run = RunConfig(train=TrainConfig(platform="gpu", mesh_data=1, mesh_seq=1), model=config,
-                    data=DataConfig(seq_len=seq_len, batch_size=1))
-    compiled[remat, mlp_chunk] = compile_config(run, "h100", "1x1x1")["flops"]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda c=config: llama.Llama(
+        c, mesh=mesh, rngs=nnx.Rngs(0))))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         state, sharding.tree_shardings(state, mesh))
+    loss = lambda s, t, g=graphdef: nnx.merge(g, s).loss(t, t).mean()
+    text = jax.jit(jax.grad(loss)).lower(state, tokens).compile().as_text()
+    compiled[remat, mlp_chunk] = sum(op.count * op.flops for op in cost.operations(text))
     step = plan.predict_step(plan.Model.from_config(config), plan.Layout(1, 1, 1, remat),
                              batch=1, seq_len=seq_len, hardware=hardware)
     predicted[remat, mlp_chunk] = step["compute_s"] * hardware.flops

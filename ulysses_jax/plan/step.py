@@ -6,11 +6,11 @@ average (S/2 causal, about W with a sliding window W: ``reference.mean_visible_k
 heads compute too; with the expert placement the expert matmuls ``plan.moe.flops_factor`` times
 over, every slot of the dispatch blocks), plus one forward of the layers under "full" and
 "save_names" (less q, k and v) and their offloading forms (not the embedding, the LM head or
-the layers' down projections), one more with remat groups
-(both without attention's when the layers keep its residuals, ``Layout.keep_attention``), the
-MLPs' gate and up projections once more under "none" when they are tiled (``mlp_chunk``:
-each tile is recomputed in its backward), the experts' under "save_dots", and the attention
-layer (projections and attention) once more with head chunks. Passes over attention: the
+the layers' down projections), one more with remat groups (both without attention's when the
+layers keep its residuals, ``Layout.keep_attention``), the MLPs' gate and up projections once
+more under "none" when they are tiled (``mlp_chunk``: each tile is recomputed in its
+backward), the experts' under "save_dots", and the attention layer (projections and
+attention) once more with head chunks. Passes over attention: the
 forward, the backward, and one more forward for each of: rematerialising and remat groups
 (unless the layers keep attention's residuals), head chunks (each chunk recomputes its
 attention in the backward). Each ring step also rescales a float32 ``[T, Hq', D]`` accumulator

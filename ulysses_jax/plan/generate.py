@@ -21,7 +21,7 @@ prefill pass (one chunk of ``chunk_len`` tokens with chunked prefill):
              dense prefills' temporaries (Llama-3.1-8B, 1M tokens on 8 H100s and 4M on 32,
              jax 0.11.2 and 0.12.0.1). Not counted: a ring's incoming K and V blocks (the
              4M-token prefill on 32 H100s compiles to the temporaries of the 1M one on 8;
-             training's ring term, ``plan.model``, would add 2.5 GiB here).
+             training's ring term, ``plan.memory``, would add 2.5 GiB here).
 
 Times, as ``aot.generate`` predicts them from the compiled programs (lower bounds: peak rates,
 no overlap), and at the planner's achieved rates (``plan.hardware.ACHIEVED``):

@@ -1,4 +1,4 @@
-"""The planner's mixture-of-experts terms (``plan.model`` adds them to a ``Model`` that has
+"""The planner's mixture-of-experts terms (``plan.memory`` adds them to a ``Model`` that has
 experts): parameters held and run, the experts' working memory, and the bytes of the two
 ways to place the experts.
 
@@ -27,7 +27,7 @@ and pass, with D the devices of the ``seq`` axis and Xd = X / D experts on each:
       rows through the experts instead of t·k (and D·min(k, Xd)/k times the expert FLOPs:
       the grouped matmul computes every slot), and the blocks sent and received.
 
-``plan.model``, ``plan.comm`` and ``plan.step`` model the placement in use (``in_use``:
+``plan.memory``, ``plan.comm`` and ``plan.step`` model the placement in use (``in_use``:
 ``Model.expert_placement``, or with "auto" the one ``placement`` picks) with the terms below
 (``held_bytes``, ``placed_working_bytes``, ``block_values``, ``flops_factor``).
 

@@ -1,5 +1,6 @@
 """The planner's search: which layout, and which of the knobs a user would otherwise guess, to
-train a model at a sequence length on some GPUs (the predictions are ``plan.model``'s).
+train a model at a sequence length on some GPUs (the predictions are ``plan.memory``'s and
+``plan.step``'s).
 
 For every factorisation ``devices = data x seq x ring`` (``seq`` = Ulysses all-to-all degree,
 innermost; ``ring`` = ring-attention degree; see ``ulysses_jax.mesh``), every activation
@@ -24,7 +25,8 @@ import itertools
 
 from ulysses_jax.plan import moe
 from ulysses_jax.plan.hardware import Hardware
-from ulysses_jax.plan.model import Layout, Model, predict_memory
+from ulysses_jax.plan.memory import predict_memory
+from ulysses_jax.plan.model import Layout, Model
 from ulysses_jax.plan.step import predict_step
 
 REMATS = ("full", "full_offload", "save_names", "offload", "save_dots", "none")

@@ -32,9 +32,8 @@ do not.
 from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.plan import comm, moe
 from ulysses_jax.plan.hardware import Hardware
-from ulysses_jax.plan.model import (DTYPE_BYTES, Layout, Model, _host_param_count,
-                                    _named_per_token, _optimizer_bytes, chunk_heads,
-                                    ring_steps, tokens)
+from ulysses_jax.plan.memory import _host_param_count, _named_per_token, _optimizer_bytes
+from ulysses_jax.plan.model import DTYPE_BYTES, Layout, Model, chunk_heads, ring_steps, tokens
 
 ASSUMPTIONS = (
     "compute at the achieved FLOP/s (40 % of the dense bf16 peak), HBM at 90 %",

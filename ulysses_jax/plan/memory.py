@@ -126,7 +126,7 @@ _SINKS_Q = 2.0
 _NONE_E, _NONE_F = 10.0, 4.0
 
 
-def _optimizer_bytes(param_dtype, master_weights):
+def optimizer_bytes(param_dtype, master_weights):
   """Bytes of optimizer state per parameter (``o``) and bytes of the updated weights (``w``)."""
   w = 4 if master_weights else DTYPE_BYTES[param_dtype]
   return (3 if master_weights else 2) * w, w
@@ -137,7 +137,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
                    master_weights: bool = False, accum_steps: int = 1) -> dict:
   """Predicted bytes per device, by term (see the module docstring), and their ``total``."""
   c, p = DTYPE_BYTES[dtype], DTYPE_BYTES[param_dtype]
-  o, w = _optimizer_bytes(param_dtype, master_weights)
+  o, w = optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   e, f, d = model.hidden_dim, model.mlp_dim, model.head_dim
   seqs, per_seq, t = tokens(layout, batch // accum_steps, seq_len)
@@ -150,7 +150,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
                                         + attention_per_token(heads, d))
   else:
     saved = (_kept_layer_inputs(model, layout) * t * c * e * (layout.remat != "full_offload")
-             + model.num_layers * t * c * _named_per_token(model) * (layout.remat == "save_names")
+             + model.num_layers * t * c * named_per_token(model) * (layout.remat == "save_names")
              + t * c * _dots_per_token(model) * (layout.remat == "save_dots")
              + kept_attention_bytes(model, layout, t, c))
   attn_len = seq_len // layout.ring  # keys per step on each device
@@ -164,7 +164,7 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
     incoming = 4 * seqs * seq_len * hkv * d * c
   offload = layout.offload_optimizer
   optimizer = o * model.params / n
-  host_params = _host_param_count(model, layout)
+  host_params = host_param_count(model, layout)
   device_params = model.params - host_params + _device_layer_params(model, layout)
   placement = moe.in_use(model, t, layout.seq, c) if model.moe_layers else "fsdp"
   experts_held = (moe.held_bytes(model, placement, layout.seq, c)
@@ -214,7 +214,7 @@ def _device_layer_params(model, layout):
   return model.layer_params * layout.remat_group * layout.offload_params
 
 
-def _host_param_count(model, layout):
+def host_param_count(model, layout):
   """Parameters (and as many gradients) in host memory: the layers' with ``offload_params``."""
   return model.num_layers * model.layer_params * layout.offload_params
 
@@ -226,7 +226,7 @@ def _kept_layer_inputs(model, layout):
   return model.num_layers if k == 1 else model.num_layers // k + k
 
 
-def _named_per_token(model):
+def named_per_token(model):
   """Elements per token per layer of q, k, v and the attention output (``remat_names``)."""
   return (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
 
@@ -256,5 +256,5 @@ def _host_activation_bytes(model, layout, t, c):
   if layout.remat == "full_offload":
     return _kept_layer_inputs(model, layout) * t * c * model.hidden_dim
   if layout.remat == "offload":
-    return model.num_layers * t * c * _named_per_token(model)
+    return model.num_layers * t * c * named_per_token(model)
   return 0

@@ -32,7 +32,7 @@ do not.
 from ulysses_jax.attention.reference import mean_visible_keys
 from ulysses_jax.plan import comm, moe
 from ulysses_jax.plan.hardware import Hardware
-from ulysses_jax.plan.memory import _host_param_count, _named_per_token, _optimizer_bytes
+from ulysses_jax.plan.memory import host_param_count, named_per_token, optimizer_bytes
 from ulysses_jax.plan.model import DTYPE_BYTES, Layout, Model, chunk_heads, ring_steps, tokens
 
 ASSUMPTIONS = (
@@ -59,7 +59,7 @@ def predict_step(model: Model, layout: Layout, *, batch: int, seq_len: int,
   ``allgather_kv_bytes``), and ``breakdown``: every term with its seconds on the step's
   critical path, what is hidden, and for a collective its group, domain and bandwidth."""
   c, p = DTYPE_BYTES[dtype], DTYPE_BYTES[param_dtype]
-  o, _ = _optimizer_bytes(param_dtype, master_weights)
+  o, _ = optimizer_bytes(param_dtype, master_weights)
   n = layout.data * layout.seq * layout.ring
   _, _, t = tokens(layout, batch, seq_len)
   heads = chunk_heads(model, layout)
@@ -169,8 +169,8 @@ def _host_transfers(model, layout, t, c, p, o, n, hardware, compute):
   # inputs with remat groups.
   moved_inputs = model.num_layers + (model.num_layers // layout.remat_group if regroup else 0)
   moved = {"full_offload": moved_inputs * model.hidden_dim,
-           "offload": model.num_layers * _named_per_token(model)}
-  host_param_bytes = p * _host_param_count(model, layout) / n
+           "offload": model.num_layers * named_per_token(model)}
+  host_param_bytes = p * host_param_count(model, layout) / n
   # A group copies its layers' weights once per pass over it (the forward, its recompute in
   # the backward); its layers' own recomputes reuse that copy.
   fetches = 1 + (layout.remat != "none")

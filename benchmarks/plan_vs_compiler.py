@@ -3,7 +3,7 @@
     make gpu-compile-venv
     .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --json \\
         benchmarks/results/plan_vs_compiler.json
-    .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --grid --json \\
+    .venv-gpu-compile/bin/python -m benchmarks.plan_vs_compiler --layouts grid --json \\
         benchmarks/results/plan_vs_compiler_grid.json
 
 For each config (with the ``--gin_param`` overrides listed beside it), on the cluster its
@@ -15,10 +15,11 @@ temporaries). Each step is compiled twice: as is for the GPU, and under memory p
 capacity XLA keeps buffers it could do without; near it, it trades time for memory, so a
 layout fits when the smaller of the two does, and that is what the planner predicts and the
 error is taken against. Compiling takes 10 s to 2 minutes per step on 2 CPU cores; no GPU.
-``--grid`` compares instead the shipped layouts varied over models (1B, 8B), GPU counts (1, 8,
-32), lengths, head chunks and where the state lives (``GRID``). ``--replan FILE`` (with or
-without ``--grid``, as FILE was written) compiles nothing: it prints the planner's figures now
-beside the compiled ones FILE stores, for a change of the planner's model.
+``--layouts grid`` compares instead the shipped layouts varied over models (1B, 8B), GPU counts
+(1, 8, 32), lengths, head chunks and where the state lives (``GRID``); ``--layouts none`` the
+1B and 8B without rematerialisation (``NO_REMAT``). ``--replan FILE`` (with the ``--layouts``
+FILE was written with) compiles nothing: it prints the planner's figures now beside the
+compiled ones FILE stores, for a change of the planner's model.
 """
 
 import argparse
@@ -68,6 +69,20 @@ GRID = tuple(
                         (4194304, _STATE_ON_GPUS))]
     + [("configs/llama8b_32gpu_32m.gin", "4x1x8", (f"DataConfig.seq_len={s}",))
        for s in (8388608, 16777216)])
+_NONE = ("LlamaConfig.remat_policy='none'",)
+_UNTILED = ("LlamaConfig.mlp_chunk=0",)
+# (gin file, topology, --gin_param overrides): no rematerialisation, the MLP tiled or not.
+NO_REMAT = tuple(
+    [("configs/llama1b_128k.gin", topology, _1B_ON[topology] + _NONE + tiles
+      + (f"DataConfig.seq_len={s}",))
+     for topology, s, tiles in (("1x1x1", 16384, ()), ("1x1x1", 16384, _UNTILED),
+                                ("1x1x1", 32768, _UNTILED), ("1x1x1", 65536, ()),
+                                ("1x1x8", 524288, ()), ("1x1x8", 524288, _UNTILED))]
+    + [("configs/llama8b_512k.gin", "1x1x8", _NONE + tiles + ("DataConfig.seq_len=131072",))
+       for tiles in ((), _UNTILED)]
+    + [("configs/llama8b_512k.gin", "1x1x1", _NONE + ("TrainConfig.mesh_seq=1",
+                                                      "DataConfig.seq_len=16384"))])
+LAYOUTS = {"configs": CONFIGS, "grid": GRID, "none": NO_REMAT}
 
 
 def predict(config, devices: int) -> dict:
@@ -122,17 +137,18 @@ def replan(path: str, layouts) -> list[dict]:
 def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--gpu", default="h100")
-  parser.add_argument("--grid", action="store_true", help="the GRID of layouts, not CONFIGS")
+  parser.add_argument("--layouts", choices=sorted(LAYOUTS), default="configs",
+                      help="the shipped configs, GRID of their layouts, or NO_REMAT")
   parser.add_argument("--json", default="")
   parser.add_argument("--replan", default="", help="a JSON this wrote: the planner's figures "
                       "now beside its compiled ones, no compile")
   args = parser.parse_args(argv)
   if args.replan:
-    rows = replan(args.replan, GRID if args.grid else CONFIGS)
+    rows = replan(args.replan, LAYOUTS[args.layouts])
     common.print_table(rows, list(rows[0]))
     return rows
   rows = [compare(gin_file, topology, params, args.gpu)
-          for gin_file, topology, params in (GRID if args.grid else CONFIGS)]
+          for gin_file, topology, params in LAYOUTS[args.layouts]]
   print("GiB per device: ulysses_jax.plan.predict_memory vs the compiled GPU step (python -m "
         "ulysses_jax.aot), as is and under memory pressure; error against the smaller")
   common.print_table(rows, list(rows[0]))

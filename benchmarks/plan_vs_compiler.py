@@ -17,7 +17,8 @@ layout fits when the smaller of the two does, and that is what the planner predi
 error is taken against. Compiling takes 10 s to 2 minutes per step on 2 CPU cores; no GPU.
 ``--layouts grid`` compares instead the shipped layouts varied over models (1B, 8B), GPU counts
 (1, 8, 32), lengths, head chunks and where the state lives (``GRID``); ``--layouts none`` the
-1B and 8B without rematerialisation (``NO_REMAT``). ``--replan FILE`` (with the ``--layouts``
+1B and 8B without rematerialisation (``NO_REMAT``); ``--layouts untiled`` with the shipped
+remat and no MLP tiles (``UNTILED``). ``--replan FILE`` (with the ``--layouts``
 FILE was written with) compiles nothing: it prints the planner's figures now beside the
 compiled ones FILE stores, for a change of the planner's model.
 """
@@ -82,7 +83,14 @@ NO_REMAT = tuple(
        for tiles in ((), _UNTILED)]
     + [("configs/llama8b_512k.gin", "1x1x1", _NONE + ("TrainConfig.mesh_seq=1",
                                                       "DataConfig.seq_len=16384"))])
-LAYOUTS = {"configs": CONFIGS, "grid": GRID, "none": NO_REMAT}
+# (gin file, topology, --gin_param overrides): the shipped remat ("full"), the MLP untiled.
+UNTILED = (
+    [("configs/llama1b_128k.gin", topology, _1B_ON[topology] + _UNTILED
+      + (f"DataConfig.seq_len={s}",))
+     for topology, s in (("1x1x1", 65536), ("1x1x1", 131072), ("1x1x8", 1048576))]
+    + [("configs/llama8b_512k.gin", "1x1x8", _UNTILED + (f"DataConfig.seq_len={s}",))
+       for s in (524288, 262144)])
+LAYOUTS = {"configs": CONFIGS, "grid": GRID, "none": NO_REMAT, "untiled": UNTILED}
 
 
 def predict(config, devices: int) -> dict:
@@ -138,7 +146,7 @@ def main(argv=None) -> list[dict]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--gpu", default="h100")
   parser.add_argument("--layouts", choices=sorted(LAYOUTS), default="configs",
-                      help="the shipped configs, GRID of their layouts, or NO_REMAT")
+                      help="the shipped configs, GRID of their layouts, NO_REMAT or UNTILED")
   parser.add_argument("--json", default="")
   parser.add_argument("--replan", default="", help="a JSON this wrote: the planner's figures "
                       "now beside its compiled ones, no compile")

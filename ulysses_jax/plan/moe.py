@@ -11,7 +11,7 @@ bytes of the compute dtype):
              copies of the token and of its output, and their gradients, 4·k·E·c; the k
              gate, up and activated rows and their gradients, 6·k·I·c; the float32 router
              logits and probabilities and their gradients, 16·X bytes. Counted from the
-             layer's arrays, not fitted to a compiled program (the dense MLP's 7.5·F' is);
+             layer's arrays, not fitted to a compiled program (the dense MLP's 4·F' is);
              it assumes a grouped matmul (k rows per token): a masked dense one over the X
              experts (XLA's CPU lowering of ``ragged_dot``) holds X times the rows.
 

@@ -75,11 +75,11 @@ def test_memory_prediction_matches_compiled_memory_analysis(overrides, remat, me
 
 
 # The shipped GPU configs, a grid of their layouts, layouts without rematerialisation and
-# layouts without MLP tiles compiled for H100s by `benchmarks.plan_vs_compiler` (the compile-only GPU devices of the jax
-# version named; the
-# smaller of the step compiled as is and under memory pressure, the footprint the planner
-# predicts; see its module docstring), replanned here with the planner as it is now. Each
-# layout's device figure within 10 %, and its host figure within 1 %, but the gaps below:
+# layouts without MLP tiles compiled for H100s by `benchmarks.plan_vs_compiler` (the
+# compile-only GPU devices of the jax version named; the smaller of the step compiled as is and
+# under memory pressure, the footprint the planner predicts; see its module docstring),
+# replanned here with the planner as it is now. Each layout's device figure within 10 %, and
+# its host figure within 1 %, but the gaps below:
 # (JSON, layout) -> why the planner misses it.
 _KV_REPLICATED = ("over: head chunks whose KV heads are replicated over seq (2 or 4 KV heads "
                   "per chunk on 8 GPUs), which the fitted 1.1 A per token counts as "

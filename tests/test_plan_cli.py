@@ -155,7 +155,7 @@ def test_verify_compiles_the_recommendation(capsys):
   compiled = re.search(r"\n  device +([0-9.]+) +([0-9.]+) ", out)
   assert compiled, out
   assert float(compiled[1]) == pytest.approx(best["memory"]["total"] / 2**30, abs=0.01)
-  assert float(compiled[2]) > 0  # remat="none" is recommended here (24.64 GiB predicted, 24.61 compiled)
+  assert float(compiled[2]) > 0  # remat="none" recommended: 24.64 GiB predicted, 24.61 compiled
   as_is, pressed = map(float, re.search(r"as is, ([0-9.]+), and under memory pressure, "
                                         r"([0-9.]+)", out).groups())
   assert float(compiled[2]) == min(as_is, pressed)

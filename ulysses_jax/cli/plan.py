@@ -385,5 +385,19 @@ def _verify(row: dict, args):
     print(f"  {name:6} {predicted / _GIB:8.2f} {compiled / _GIB:8.2f} {error:>6}")
   print(f"  (device: the smaller of the step compiled as is, {report['device_bytes'] / _GIB:.2f}"
         f", and under memory pressure, {report['device_bytes_under_pressure'] / _GIB:.2f})")
-  print(f"  the compiled step {'fits' if report['fits'] else 'DOES NOT FIT'} in the budget, "
-        f"{report['budget_bytes'] / _GIB:.2f} GiB")
+  print(_fit_line(report))
+
+
+def _fit_line(report: dict) -> str:
+  """Whether the step a run compiles (XLA's limit at the budget) fits; where only the step
+  compiled under memory pressure does, the flag that makes a run's compile the same."""
+  budget = f"{report['budget_bytes'] / _GIB:.2f} GiB"
+  if report["fits"]:
+    return f"  the compiled step fits in the budget, {budget}"
+  line = f"  the compiled step DOES NOT FIT in the budget, {budget}"
+  if report["device_bytes_under_pressure"] <= report["budget_bytes"]:
+    from ulysses_jax.aot.report import UNDER_PRESSURE  # pylint: disable=import-outside-toplevel
+    flag = " ".join(f"--{k}={v}" for k, v in UNDER_PRESSURE.items())
+    line += (f"; compiled under memory pressure it does: run with XLA_FLAGS={flag}, which "
+             "gives XLA as tight a limit in the run (it recomputes more: a slower step)")
+  return line

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from child_env import child_env
-from ulysses_jax import cli, metrics, step_builder
+from ulysses_jax import cli, metrics, step_builder, train
 from ulysses_jax.cli import gin_config
 from ulysses_jax.checkpoint import Checkpointer
 from ulysses_jax.mesh import make_mesh
@@ -310,6 +310,21 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_training(cache_dir, tmp_pa
   after_good_step = _restore_params(checkpoints, params, make_mesh(2, 4), 1, tmp_path)
   after_bad_steps = _restore_params(checkpoints, params, make_mesh(2, 4), 4, tmp_path)
   jax.tree.map(np.testing.assert_array_equal, after_bad_steps, after_good_step)
+
+
+def test_out_of_memory_is_one_error_naming_the_sizes_and_the_fixes():
+  # XLA's own error: 1 EiB, more than any address space, fails however memory is overcommitted
+  with pytest.raises(jax.errors.JaxRuntimeError) as caught:
+    jax.block_until_ready(jax.jit(lambda: jax.numpy.ones(2**60, np.uint8))())
+  assert train.is_out_of_memory(caught.value)
+  assert not train.is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))
+  message = str(train.out_of_memory(caught.value, 1, compiled_gib=71.45, pool_gib=71.2))
+  assert message.startswith("step 1 ran out of device memory (RESOURCE_EXHAUSTED: Out of memory")
+  assert ("; the compiled step needs 71.45 GiB per device; XLA's memory pool holds 71.20 GiB "
+          "per device. Without a GPU, ulysses-aot --gin_file=YOUR.gin") in message
+  assert "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=10" in message
+  no_sizes = str(train.out_of_memory(caught.value, 3, compiled_gib=None, pool_gib=None))
+  assert "Out of memory allocating 1152921504606846976 bytes.). Without a GPU" in no_sizes
 
 
 @pytest.mark.slow

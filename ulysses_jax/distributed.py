@@ -113,10 +113,15 @@ def reserve_gpu_memory() -> None:
     os.environ[MEM_FRACTION_VARS[0]] = f"{1 - RUNTIME_RESERVE_FRACTION:.2f}"
 
 
+def gpu_pool_gib() -> float | None:
+  """The size of XLA's memory pool on the first local device, GiB (None: not reported)."""
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  return None if limit is None else limit / 2**30
+
+
 def gpu_memory_line() -> str:
   """What XLA's pool on the first local GPU is and where its size came from (for the log)."""
-  device = jax.local_devices()[0]
-  limit = (device.memory_stats() or {}).get("bytes_limit")
+  pool = gpu_pool_gib()
   var = next((v for v in MEM_FRACTION_VARS if os.environ.get(v)), None)
   setting = f"{var}={os.environ[var]}" if var else "JAX's default fraction, 0.75"
   budget = 1 - RUNTIME_RESERVE_FRACTION
@@ -124,7 +129,7 @@ def gpu_memory_line() -> str:
           "assumes" if float(os.environ[var] if var else 0.75) <= budget + 1e-9 else
           f"above the {budget:.0%} aot's budget assumes: the CUDA context, the libraries and "
           f"NCCL may not find the memory they need")
-  size = "unknown" if limit is None else f"{limit / 2**30:.2f} GiB"
+  size = "unknown" if pool is None else f"{pool:.2f} GiB"
   return f"XLA's memory pool per GPU: {size} ({setting}; {note})"
 
 

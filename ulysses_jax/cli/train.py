@@ -8,9 +8,9 @@ and ``cpu_devices``; the multi-process flags join processes that ``scripts/launc
 started (SLURM and MPI launchers are detected without them).
 
 Exit codes (``ulysses_jax.cli``): 0 finished (or nothing left to train), 1 stopped on an error
-(non-finite steps), 2 bad input (flags, gin, a config, data or checkpoint the trainer
-refuses; nothing was written), 75 stopped by a signal after saving a checkpoint: run the
-same command again to resume.
+(non-finite steps; the first step out of device memory), 2 bad input (flags, gin, a config,
+data or checkpoint the trainer refuses; nothing was written), 75 stopped by a signal after
+saving a checkpoint: run the same command again to resume.
 """
 
 import dataclasses
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                   compilation_cache=cfg.compilation_cache)
     try:
       summary = train.train(args.workdir, config)
-    except (train.NonFiniteError, kernel_check.KernelCheckError) as e:
+    except (train.NonFiniteError, train.OutOfMemoryError, kernel_check.KernelCheckError) as e:
       raise cli.Failed(str(e)) from e
     return cli.EXIT_STOPPED if summary["stopped"] else cli.EXIT_OK
 

@@ -62,6 +62,34 @@ class NonFiniteError(RuntimeError):
   """Too many consecutive steps with non-finite loss or gradients."""
 
 
+class OutOfMemoryError(RuntimeError):
+  """The first step ran out of device memory; the message says by how much and what to try."""
+
+
+def is_out_of_memory(error: Exception) -> bool:
+  """Whether ``error`` is XLA's out of memory (RESOURCE_EXHAUSTED)."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def out_of_memory(error: Exception, step: int, compiled_gib: float | None,
+                  pool_gib: float | None) -> OutOfMemoryError:
+  """The ``OutOfMemoryError`` for XLA's out-of-memory ``error`` at ``step``: the first line of
+  XLA's message, the compiled step's figure per device beside XLA's pool (None: unknown) and
+  the fixes, each a setting or a command that checks one."""
+  sizes = "; ".join(f"{name} {value:.2f} GiB per device" for name, value in (
+      ("the compiled step needs", compiled_gib), ("XLA's memory pool holds", pool_gib))
+      if value is not None)
+  xla = str(error).splitlines()[0]
+  return OutOfMemoryError(
+      f"step {step} ran out of device memory ({xla}){'; ' + sizes if sizes else ''}. "
+      "Without a GPU, ulysses-aot --gin_file=YOUR.gin compiles this step and says whether it "
+      "fits, and ulysses-plan --model=YOUR.gin --devices=N --verify finds a layout that does "
+      "(where only the step compiled under memory pressure fits, it names "
+      "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=10). Or use less memory: a shorter "
+      "DataConfig.seq_len, LlamaConfig.remat_policy=\"full_offload\", LlamaConfig.mlp_chunk="
+      "8192, TrainConfig.offload_optimizer=True.")
+
+
 @contextlib.contextmanager
 def _config_errors():
   """Re-raises a failure of reading configs, data, devices and checkpoints as
@@ -147,6 +175,12 @@ def _check_fits(abstract_state):
                       "devices or TrainConfig.offload_optimizer=True")
 
 
+def _compiled_gib(run, batch) -> float | None:
+  """The compiled step's device memory per device (from the compilation cache after step 1)."""
+  compiled = run.built.step.lower(run.built.state, batch).compile()
+  return metrics_lib.compiled_memory_gib(compiled)
+
+
 # ----------------------------------------------------------------------------- training
 
 def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
@@ -213,14 +247,20 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       batch = next(run.train_ds)
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
-              else contextlib.nullcontext()):
-          state, step_metrics = run.built.step(state, batch)
-        data_state = run.train_ds.get_state()
-        if step < cfg.steps:
-          batch = next(run.train_ds)  # host work while the device runs the step
-        m, bad, skipped = jax.device_get((step_metrics, state.nonfinite_in_a_row,
-                                          state.nonfinite_steps))
+        try:
+          with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
+                else contextlib.nullcontext()):
+            state, step_metrics = run.built.step(state, batch)
+          data_state = run.train_ds.get_state()
+          if step < cfg.steps:
+            batch = next(run.train_ds)  # host work while the device runs the step
+          m, bad, skipped = jax.device_get((step_metrics, state.nonfinite_in_a_row,
+                                            state.nonfinite_steps))
+        except jax.errors.JaxRuntimeError as e:
+          if step == start + 1 and is_out_of_memory(e):
+            raise out_of_memory(e, step, _compiled_gib(run, batch),
+                                distributed.gpu_pool_gib()) from e
+          raise
         dt = time.perf_counter() - t0
         interval_time, interval_steps = interval_time + dt, interval_steps + 1
         if step > start + 1:
@@ -236,9 +276,7 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
           if hasattr(run.train_ds, "tokens_by_source"):  # a mixture's tokens per source
             record.update(run.train_ds.tokens_by_source(data_state))
           if step == start + 1:  # the step is in the compilation cache: no compile again
-            compiled = run.built.step.lower(run.built.state, batch).compile()
-            record.update(run.attention.record(),
-                          compiled_memory_gib=metrics_lib.compiled_memory_gib(compiled))
+            record.update(run.attention.record(), compiled_memory_gib=_compiled_gib(run, batch))
             if lead:
               _log.info(metrics_lib.memory_line(record))
           if do_eval and run.eval_ds is not None:

@@ -318,12 +318,16 @@ def test_out_of_memory_is_one_error_naming_the_sizes_and_the_fixes():
     jax.block_until_ready(jax.jit(lambda: jax.numpy.ones(2**60, np.uint8))())
   assert train.is_out_of_memory(caught.value)
   assert not train.is_out_of_memory(ValueError("RESOURCE_EXHAUSTED"))
-  message = str(train.out_of_memory(caught.value, 1, compiled_gib=71.45, pool_gib=71.2))
+  message = str(train.out_of_memory(caught.value, 1, compiled_gib=71.45, pool_gib=71.2,
+                                    gpu="h200", topology="1x2x8"))
   assert message.startswith("step 1 ran out of device memory (RESOURCE_EXHAUSTED: Out of memory")
   assert ("; the compiled step needs 71.45 GiB per device; XLA's memory pool holds 71.20 GiB "
-          "per device. Without a GPU, ulysses-aot --gin_file=YOUR.gin") in message
+          "per device. Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu=h200 --topology=1x2x8 "
+          "compiles this step and says whether it fits, and ulysses-plan --model=YOUR.gin "
+          "--gpu=h200 --devices=16 --verify") in message
   assert "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=10" in message
-  no_sizes = str(train.out_of_memory(caught.value, 3, compiled_gib=None, pool_gib=None))
+  no_sizes = str(train.out_of_memory(caught.value, 3, compiled_gib=None, pool_gib=None,
+                                     gpu="h100", topology="1x1x1"))
   assert "Out of memory allocating 1152921504606846976 bytes.). Without a GPU" in no_sizes
 
 

@@ -52,6 +52,7 @@ from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data.corpus import make_tokenizer
 from ulysses_jax.data.pipeline import make_datasets
+from ulysses_jax.gpus import gpu_of_kind
 from ulysses_jax.models.llama import count_params
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: F401  (public here too)
 
@@ -72,18 +73,21 @@ def is_out_of_memory(error: Exception) -> bool:
 
 
 def out_of_memory(error: Exception, step: int, compiled_gib: float | None,
-                  pool_gib: float | None) -> OutOfMemoryError:
+                  pool_gib: float | None, gpu: str, topology: str) -> OutOfMemoryError:
   """The ``OutOfMemoryError`` for XLA's out-of-memory ``error`` at ``step``: the first line of
   XLA's message, the compiled step's figure per device beside XLA's pool (None: unknown) and
-  the fixes, each a setting or a command that checks one."""
+  the fixes, each a setting or a command that checks one for the run's ``gpu`` (a key of
+  ``ulysses_jax.gpus.GPUS``) and ``topology`` (aot's ``<slices>x<hosts>x<GPUs per host>``)."""
   sizes = "; ".join(f"{name} {value:.2f} GiB per device" for name, value in (
       ("the compiled step needs", compiled_gib), ("XLA's memory pool holds", pool_gib))
       if value is not None)
   xla = str(error).splitlines()[0]
   return OutOfMemoryError(
       f"step {step} ran out of device memory ({xla}){'; ' + sizes if sizes else ''}. "
-      "Without a GPU, ulysses-aot --gin_file=YOUR.gin compiles this step and says whether it "
-      "fits, and ulysses-plan --model=YOUR.gin --devices=N --verify finds a layout that does "
+      f"Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu={gpu} --topology={topology} "
+      "compiles this step and says whether it fits, and ulysses-plan --model=YOUR.gin "
+      f"--gpu={gpu} --devices={math.prod(map(int, topology.split('x')))} --verify finds a "
+      "layout that does "
       "(where only the step compiled under memory pressure fits, it names "
       "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=10). Or use less memory: a shorter "
       "DataConfig.seq_len, LlamaConfig.remat_policy=\"full_offload\", LlamaConfig.mlp_chunk="
@@ -258,8 +262,9 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
                                             state.nonfinite_steps))
         except jax.errors.JaxRuntimeError as e:
           if step == start + 1 and is_out_of_memory(e):
-            raise out_of_memory(e, step, _compiled_gib(run, batch),
-                                distributed.gpu_pool_gib()) from e
+            raise out_of_memory(e, step, _compiled_gib(run, batch), distributed.gpu_pool_gib(),
+                                gpu_of_kind(jax.devices()[0].device_kind)[0],
+                                f"1x{jax.process_count()}x{jax.local_device_count()}") from e
           raise
         dt = time.perf_counter() - t0
         interval_time, interval_steps = interval_time + dt, interval_steps + 1

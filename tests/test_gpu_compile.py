@@ -222,3 +222,32 @@ def test_under_memory_pressure_xla_drops_buffers_to_the_footprint_the_planner_pr
         "under_pressure_gib"] * 1.2, "jax 0.11.2 changed: the planner is within 10 % again?"
   else:
     assert row["plan_device_gib"] == pytest.approx(row["under_pressure_gib"], rel=0.1)
+
+
+def test_the_trainer_runs_the_step_compiled_under_memory_pressure_where_only_that_fits():
+  """The tiny model at 4M tokens on 8 H100s: 24.25 GiB per device compiled as is, 22.64 under
+  memory pressure (jax 0.12.0.1; 24.75 and 22.90 on jax 0.11.2). A pool between the two runs
+  the second program; a larger one the jitted step; a smaller one is an error before any
+  step, naming both sizes."""
+  from ulysses_jax import step_builder
+  from ulysses_jax.cli import gin_config
+  from ulysses_jax.train import fit
+  config = gin_config.read(["configs/tiny_cpu.gin"], [
+      "TrainConfig.mesh_data = 1", "TrainConfig.mesh_seq = 8", "DataConfig.batch_size = 1",
+      "DataConfig.seq_len = 4194304", "TrainConfig.platform = ''", "TrainConfig.cpu_devices = 0"])
+  built = step_builder.build_train_step(
+      config, step_builder.run_mesh(config.train, aot.gpu_devices("h100", "1x1x8")))
+  args = (built.step, built.state, built.batch)
+  roomy = fit.compile_to_fit(*args, pool_gib=80.0, gpu="h100", topology="1x1x8")
+  assert roomy.step is built.step and not roomy.under_pressure
+  pressed = fit.compile_to_fit(*args, pool_gib=roomy.device_gib - 0.5, gpu="h100",
+                               topology="1x1x8")
+  assert pressed.under_pressure and pressed.step is not built.step
+  assert pressed.device_gib < roomy.device_gib - 1.0
+  assert "which fits: training runs that program" in fit.fitted_line(pressed, 23.0)
+  with pytest.raises(fit.OutOfMemoryError) as caught:
+    fit.compile_to_fit(*args, pool_gib=pressed.device_gib - 0.5, gpu="h100", topology="1x1x8")
+  assert (f"the train step needs {roomy.device_gib:.2f} GiB per device as compiled "
+          f"({pressed.device_gib:.2f} compiled under memory pressure) but XLA's memory pool "
+          f"holds {pressed.device_gib - 0.5:.2f} GiB per device; nothing ran. Without a GPU, "
+          "ulysses-aot --gin_file=YOUR.gin --gpu=h100 --topology=1x1x8") in str(caught.value)

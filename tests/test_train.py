@@ -331,6 +331,40 @@ def test_out_of_memory_is_one_error_naming_the_sizes_and_the_fixes():
   assert "Out of memory allocating 1152921504606846976 bytes.). Without a GPU" in no_sizes
 
 
+def test_a_step_compiled_under_memory_pressure_trains_and_resumes_as_the_jitted_one(
+    tmp_path, monkeypatch, caplog):
+  """Where only the step compiled under memory pressure fits (``train.fit``; on a GPU), the
+  loop runs that executable: its batches, initial and restored states must match the shardings
+  it was compiled for. On CPU the pressure changes nothing, so the losses equal the jitted run's."""
+  read = lambda steps: gin_config.read([TINY], FAST + [
+      "STEPS = 4", f"TrainConfig.steps = {steps}", "OptimizerConfig.warmup_steps = 1",
+      "TrainConfig.log_every = 1", "TrainConfig.eval_every = 0",
+      "TrainConfig.progress_bar = False", "CheckpointConfig.save_every = 2"])
+  train.train(str(tmp_path / "jitted"), read(4))
+
+  def under_pressure(step, state, batch, pool_gib, gpu, topology):
+    compiled = step.lower(state, batch).compile(train.fit.UNDER_PRESSURE)
+    return train.Fitted(compiled, metrics.compiled_memory_gib(compiled), True)
+
+  monkeypatch.setattr(train, "compile_to_fit", under_pressure)
+  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda: 64.0)
+  with caplog.at_level("WARNING", logger="ulysses_jax.train"):
+    train.train(str(tmp_path / "pressed"), read(2))
+    assert train.train(str(tmp_path / "pressed"), read(4))["restored_step"] == 2
+  assert caplog.text.count("compiled again under memory pressure") == 2
+  assert _losses(str(tmp_path / "pressed")) == _losses(str(tmp_path / "jitted"))
+
+
+def test_a_step_over_the_memory_pool_is_bad_input_before_the_workdir_changes(tmp_path,
+                                                                           monkeypatch):
+  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda: 0.001)
+  with pytest.raises(train.ConfigError, match=(
+      r"^the train step needs [0-9.]+ GiB per device as compiled \([0-9.]+ compiled under "
+      r"memory pressure\) but XLA's memory pool holds 0\.00 GiB per device; nothing ran\. ")):
+    train.train(str(tmp_path / "run"), gin_config.read([TINY], FAST))
+  assert not os.path.exists(tmp_path / "run")
+
+
 @pytest.mark.slow
 def test_retrieval_is_learned_across_sequence_shards(retrieval_run):
   workdir, stdout = retrieval_run

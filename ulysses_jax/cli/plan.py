@@ -390,7 +390,8 @@ def _verify(row: dict, args):
 
 def _fit_line(report: dict) -> str:
   """Whether the step a run compiles (XLA's limit at the budget) fits; where only the step
-  compiled under memory pressure does, the flag that makes a run's compile the same."""
+  compiled under memory pressure does, that the trainer runs that one (``train.fit``) and the
+  flag that does the same for another program."""
   budget = f"{report['budget_bytes'] / _GIB:.2f} GiB"
   if report["fits"]:
     return f"  the compiled step fits in the budget, {budget}"
@@ -398,6 +399,7 @@ def _fit_line(report: dict) -> str:
   if report["device_bytes_under_pressure"] <= report["budget_bytes"]:
     from ulysses_jax.aot.report import UNDER_PRESSURE  # pylint: disable=import-outside-toplevel
     flag = " ".join(f"--{k}={v}" for k, v in UNDER_PRESSURE.items())
-    line += (f"; compiled under memory pressure it does: run with XLA_FLAGS={flag}, which "
-             "gives XLA as tight a limit in the run (it recomputes more: a slower step)")
+    line += ("; compiled under memory pressure it does, and ulysses-train runs that program "
+             "(it recomputes more: a slower step). Your own loop gets the same with "
+             f"XLA_FLAGS={flag}")
   return line

@@ -27,8 +27,11 @@ on any mesh. SIGTERM/SIGINT save a checkpoint at the current step and exit. A st
 a non-finite loss or gradients is skipped (parameters and optimizer state unchanged) and
 counted; ``TrainConfig.max_bad_steps`` of them in a row save the state and stop with an error.
 Every check (configs, devices, data, memory, the checkpoint to resume) runs before the
-workdir is created or changed: they raise ``ConfigError``; too many non-finite steps raise
-``NonFiniteError``; a signal returns a summary whose ``stopped`` names it.
+workdir is created or changed: they raise ``ConfigError``. The memory check compiles the step
+and compares it with XLA's memory pool, and runs the step compiled under memory pressure where
+only that one fits (``ulysses_jax.train.fit``). Too many non-finite steps raise
+``NonFiniteError``; XLA's out of memory at the first step raises ``OutOfMemoryError``; a
+signal returns a summary whose ``stopped`` names it.
 """
 
 import contextlib
@@ -47,7 +50,6 @@ from ulysses_jax import distributed, evaluate, kernel_check, ruler, step_builder
 from ulysses_jax.hf import export
 from ulysses_jax import metrics as metrics_lib
 from ulysses_jax import workdir as workdir_lib
-from ulysses_jax import xla_log
 from ulysses_jax.checkpoint import Checkpointer, StopRequest
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.data.corpus import make_tokenizer
@@ -55,43 +57,14 @@ from ulysses_jax.data.pipeline import make_datasets
 from ulysses_jax.gpus import gpu_of_kind
 from ulysses_jax.models.llama import count_params
 from ulysses_jax.run_config import RunConfig, TrainConfig  # noqa: F401  (public here too)
+from ulysses_jax.train.fit import (  # noqa: F401  (public here too)
+    Fitted, OutOfMemoryError, compile_to_fit, fitted_line, is_out_of_memory, out_of_memory)
 
 _log = logging.getLogger("ulysses_jax.train")
 
 
 class NonFiniteError(RuntimeError):
   """Too many consecutive steps with non-finite loss or gradients."""
-
-
-class OutOfMemoryError(RuntimeError):
-  """The first step ran out of device memory; the message says by how much and what to try."""
-
-
-def is_out_of_memory(error: Exception) -> bool:
-  """Whether ``error`` is XLA's out of memory (RESOURCE_EXHAUSTED)."""
-  return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
-
-
-def out_of_memory(error: Exception, step: int, compiled_gib: float | None,
-                  pool_gib: float | None, gpu: str, topology: str) -> OutOfMemoryError:
-  """The ``OutOfMemoryError`` for XLA's out-of-memory ``error`` at ``step``: the first line of
-  XLA's message, the compiled step's figure per device beside XLA's pool (None: unknown) and
-  the fixes, each a setting or a command that checks one for the run's ``gpu`` (a key of
-  ``ulysses_jax.gpus.GPUS``) and ``topology`` (aot's ``<slices>x<hosts>x<GPUs per host>``)."""
-  sizes = "; ".join(f"{name} {value:.2f} GiB per device" for name, value in (
-      ("the compiled step needs", compiled_gib), ("XLA's memory pool holds", pool_gib))
-      if value is not None)
-  xla = str(error).splitlines()[0]
-  return OutOfMemoryError(
-      f"step {step} ran out of device memory ({xla}){'; ' + sizes if sizes else ''}. "
-      f"Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu={gpu} --topology={topology} "
-      "compiles this step and says whether it fits, and ulysses-plan --model=YOUR.gin "
-      f"--gpu={gpu} --devices={math.prod(map(int, topology.split('x')))} --verify finds a "
-      "layout that does "
-      "(where only the step compiled under memory pressure fits, it names "
-      "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=10). Or use less memory: a shorter "
-      "DataConfig.seq_len, LlamaConfig.remat_policy=\"full_offload\", LlamaConfig.mlp_chunk="
-      "8192, TrainConfig.offload_optimizer=True.")
 
 
 @contextlib.contextmanager
@@ -117,6 +90,7 @@ class Run(NamedTuple):
   train_ds: object
   eval_ds: object
   attention: kernel_check.Settled  # the attention backend the step runs, and its self-check
+  fitted: Fitted  # the step compiled to fit XLA's memory pool, and its memory per device
 
   @property
   def start(self) -> int:
@@ -125,8 +99,9 @@ class Run(NamedTuple):
 
 
 def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
-  """Checks devices, mesh, memory and data and restores the newest good checkpoint of
-  ``workdir`` (if any); creates and writes nothing. Raises ``ConfigError`` with one clear
+  """Checks devices, mesh, memory and data, compiles the step (``compile_to_fit``: it must fit
+  XLA's memory pool) and restores the newest good checkpoint of ``workdir`` (if any); creates
+  and writes nothing. Raises ``ConfigError`` with one clear
   sentence. ``datasets``: (train, eval) to use instead of ``make_datasets(config.data)``."""
   cfg = config.train
   with _config_errors():
@@ -145,18 +120,30 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
     built = step_builder.build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh, workdir=workdir)
     _check_fits(built.state)
+    resume = os.path.isdir(os.path.join(workdir, "checkpoints"))
+    # Checked before restoring: a restore into other shapes fails deep in orbax, and its
+    # pending reads print tracebacks of their own.
+    mismatch = resume and workdir_lib.why_no_restore(os.path.join(workdir, "checkpoints"), config)
+    if mismatch:
+      raise ConfigError(mismatch)
+    pool_gib = distributed.gpu_pool_gib()
+    fitted = compile_to_fit(built.step, built.state, built.batch, pool_gib, *_gpu_and_topology())
+    if fitted.under_pressure and jax.process_index() == 0:
+      _log.warning(fitted_line(fitted, pool_gib))
     restored = None
-    if os.path.isdir(os.path.join(workdir, "checkpoints")):
-      # Checked before restoring: a restore into other shapes fails deep in orbax, and its
-      # pending reads print tracebacks of their own.
-      mismatch = workdir_lib.why_no_restore(os.path.join(workdir, "checkpoints"), config)
-      if mismatch:
-        raise ConfigError(mismatch)
+    if resume:
       with Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint) as ckpt:
         restored = ckpt.restore(built.state)
     if restored is not None:
       train_ds.set_state(restored.data_state)
-  return Run(config, built, restored, train_ds, eval_ds, attention)
+  return Run(config, built, restored, train_ds, eval_ds, attention, fitted)
+
+
+def _gpu_and_topology() -> tuple[str, str]:
+  """The devices' kind as a key of ``ulysses_jax.gpus.GPUS`` and the processes as aot's
+  topology (``1x<processes>x<local devices>``): what the out-of-memory errors' commands need."""
+  return (gpu_of_kind(jax.devices()[0].device_kind)[0],
+          f"1x{jax.process_count()}x{jax.local_device_count()}")
 
 
 def _check_fits(abstract_state):
@@ -177,12 +164,6 @@ def _check_fits(abstract_state):
                       f"{max(need.values()) / 2**30:.1f} GiB per device but a device has "
                       f"{have / 2**30:.1f} GiB; use a smaller model (LlamaConfig), more "
                       "devices or TrainConfig.offload_optimizer=True")
-
-
-def _compiled_gib(run, batch) -> float | None:
-  """The compiled step's device memory per device (from the compilation cache after step 1)."""
-  compiled = run.built.step.lower(run.built.state, batch).compile()
-  return metrics_lib.compiled_memory_gib(compiled)
 
 
 # ----------------------------------------------------------------------------- training
@@ -252,9 +233,7 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
       for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         try:
-          with (xla_log.xla_warnings_explained() if step == start + 1  # compiles
-                else contextlib.nullcontext()):
-            state, step_metrics = run.built.step(state, batch)
+          state, step_metrics = run.fitted.step(state, batch)
           data_state = run.train_ds.get_state()
           if step < cfg.steps:
             batch = next(run.train_ds)  # host work while the device runs the step
@@ -262,9 +241,8 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
                                             state.nonfinite_steps))
         except jax.errors.JaxRuntimeError as e:
           if step == start + 1 and is_out_of_memory(e):
-            raise out_of_memory(e, step, _compiled_gib(run, batch), distributed.gpu_pool_gib(),
-                                gpu_of_kind(jax.devices()[0].device_kind)[0],
-                                f"1x{jax.process_count()}x{jax.local_device_count()}") from e
+            raise out_of_memory(e, step, run.fitted.device_gib, distributed.gpu_pool_gib(),
+                                *_gpu_and_topology()) from e
           raise
         dt = time.perf_counter() - t0
         interval_time, interval_steps = interval_time + dt, interval_steps + 1
@@ -280,8 +258,8 @@ def train(workdir: str, config: RunConfig, *, datasets=None) -> dict:
                                            steps=interval_steps, **record_args)
           if hasattr(run.train_ds, "tokens_by_source"):  # a mixture's tokens per source
             record.update(run.train_ds.tokens_by_source(data_state))
-          if step == start + 1:  # the step is in the compilation cache: no compile again
-            record.update(run.attention.record(), compiled_memory_gib=_compiled_gib(run, batch))
+          if step == start + 1:
+            record.update(run.attention.record(), compiled_memory_gib=run.fitted.device_gib)
             if lead:
               _log.info(metrics_lib.memory_line(record))
           if do_eval and run.eval_ds is not None:

@@ -99,10 +99,10 @@ class Run(NamedTuple):
 
 
 def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
-  """Checks devices, mesh, memory and data, compiles the step (``compile_to_fit``: it must fit
-  XLA's memory pool) and restores the newest good checkpoint of ``workdir`` (if any); creates
-  and writes nothing. Raises ``ConfigError`` with one clear
-  sentence. ``datasets``: (train, eval) to use instead of ``make_datasets(config.data)``."""
+  """Checks devices, mesh, memory and data, restores the newest good checkpoint of ``workdir``
+  (if any) and compiles the step (``compile_to_fit``: it must fit XLA's memory pool); creates
+  and writes nothing. Raises ``ConfigError`` with one clear sentence. ``datasets``: (train,
+  eval) to use instead of ``make_datasets(config.data)``."""
   cfg = config.train
   with _config_errors():
     distributed.check_platform(cfg.platform, cfg.cpu_devices)
@@ -120,22 +120,22 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
     built = step_builder.build_train_step(dataclasses.replace(
         config, model=attention.model_config(config.model)), mesh, workdir=workdir)
     _check_fits(built.state)
-    resume = os.path.isdir(os.path.join(workdir, "checkpoints"))
-    # Checked before restoring: a restore into other shapes fails deep in orbax, and its
-    # pending reads print tracebacks of their own.
-    mismatch = resume and workdir_lib.why_no_restore(os.path.join(workdir, "checkpoints"), config)
-    if mismatch:
-      raise ConfigError(mismatch)
-    pool_gib = distributed.gpu_pool_gib()
-    fitted = compile_to_fit(built.step, built.state, built.batch, pool_gib, *_gpu_and_topology())
-    if fitted.under_pressure and jax.process_index() == 0:
-      _log.warning(fitted_line(fitted, pool_gib))
     restored = None
-    if resume:
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+      # Checked before restoring: a restore into other shapes fails deep in orbax, and its
+      # pending reads print tracebacks of their own.
+      mismatch = workdir_lib.why_no_restore(os.path.join(workdir, "checkpoints"), config)
+      if mismatch:
+        raise ConfigError(mismatch)
       with Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint) as ckpt:
         restored = ckpt.restore(built.state)
     if restored is not None:
       train_ds.set_state(restored.data_state)
+    # Compiled last: a checkpoint or data position that cannot resume fails before this wait.
+    pool_gib = distributed.gpu_pool_gib()
+    fitted = compile_to_fit(built.step, built.state, built.batch, pool_gib, *_gpu_and_topology())
+    if fitted.under_pressure and jax.process_index() == 0:
+      _log.warning(fitted_line(fitted, pool_gib))
   return Run(config, built, restored, train_ds, eval_ds, attention, fitted)
 
 

@@ -31,7 +31,8 @@ class OutOfMemoryError(RuntimeError):
 class Fitted(NamedTuple):
   """The step to run and what it needs per device."""
   step: Callable  # (state, batch) -> (state, metrics): the jitted step or an executable
-  device_gib: float | None  # the compiled program's device memory (None: not reported)
+  device_gib: float | None  # the program's device memory (None: not reported)
+  as_compiled_gib: float | None  # the step compiled as usual (device_gib unless under_pressure)
   under_pressure: bool  # compiled with ``UNDER_PRESSURE`` because only that program fits
 
 
@@ -49,24 +50,24 @@ def compile_to_fit(step, state, batch, pool_gib: float | None, gpu: str,
   with xla_warnings_explained():
     as_is = compiled_memory_gib(lowered.compile())
   if pool_gib is None or as_is is None or as_is <= pool_gib:
-    return Fitted(step, as_is, False)
+    return Fitted(step, as_is, as_is, False)
   with xla_warnings_explained(explain=False):  # the limit is low on purpose here
     pressed = lowered.compile(UNDER_PRESSURE)
   pressed_gib = compiled_memory_gib(pressed)
   if pressed_gib <= pool_gib:
-    return Fitted(pressed, pressed_gib, True)
+    return Fitted(pressed, pressed_gib, as_is, True)
   raise OutOfMemoryError(
       f"the train step needs {as_is:.2f} GiB per device as compiled ({pressed_gib:.2f} compiled "
       f"under memory pressure) but XLA's memory pool holds {pool_gib:.2f} GiB per device; "
-      f"nothing ran. {_fixes(gpu, topology)}")
+      f"nothing ran. {_fixes(gpu, topology, pressure_tried=True)}")
 
 
 def fitted_line(fitted: Fitted, pool_gib: float) -> str:
   """The log line for a step compiled under memory pressure."""
-  return (f"the train step compiled as usual needs more than XLA's memory pool "
-          f"({pool_gib:.2f} GiB per device); compiled again under memory pressure "
-          f"(xla_gpu_memory_limit_slop_factor={UNDER_PRESSURE['xla_gpu_memory_limit_slop_factor']}"
-          f") it needs {fitted.device_gib:.2f} GiB, which fits: training runs that program")
+  return (f"the train step compiled as usual needs {fitted.as_compiled_gib:.2f} GiB per device, "
+          f"more than XLA's memory pool ({pool_gib:.2f} GiB); compiled again under memory "
+          f"pressure ({_PRESSURE_FLAG.split('--')[1]}) it needs {fitted.device_gib:.2f} GiB, "
+          "which fits: training runs that program (it recomputes more: a slower step)")
 
 
 def is_out_of_memory(error: Exception) -> bool:
@@ -85,16 +86,19 @@ def out_of_memory(error: Exception, step: int, compiled_gib: float | None,
       if value is not None)
   xla = str(error).splitlines()[0]
   return OutOfMemoryError(f"step {step} ran out of device memory ({xla})"
-                          f"{'; ' + sizes if sizes else ''}. {_fixes(gpu, topology)}")
+                          f"{'; ' + sizes if sizes else ''}. "
+                          f"{_fixes(gpu, topology, pressure_tried=False)}")
 
 
-def _fixes(gpu: str, topology: str) -> str:
-  """What to run or change when the step does not fit ``gpu``s in ``topology``."""
+def _fixes(gpu: str, topology: str, pressure_tried: bool) -> str:
+  """What to run or change when the step does not fit ``gpu``s in ``topology``
+  (``pressure_tried``: the step compiled under memory pressure was over the pool too)."""
+  pressure = "" if pressure_tried else (
+      f"{_PRESSURE_FLAG} compiles the step under memory pressure (smaller, slower). ")
   return (
-      f"Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu={gpu} --topology={topology} "
-      "compiles this step and says whether it fits, and ulysses-plan --model=YOUR.gin "
-      f"--gpu={gpu} --devices={math.prod(map(int, topology.split('x')))} --verify finds a "
-      "layout that does "
-      f"(where only the step compiled under memory pressure fits, it names {_PRESSURE_FLAG}). "
-      "Or use less memory: a shorter DataConfig.seq_len, LlamaConfig.remat_policy="
-      "\"full_offload\", LlamaConfig.mlp_chunk=8192, TrainConfig.offload_optimizer=True.")
+      f"{pressure}Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu={gpu} "
+      f"--topology={topology} compiles this step and says whether it fits, and ulysses-plan "
+      f"--model=YOUR.gin --gpu={gpu} --devices={math.prod(map(int, topology.split('x')))} "
+      "--verify finds a layout that does. Or use less memory: a shorter DataConfig.seq_len, "
+      "LlamaConfig.remat_policy=\"full_offload\", LlamaConfig.mlp_chunk=8192, "
+      "TrainConfig.offload_optimizer=True.")

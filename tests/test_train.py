@@ -342,17 +342,19 @@ def test_a_step_compiled_under_memory_pressure_trains_and_resumes_as_the_jitted_
       "TrainConfig.progress_bar = False", "CheckpointConfig.save_every = 2"])
   train.train(str(tmp_path / "jitted"), read(4))
 
+  steps_run = []
+
   def under_pressure(step, state, batch, pool_gib, gpu, topology):
     compiled = step.lower(state, batch).compile(train.fit.UNDER_PRESSURE)
     gib = metrics.compiled_memory_gib(compiled)
-    return train.Fitted(compiled, gib, gib, True)
+    return train.Fitted(lambda *args: steps_run.append(1) or compiled(*args), gib, gib, True)
 
   monkeypatch.setattr(train, "compile_to_fit", under_pressure)
   monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda: 64.0)
   with caplog.at_level("WARNING", logger="ulysses_jax.train"):
     train.train(str(tmp_path / "pressed"), read(2))
     assert train.train(str(tmp_path / "pressed"), read(4))["restored_step"] == 2
-  assert caplog.text.count("compiled again under memory pressure") == 2
+  assert caplog.text.count("compiled again under memory pressure") == 2 and len(steps_run) == 4
   assert _losses(str(tmp_path / "pressed")) == _losses(str(tmp_path / "jitted"))
 
 

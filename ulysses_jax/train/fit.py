@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import jax
 
 from ulysses_jax.aot.report import UNDER_PRESSURE
+from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.metrics import compiled_memory_gib
 from ulysses_jax.xla_log import xla_warnings_explained
 
@@ -25,7 +26,7 @@ _PRESSURE_FLAG = "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=" + str(
 
 
 class OutOfMemoryError(RuntimeError):
-  """The step does not fit the device's memory; the message says by how much and what to try."""
+  """The first step ran out of device memory; the message says by how much and what to try."""
 
 
 class Fitted(NamedTuple):
@@ -41,8 +42,9 @@ def compile_to_fit(step, state, batch, pool_gib: float | None, gpu: str,
   """Compiles the jitted ``step`` for ``(state, batch)`` and checks it against XLA's memory pool
   of ``pool_gib`` per device (None, as on CPU: no check). Returns the jitted ``step`` itself
   where it fits (its first call finds the compiled program in JAX's cache); else the program
-  compiled under memory pressure where that one fits; else raises ``OutOfMemoryError``, before
-  the first step. ``gpu`` and ``topology`` go into the error's commands (``out_of_memory``).
+  compiled under memory pressure where that one fits; else raises ``ConfigError`` (bad input:
+  the run does not fit), before the first step. ``gpu`` and ``topology`` go into the error's
+  commands.
 
   Every process decides alone: the same program compiles to the same size on each, so with
   equal pools (the same GPU and memory fraction everywhere) all run the same program."""
@@ -56,7 +58,7 @@ def compile_to_fit(step, state, batch, pool_gib: float | None, gpu: str,
   pressed_gib = compiled_memory_gib(pressed)
   if pressed_gib <= pool_gib:
     return Fitted(pressed, pressed_gib, as_is, True)
-  raise OutOfMemoryError(
+  raise ConfigError(
       f"the train step needs {as_is:.2f} GiB per device as compiled ({pressed_gib:.2f} compiled "
       f"under memory pressure) but XLA's memory pool holds {pool_gib:.2f} GiB per device; "
       f"nothing ran. {_fixes(gpu, topology, pressure_tried=True)}")

@@ -3,8 +3,8 @@ H100s (JAX's CUDA plugin, ``make gpu-compile-venv``; no GPU; compiled, not run):
 
     JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python -m benchmarks.scaling_compiled \\
         --devices 8,64,256,1024 --json benchmarks/results/scaling_compiled.json
-    JAX_PLATFORMS=cpu .venv-gpu-compile/bin/python -m benchmarks.scaling_compiled --fit \\
-        --nodes 4,8,16,32,64 --json benchmarks/results/scaling_fit_70b.json
+    JAX_PLATFORMS=cpu .venv-newest/bin/python -m benchmarks.scaling_compiled --fit \\
+        --nodes 1,2,4,8,16,32,64 --json benchmarks/results/scaling_fit_70b_jax0.12.0.1.json
 
 Collectives (the default). For each mesh kind of the study on N GPUs (nodes of 8): the
 hybrid (seq=8, a ring over N/8), pure Ulysses (seq=N; past Llama-3.1-8B's 32 query heads
@@ -16,10 +16,12 @@ compiled program (``hlo.executed_collective_bytes``: loops weighted by their tri
 are set beside the planner's formula (``plan.comm.layer_traffic`` with one forward pass and
 the backward): equal when the model counts what the program moves.
 
-Fit (``--fit``). Llama-3.1-70B on 4 to 64 H100 nodes: the planner's longest sequence
+Fit (``--fit``). Llama-3.1-70B on 1 to 64 H100 nodes: the planner's longest sequence
 (``plan.search.longest_seq_len``, 256 GB of host memory per GPU, steps of 1,024 tokens per
 GPU) and its recommendation there, compiled by ``aot`` (the step as is and under memory
 pressure, the smaller, as ``ulysses-plan --verify``): whether it fits the 71.20 GiB budget.
+``benchmarks/results/scaling_fit_70b_jax<version>.json`` hold it for jax 0.10.2, 0.11.2 and
+0.12.0.1 (the same command in ``.venv-gpu-compile`` and ``.venv-jax0.11.2``).
 """
 
 import argparse

@@ -180,11 +180,14 @@ def test_moe_memory_prediction_matches_the_compiled_fine_tunes(gin_file, preset,
     assert -0.11 < predicted / compiled - 1 < 0.05, (version, predicted / 2**30, compiled / 2**30)
 
 
-def test_ring_memory_matches_the_compiled_70b_ring_layouts():
-  """Llama-3.1-70B with rings of 16 to 256 (``benchmarks.scaling_compiled --fit``, compiled for
-  H100s with jax 0.10.2 after the ring's memory fix, the smaller of as is and under pressure):
-  72.31 to 74.49 GiB, predicted within 3 % (the former ring term was 1.7 to 4.5 % under)."""
-  rows = json.loads((RESULTS / "scaling_fit_70b.json").read_text())["rows"]
+# Llama-3.1-70B with rings of 16 to 256 (``benchmarks.scaling_compiled --fit``, compiled for
+# H100s, the smaller of as is and under pressure, 2026-12-07): 72.75 to 72.97 GiB with jax
+# 0.10.2 and 0.11.2, the planner 2.3 to 2.5 % under; 67.47 to 67.65 with jax 0.12.0.1, the
+# planner 5.1 to 5.4 % over. (Compiled 2026-11-25 with jax 0.10.2: 72.31 to 74.49.)
+@pytest.mark.parametrize("version, low, high", [("0.10.2", -0.03, 0.03), ("0.11.2", -0.03, 0.03),
+                                                ("0.12.0.1", 0.0, 0.06)])
+def test_ring_memory_matches_the_compiled_70b_ring_layouts(version, low, high):
+  rows = json.loads((RESULTS / f"scaling_fit_70b_jax{version}.json").read_text())["rows"]
   rings = [row for row in rows if int(row["mesh"].split("x")[2]) > 1]
   assert len(rings) == 5
   for row in rings:
@@ -198,7 +201,7 @@ def test_ring_memory_matches_the_compiled_70b_ring_layouts():
         model, layout, batch=1, seq_len=row["seq_len"],
         param_dtype="float32" if row["params"] == "fp32" else "bfloat16",
         master_weights="master" in row["params"])["total"] / 2**30
-    assert predicted == pytest.approx(row["compiled_gib"], rel=0.03), (row["nodes"], predicted)
+    assert low < predicted / row["compiled_gib"] - 1 < high, (row["nodes"], predicted)
 
 
 def test_step_traffic_of_head_chunks_and_the_ring_matches_the_gpu_compiler():

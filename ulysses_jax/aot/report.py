@@ -36,6 +36,7 @@ GIB = 2**30
 # GiB compiled for an H200, 76.64 for an H100 and under pressure). Not always smaller: take the
 # smaller of the two (compile_and_report(..., under_pressure=True)).
 UNDER_PRESSURE = {"xla_gpu_memory_limit_slop_factor": 10}
+UNDER_PRESSURE_XLA_FLAGS = " ".join(f"--{k}={v}" for k, v in UNDER_PRESSURE.items())
 # That limit is (base - io) * slop / 100 (GetSchedulerMemoryLimit, xla/service/gpu/
 # gpu_compiler.cc): io the program's argument and output bytes (aliased ones once, host ones
 # included), base the memory JAX's client holds for XLA (its allocator's limit:

@@ -397,9 +397,8 @@ def _fit_line(report: dict) -> str:
     return f"  the compiled step fits in the budget, {budget}"
   line = f"  the compiled step DOES NOT FIT in the budget, {budget}"
   if report["device_bytes_under_pressure"] <= report["budget_bytes"]:
-    from ulysses_jax.aot.report import UNDER_PRESSURE  # pylint: disable=import-outside-toplevel
-    flag = " ".join(f"--{k}={v}" for k, v in UNDER_PRESSURE.items())
+    from ulysses_jax.aot.report import UNDER_PRESSURE_XLA_FLAGS  # pylint: disable=import-outside-toplevel
     line += ("; compiled under memory pressure it does, and ulysses-train runs that program "
              "(it recomputes more: a slower step). Your own loop gets the same with "
-             f"XLA_FLAGS={flag}")
+             f"XLA_FLAGS={UNDER_PRESSURE_XLA_FLAGS}")
   return line

@@ -16,14 +16,10 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from ulysses_jax.aot.report import UNDER_PRESSURE
+from ulysses_jax.aot.report import UNDER_PRESSURE, UNDER_PRESSURE_XLA_FLAGS
 from ulysses_jax.config_checks import ConfigError
 from ulysses_jax.metrics import compiled_memory_gib
 from ulysses_jax.xla_log import xla_warnings_explained
-
-_PRESSURE_FLAG = "XLA_FLAGS=--xla_gpu_memory_limit_slop_factor=" + str(
-    UNDER_PRESSURE["xla_gpu_memory_limit_slop_factor"])
-
 
 class OutOfMemoryError(RuntimeError):
   """The first step ran out of device memory; the message says by how much and what to try."""
@@ -68,8 +64,9 @@ def fitted_line(fitted: Fitted, pool_gib: float) -> str:
   """The log line for a step compiled under memory pressure."""
   return (f"the train step compiled as usual needs {fitted.as_compiled_gib:.2f} GiB per device, "
           f"more than XLA's memory pool ({pool_gib:.2f} GiB); compiled again under memory "
-          f"pressure ({_PRESSURE_FLAG.split('--')[1]}) it needs {fitted.device_gib:.2f} GiB, "
-          "which fits: training runs that program (it recomputes more: a slower step)")
+          f"pressure ({UNDER_PRESSURE_XLA_FLAGS.lstrip('-')}) it needs "
+          f"{fitted.device_gib:.2f} GiB, which fits: training runs that program (it recomputes "
+          "more: a slower step)")
 
 
 def is_out_of_memory(error: Exception) -> bool:
@@ -96,7 +93,8 @@ def _fixes(gpu: str, topology: str, pressure_tried: bool) -> str:
   """What to run or change when the step does not fit ``gpu``s in ``topology``
   (``pressure_tried``: the step compiled under memory pressure was over the pool too)."""
   pressure = "" if pressure_tried else (
-      f"{_PRESSURE_FLAG} compiles the step under memory pressure (smaller, slower). ")
+      f"XLA_FLAGS={UNDER_PRESSURE_XLA_FLAGS} compiles the step under memory pressure (smaller, "
+      "slower). ")
   return (
       f"{pressure}Without a GPU, ulysses-aot --gin_file=YOUR.gin --gpu={gpu} "
       f"--topology={topology} compiles this step and says whether it fits, and ulysses-plan "

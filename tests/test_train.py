@@ -350,7 +350,7 @@ def test_a_step_compiled_under_memory_pressure_trains_and_resumes_as_the_jitted_
     return train.Fitted(lambda *args: steps_run.append(1) or compiled(*args), gib, gib, True)
 
   monkeypatch.setattr(train, "compile_to_fit", under_pressure)
-  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda: 64.0)
+  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda every_process=False: 64.0)
   with caplog.at_level("WARNING", logger="ulysses_jax.train"):
     train.train(str(tmp_path / "pressed"), read(2))
     assert train.train(str(tmp_path / "pressed"), read(4))["restored_step"] == 2
@@ -360,7 +360,7 @@ def test_a_step_compiled_under_memory_pressure_trains_and_resumes_as_the_jitted_
 
 def test_a_step_over_the_memory_pool_is_bad_input_before_the_workdir_changes(tmp_path,
                                                                            monkeypatch):
-  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda: 0.001)
+  monkeypatch.setattr(train.distributed, "gpu_pool_gib", lambda every_process=False: 0.001)
   with pytest.raises(train.ConfigError, match=(
       r"^the train step needs [0-9.]+ GiB per device as compiled \([0-9.]+ compiled under "
       r"memory pressure\) but XLA's memory pool holds 0\.00 GiB per device; nothing ran\. ")):

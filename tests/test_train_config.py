@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from child_env import child_env
@@ -125,6 +126,39 @@ def test_xla_gets_the_gpu_budget_unless_the_user_chose_a_fraction(monkeypatch):
   assert "XLA_CLIENT_MEM_FRACTION" not in os.environ  # setting both is an error in JAX
   assert "XLA_PYTHON_CLIENT_MEM_FRACTION=.98; above the 90% aot's budget assumes" in (
       distributed.gpu_memory_line())
+
+
+class _Device:
+  def __init__(self, limit):
+    self.limit = limit
+
+  def memory_stats(self):
+    return None if self.limit is None else {"bytes_limit": self.limit}
+
+
+def test_the_memory_pool_the_trainer_fits_to_is_the_smallest_of_every_process(monkeypatch):
+  """The trainer fits its step to ``gpu_pool_gib(every_process=True)``: the smallest pool of the
+  local devices, then of every process' (gathered from all, so all decide alike); None where a
+  device anywhere reports none (CPU)."""
+  gib = 2**30
+  monkeypatch.setattr(jax, "local_devices", lambda: [_Device(70 * gib), _Device(60 * gib)])
+  assert distributed.gpu_pool_gib() == 60.0
+  gathered = []
+  def process_allgather(x):
+    gathered.append(float(x))
+    return np.array([float(x), 50.0])  # another process' pool is smaller
+  monkeypatch.setattr(distributed.multihost_utils, "process_allgather", process_allgather)
+  assert distributed.gpu_pool_gib(every_process=True) == 60.0  # one process: no gathering
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert distributed.gpu_pool_gib() == 60.0 and not gathered
+  assert distributed.gpu_pool_gib(every_process=True) == 50.0 and gathered == [60.0]
+  monkeypatch.setattr(jax, "local_devices", lambda: [_Device(70 * gib), _Device(None)])
+  assert distributed.gpu_pool_gib() is None
+  assert distributed.gpu_pool_gib(every_process=True) is None
+  monkeypatch.setattr(distributed.multihost_utils, "process_allgather",
+                      lambda x: np.array([float(x), np.nan]))
+  monkeypatch.setattr(jax, "local_devices", lambda: [_Device(70 * gib)])
+  assert distributed.gpu_pool_gib(every_process=True) is None
 
 
 @pytest.mark.parametrize("param, message", [

@@ -11,11 +11,14 @@ Everything here must run before JAX starts its backends (before the first array 
 """
 
 import importlib.metadata
+import math
 import os
 import pkgutil
 import re
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from ulysses_jax.gpus import RUNTIME_RESERVE_FRACTION
 
@@ -113,10 +116,17 @@ def reserve_gpu_memory() -> None:
     os.environ[MEM_FRACTION_VARS[0]] = f"{1 - RUNTIME_RESERVE_FRACTION:.2f}"
 
 
-def gpu_pool_gib() -> float | None:
-  """The size of XLA's memory pool on the first local device, GiB (None: not reported)."""
-  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  return None if limit is None else limit / 2**30
+def gpu_pool_gib(every_process: bool = False) -> float | None:
+  """The smallest of XLA's memory pools on this process' devices, GiB (None: a device does not
+  report one, as on CPU). ``every_process``: the smallest on any process' devices, the same
+  figure everywhere, so that decisions made from it agree (a collective: every process must
+  call it)."""
+  limits = [(d.memory_stats() or {}).get("bytes_limit") for d in jax.local_devices()]
+  smallest = math.nan if None in limits else min(limits) / 2**30
+  if every_process and jax.process_count() > 1:
+    # NaN (a process without a figure) wins: np.min propagates it.
+    smallest = float(np.min(multihost_utils.process_allgather(np.float64(smallest))))
+  return None if math.isnan(smallest) else smallest
 
 
 def gpu_memory_line() -> str:

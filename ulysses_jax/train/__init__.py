@@ -133,7 +133,7 @@ def prepare(workdir: str, config: RunConfig, datasets=None) -> Run:
       train_ds.set_state(restored.data_state)
   # Compiled last, so a checkpoint or data position that cannot resume fails before this wait;
   # and outside _config_errors: a compile that fails is a bug to see whole, not bad input.
-  pool_gib = distributed.gpu_pool_gib()
+  pool_gib = distributed.gpu_pool_gib(every_process=True)
   fitted = compile_to_fit(built.step, built.state, built.batch, pool_gib, *_gpu_and_topology())
   if fitted.under_pressure and jax.process_index() == 0:
     _log.warning(fitted_line(fitted, pool_gib))

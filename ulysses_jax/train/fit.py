@@ -42,8 +42,9 @@ def compile_to_fit(step, state, batch, pool_gib: float | None, gpu: str,
   the run does not fit), before the first step. ``gpu`` and ``topology`` go into the error's
   commands.
 
-  Every process decides alone: the same program compiles to the same size on each, so with
-  equal pools (the same GPU and memory fraction everywhere) all run the same program."""
+  Every process decides alone, so in a multi-process run ``pool_gib`` must be the same on each
+  (``distributed.gpu_pool_gib(every_process=True)``): the same program compiles to the same
+  size on each, and all run the same program."""
   lowered = step.lower(state, batch)
   with xla_warnings_explained():
     as_is = compiled_memory_gib(lowered.compile())

@@ -27,8 +27,8 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
                                          too, "params" in state and grads counts other_params
                                          and the k layers of a remat group (a group copies
                                          its layers' weights to the device at once)
-  gathered   c·layer_params + 2c·V·E     one layer's weights (FSDP all-gather); the vocabulary
-                                         matrix (embedding or head) and its gradient
+  gathered   c·layer_params + c·V·E      one layer's weights (FSDP all-gather); one
+                                         vocabulary-sized buffer (below)
              + c·X·3·E·I                 with experts: their gradient, which the MoE tiles
                                          accumulate whole; with the expert placement only
                                          X/seq experts and their gradient (``plan.moe``,
@@ -64,6 +64,27 @@ and KV heads as ``plan_heads(Hq/n, Hkv/n, seq)`` exchanges them, padded and repl
              + T·D·Hq'·(4 + c)           ring > 1: one chunk's float32 sum of the output
                                          (forward) or dQ (backward) and one step's partial of
                                          it in the compute dtype
+
+The total is the sum of these terms, or, where it is larger, the chunked loss' peak between
+the layers' forward and their backward (``_loss_working``): state, grads and saved (with
+remat="none" every layer's gathered weights too) and
+
+  loss       (c + 4)·V·E                 the head gathered and its float32 gradient, summed
+             + R·(8 + c)·V               over the chunks and replicated until the
+                                         reduce-scatter; one chunk's float32 logits and their
+                                         gradient, in float32 and in the compute dtype (R rows
+                                         per device: sequences x min(loss_chunk, tokens per
+                                         sequence))
+
+The layers' backward waits for the head gradient's reduce-scatter (``loss._to_head_shards``),
+so the head and its float32 sum are not live at its peak. Before that barrier XLA kept the sum
+through the backward and the model counted 2c·V·E (head and gradient) at the layers' peak;
+with it the compiled multi-GPU steps fell by up to 2 GiB (Llama-3.1-8B; one-GPU steps did not
+move), and c·V·E is left, fitted: XLA:CPU forms the embedding lookup's zeroed gradient whole
+before the layers' backward (its buffer assignment), and with the term the 39 H100 layouts of
+``benchmarks.plan_vs_compiler`` (jax 0.12.0.1, 2026-12-08) are predicted within +1.2 … +9.8 %
+(one listed gap), the Qwen3-30B-A3B fine-tunes within 11 % under; without it Llama's layouts
+fit tighter (-1.5 … +8.3 %) but the fine-tunes fall to 12 % under.
 
 F' = min(T, tokens per MLP tile) / T · F. The pre-norms run inside the head chunks and the MLP
 tiles, so the normalised input and its gradient are not among the 6 ``[T, E]`` buffers.
@@ -191,18 +212,29 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
       "state": p * device_params / n + (0 if offload else optimizer),
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
       "gathered": (c * model.layer_params * (model.num_layers if layout.remat == "none" else 1)
-                   + 2 * c * model.vocab_size * e + experts_held),
+                   + c * model.vocab_size * e + experts_held),
       "saved": saved,
       "working": (t * c * _layer_per_token(model, heads) + tiles + incoming
                   + _mlp_working(model, t, c, f_eff, mlp_tokens, placement, layout.seq)),
   }
-  terms["total"] = sum(terms.values())
+  terms["total"] = max(sum(terms.values()), terms["state"] + terms["grads"] + terms["saved"]
+                       + c * model.layer_params * model.num_layers * (layout.remat == "none")
+                       + _loss_working(model, seqs, per_seq, c))
   if offload:  # the update streams one layer's state through, and the other parameters'
     streamed = model.layer_params + model.params - model.num_layers * model.layer_params
     terms["total"] = max(terms["total"], (2 * p * device_params + 2 * o * streamed) / n)
   terms["host"] = (optimizer * offload + 2 * p * host_params / n
                    + _host_activation_bytes(model, layout, t, c))
   return terms
+
+
+def _loss_working(model, seqs, per_seq, c):
+  """The chunked loss' scan, between the layers' forward and their backward: the head gathered
+  (c·V·E), its float32 gradient summed over the chunks, replicated until the reduce-scatter
+  (4·V·E), and one chunk's float32 logits and their gradient, in float32 and in the compute
+  dtype ((8 + c)·V per token of the chunk)."""
+  v, e = model.vocab_size, model.hidden_dim
+  return (c + 4) * v * e + seqs * min(model.loss_chunk, per_seq) * v * (8 + c)
 
 
 def _layer_per_token(model, heads):

@@ -208,17 +208,18 @@ def predict_memory(model: Model, layout: Layout, *, batch: int, seq_len: int,
   placement = moe.in_use(model, t, layout.seq, c) if model.moe_layers else "fsdp"
   experts_held = (moe.held_bytes(model, placement, layout.seq, c)
                   - c * moe.layer_params(model) if model.moe_layers else 0)
+  # Without remat every layer's gathered weights stay for the backward, the loss' peak included.
+  gathered_layers = c * model.layer_params * (model.num_layers if layout.remat == "none" else 1)
   terms = {
       "state": p * device_params / n + (0 if offload else optimizer),
       "grads": (p + 4 * (accum_steps > 1)) * device_params / n,
-      "gathered": (c * model.layer_params * (model.num_layers if layout.remat == "none" else 1)
-                   + c * model.vocab_size * e + experts_held),
+      "gathered": gathered_layers + c * model.vocab_size * e + experts_held,
       "saved": saved,
       "working": (t * c * _layer_per_token(model, heads) + tiles + incoming
                   + _mlp_working(model, t, c, f_eff, mlp_tokens, placement, layout.seq)),
   }
   terms["total"] = max(sum(terms.values()), terms["state"] + terms["grads"] + terms["saved"]
-                       + c * model.layer_params * model.num_layers * (layout.remat == "none")
+                       + gathered_layers * (layout.remat == "none")
                        + _loss_working(model, seqs, per_seq, c))
   if offload:  # the update streams one layer's state through, and the other parameters'
     streamed = model.layer_params + model.params - model.num_layers * model.layer_params

@@ -11,6 +11,7 @@ from attention_cases import large_sinks
 from model_cases import assert_trees_close, mesh_of, packed_batch, relative_error
 from ulysses_jax.attention.module import UlyssesAttention
 from ulysses_jax.attention.reference import dense_attention
+from ulysses_jax.layers import contract
 from ulysses_jax.rope import RopeScaling, apply_rope, inverse_frequencies
 
 E, HQ, HKV, D = 32, 4, 2, 8
@@ -177,6 +178,25 @@ def test_usable_in_a_user_nnx_model_with_nnx_optimizer():
     losses[shape] = [float(train_step(model, optimizer)) for _ in range(4)]
   assert losses[(2, 4)][-1] < losses[(2, 4)][0]
   np.testing.assert_allclose(losses[(2, 4)], losses[(1, 1)], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("x_shape,kernel_shape,num_in", [
+    ((1, 1, 24), (24, 3, 5), 1),      # q/k/v: [E] -> [H, D]
+    ((1, 1, 3, 8), (3, 8, 24), 2),    # o: [H, D] -> [E]
+    ((2, 5, 3, 8), (3, 8, 24), 2),    # several rows: a plain tensordot
+])
+def test_contract_equals_tensordot(x_shape, kernel_shape, num_in, dtype):
+  """``layers.contract``'s one-row form (a zero second row, the input dims flattened) computes
+  ``tensordot``: float32 to 1e-6, bfloat16 to its rounding (relative 1e-2)."""
+  kx, kk = jax.random.split(jax.random.key(3))
+  x = jax.random.normal(kx, x_shape, jnp.float32)
+  kernel = jax.random.normal(kk, kernel_shape, jnp.float32)
+  want = jnp.tensordot(x, kernel, axes=num_in)
+  got = contract(x.astype(dtype), kernel.astype(dtype), num_in)
+  assert got.shape == want.shape and got.dtype == dtype
+  tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
+  assert relative_error(got.astype(jnp.float32), want) < tolerance
 
 
 def test_rope_depends_only_on_relative_position():

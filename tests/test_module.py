@@ -1,4 +1,5 @@
-"""UlyssesAttention (the NNX layer) and RoPE: against a dense reference, standalone use."""
+"""UlyssesAttention (the NNX layer), its projections' one-row contraction and RoPE: against a dense
+reference, standalone use."""
 
 import jax
 import jax.numpy as jnp
